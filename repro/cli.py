@@ -1,0 +1,284 @@
+"""The `repro` command line: parse, load config, call the runner, render. No scenario logic.
+
+Human output goes to stderr (rich); machine output (`--json -`) to stdout.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from typer.core import TyperGroup
+
+from repro import doctor, report
+from repro.config import ConfigError
+from repro.outcome import Outcome, Report, to_jsonable
+from repro.runner import Planned, RunResult, plan, run_planned
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+EXIT_CODES = """Exit codes:
+  0    every trial met its expectation (unfixed -> reproduced, fixed -> CLEAN; see --expect)
+  1    some trial did not meet its expectation
+  2    usage or config error (one line on stderr)
+  3    the environment cannot run what was asked (e.g. --tp 2 with one GPU): UNSUPPORTED
+  130  interrupted (Ctrl-C); records produced so far are kept and reported"""
+
+
+def click_exception_modules() -> list[Any]:
+    """Typer >= 0.2x vendors its own click; older typers use click itself. Catch both."""
+    mods = []
+    for name in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            mods.append(importlib.import_module(name))
+        except ImportError:
+            pass
+    return mods
+
+
+CLICK = click_exception_modules()
+USAGE_ERRORS = tuple(m.UsageError for m in CLICK)
+CLICK_ERRORS = tuple(m.ClickException for m in CLICK)
+ABORTS = tuple(m.Abort for m in CLICK if hasattr(m, "Abort")) + (KeyboardInterrupt,)
+
+
+class ReproGroup(TyperGroup):
+    """Usage errors become one line and exit 2; Ctrl-C exits 130; never a traceback."""
+
+    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        try:
+            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                              standalone_mode=False, **extra)
+        except CLICK_ERRORS as e:
+            sys.stderr.write(f"repro: error: {e.format_message()}\n")
+            sys.exit(EXIT_USAGE)
+        except ABORTS:
+            sys.stderr.write("repro: interrupted\n")
+            sys.exit(EXIT_INTERRUPTED)
+        sys.exit(rv if isinstance(rv, int) else EXIT_OK)
+
+
+app = typer.Typer(cls=ReproGroup, add_completion=False, no_args_is_help=True,
+                  pretty_exceptions_enable=False, rich_markup_mode=None,
+                  help="Reproduce and diagnose CUDA-graph memory-lifetime bugs in LLM inference engines.",
+                  epilog=EXIT_CODES)
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True)
+
+
+# Options declared once, reused by every scenario command.
+ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="Preset name (configs/NAME.toml) or TOML path. Default: the scenario's real-dims preset on GPU, its tiny preset on CPU.")]
+TpOpt = Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel size (one process per rank).")]
+StepsOpt = Annotated[Optional[int], typer.Option("--steps", help="Decode steps (gemma4-mtp) or reload steps (nvfp4-reload).")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed")]
+AfterFreeOpt = Annotated[Optional[str], typer.Option("--after-free", help="What freed captured memory holds before replay: keep (latent), release (driver: error 700), reuse (plausible garbage), poison (NaN bytes).")]
+GuardOpt = Annotated[Optional[str], typer.Option("--guard", help="Stale-capture guard: off, warn (default: record, keep going), raise.")]
+DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto (GPU if NVML sees one), cuda, cpu (gloo, no graphs: guard verdicts).")]
+DeadlineOpt = Annotated[Optional[float], typer.Option("--deadline", help="Seconds before a trial counts as HANG and its group is killed.")]
+ForensicsOpt = Annotated[Optional[bool], typer.Option("--forensics/--no-forensics", help="Record CUDA memory history; map stale addresses to alloc/free stacks; write snapshots.")]
+ExpectOpt = Annotated[Optional[str], typer.Option("--expect", help="Override the expectation: clean, reproduced, or outcome names (comma-separated).")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override any preset key: model.vocab_size=4096, run.steps=3.")]
+JsonOpt = Annotated[Optional[str], typer.Option("--json", help="Write the JSON report to PATH ('-' for stdout).")]
+JunitOpt = Annotated[Optional[Path], typer.Option("--junit", help="Write JUnit XML (one testcase per trial).")]
+HtmlOpt = Annotated[Optional[Path], typer.Option("--html", help="Write a self-contained HTML report.")]
+ArtifactsOpt = Annotated[Path, typer.Option("--artifacts", help="Directory for per-trial records, logs and snapshots.")]
+PrintConfigOpt = Annotated[bool, typer.Option("--print-config", help="Print the resolved config as TOML-like JSON and exit.")]
+FaultOpt = Annotated[Optional[str], typer.Option("--inject-fault", hidden=True, help="Test hook: KIND@RANK:STEP.")]
+
+
+def parse_fault(text: str | None) -> dict[str, Any] | None:
+    if not text:
+        return None
+    from repro.worker import FAULTS
+    try:
+        kind, where = text.split("@")
+        rank, step = where.split(":")
+        fault = {"kind": kind, "rank": int(rank), "step": int(step)}
+    except ValueError:
+        raise ConfigError(f"--inject-fault {text!r}: expected KIND@RANK:STEP, e.g. segv@0:1") from None
+    if kind not in FAULTS:
+        raise ConfigError(f"--inject-fault {text!r}: kind {kind!r} is not one of {', '.join(FAULTS)}")
+    return fault
+
+
+def write_artifacts(rep: Report, json_path: str | None, junit: Path | None, html: Path | None) -> None:
+    if json_path:
+        report.write_json(rep, json_path)
+    if junit:
+        report.write_junit(rep, junit)
+    if html:
+        report.write_html(rep, html)
+
+
+def exit_code(result: RunResult, allow_unsupported: bool = False) -> int:
+    if result.interrupted:
+        return EXIT_INTERRUPTED
+    trials = result.report.trials
+    unsupported = [t for t in trials if t.outcome == Outcome.UNSUPPORTED]
+    if any(not t.met for t in trials if t.outcome != Outcome.UNSUPPORTED):
+        return EXIT_FAILED
+    if unsupported and not allow_unsupported:
+        return EXIT_ENV
+    return EXIT_OK
+
+
+def execute(planned: list[Planned], artifacts: Path, json_path: str | None, junit: Path | None,
+            html: Path | None, summary_only: bool = False, allow_unsupported: bool = False) -> int:
+    console = stderr_console()
+    with report.Progress(console) as progress:
+        result = run_planned(
+            planned, artifacts,
+            on_start=lambda tid, p: progress.add(tid, tid, p.cfg.run.steps),
+            on_tick=lambda tid, n: progress.update(tid, n, "running"),
+            on_done=lambda t: progress.finish(t.id, t.outcome))
+    if summary_only:
+        report.render_summary(result.report, console)
+    else:
+        report.render_report(result.report, console)
+    write_artifacts(result.report, json_path, junit, html)
+    return exit_code(result, allow_unsupported)
+
+
+def run_scenario(scenario: str, config: str | None, run: dict[str, Any], sets: list[str] | None,
+                 json_path: str | None, junit: Path | None, html: Path | None, artifacts: Path,
+                 print_config: bool, fault: str | None = None) -> int:
+    try:
+        p = plan(scenario, config, run, sets or [], doctor.gpu_count())
+        p.fault = parse_fault(fault)
+    except ConfigError as e:
+        sys.stderr.write(f"repro: error: {e}\n")
+        return EXIT_USAGE
+    if print_config:
+        resolved = {**p.cfg.to_dict(), "device": p.device or f"UNSUPPORTED: {p.reason}"}
+        sys.stdout.write(json.dumps(resolved, indent=2) + "\n")
+        return EXIT_OK
+    return execute([p], artifacts, json_path, junit, html)
+
+
+@app.command("gemma4-mtp", epilog=EXIT_CODES)
+def gemma4_mtp(
+    config: ConfigOpt = None,
+    mode: Annotated[Optional[str], typer.Option("--mode", help="unfixed: gathered lm_head in a local (before vLLM #43909); fixed: cached on the module (#43909); reload-safe: cache refreshed in place on reload.")] = None,
+    tp: TpOpt = None, steps: StepsOpt = None, seed: SeedOpt = None, after_free: AfterFreeOpt = None,
+    guard: GuardOpt = None, device: DeviceOpt = None, deadline: DeadlineOpt = None,
+    forensics: ForensicsOpt = None,
+    reload_drafter: Annotated[Optional[bool], typer.Option("--reload-drafter/--no-reload-drafter", help="Reload drafter weights after capture and keep replaying (RL-style lifecycle).")] = None,
+    expect: ExpectOpt = None, set_: SetOpt = None, json_path: JsonOpt = None, junit: JunitOpt = None,
+    html: HtmlOpt = None, artifacts: ArtifactsOpt = Path("artifacts"), print_config: PrintConfigOpt = False,
+    inject_fault: FaultOpt = None,
+) -> int:
+    """Gemma 4 MTP drafter greedy sampling under per-batch-size centroid CUDA graphs (vLLM #43909)."""
+    run = dict(mode=mode, tp=tp, steps=steps, seed=seed, after_free=after_free, guard=guard, device=device,
+               deadline_s=deadline, forensics=forensics, reload_drafter=reload_drafter, expect=expect)
+    return run_scenario("gemma4-mtp", config, run, set_, json_path, junit, html, artifacts, print_config, inject_fault)
+
+
+@app.command("nvfp4-reload", epilog=EXIT_CODES)
+def nvfp4_reload(
+    config: ConfigOpt = None,
+    mode: Annotated[Optional[str], typer.Option("--mode", help="unfixed: kernel rebuilt every reload (before #50074); kernel-reuse: built once (#50074); fixed: built once + alphas refreshed (#50074 + #57954).")] = None,
+    steps: StepsOpt = None, seed: SeedOpt = None, after_free: AfterFreeOpt = None,
+    guard: GuardOpt = None, device: DeviceOpt = None, deadline: DeadlineOpt = None,
+    forensics: ForensicsOpt = None,
+    identity_reload: Annotated[Optional[bool], typer.Option("--identity-reload/--changing-reload", help="Reload the same weights every step (hides #57954).")] = None,
+    expect: ExpectOpt = None, set_: SetOpt = None, json_path: JsonOpt = None, junit: JunitOpt = None,
+    html: HtmlOpt = None, artifacts: ArtifactsOpt = Path("artifacts"), print_config: PrintConfigOpt = False,
+    inject_fault: FaultOpt = None,
+) -> int:
+    """NVFP4 MoE layer under a captured graph, reloaded with new BF16 weights (vLLM #50074, #57954)."""
+    run = dict(mode=mode, steps=steps, seed=seed, after_free=after_free, guard=guard, device=device,
+               deadline_s=deadline, forensics=forensics, identity_reload=identity_reload, expect=expect)
+    return run_scenario("nvfp4-reload", config, run, set_, json_path, junit, html, artifacts, print_config, inject_fault)
+
+
+@app.command("selftest", epilog=EXIT_CODES)
+def selftest(
+    tp: TpOpt = None, steps: StepsOpt = None, device: DeviceOpt = None, deadline: DeadlineOpt = None,
+    json_path: JsonOpt = None, junit: JunitOpt = None, artifacts: ArtifactsOpt = Path("artifacts"),
+    inject_fault: FaultOpt = None,
+) -> int:
+    """Check the harness itself: ranks all-gather every step; no graphs, no bug."""
+    run = dict(tp=tp, steps=steps, device=device, deadline_s=deadline)
+    return run_scenario("selftest", None, run, [], json_path, junit, None, artifacts, False, inject_fault)
+
+
+@app.command("matrix", epilog=EXIT_CODES)
+def matrix(
+    config: Annotated[str, typer.Option("--config", "-c", help="Matrix file or name: ci-smoke (CPU), gpu-1, gpu-2.")] = "ci-smoke",
+    allow_unsupported: Annotated[bool, typer.Option("--allow-unsupported", help="UNSUPPORTED trials do not fail the run (they never pass).")] = False,
+    json_path: JsonOpt = None, junit: JunitOpt = None, html: HtmlOpt = None,
+    artifacts: ArtifactsOpt = Path("artifacts"),
+) -> int:
+    """CI smoke check: every scenario x mode with its expected outcome; exit 0 only if all hold."""
+    from repro.matrix import load_matrix
+    try:
+        _, planned = load_matrix(config, doctor.gpu_count())
+    except ConfigError as e:
+        sys.stderr.write(f"repro: error: {e}\n")
+        return EXIT_USAGE
+    return execute(planned, artifacts, json_path, junit, html, summary_only=True,
+                   allow_unsupported=allow_unsupported)
+
+
+@app.command("doctor")
+def doctor_cmd(
+    json_path: JsonOpt = None,
+    vllm: Annotated[bool, typer.Option("--vllm", help="Also locate an installed vLLM (never imported).")] = False,
+) -> int:
+    """The environment: GPUs (NVML), topology, torch, CUDA, NCCL, vLLM. Exit 0 also without a GPU."""
+    env = doctor.collect(include_vllm=vllm)
+    if json_path == "-":
+        sys.stdout.write(json.dumps(to_jsonable(env), indent=2) + "\n")
+        return EXIT_OK
+    doctor.render(env, stderr_console())
+    if json_path:
+        report.write_text_atomic(Path(json_path), json.dumps(to_jsonable(env), indent=2) + "\n")
+    return EXIT_OK
+
+
+@app.command("vllm-audit")
+def vllm_audit(
+    path: Annotated[Optional[Path], typer.Option("--path", help="A vLLM source tree (repo root or the vllm/ package).")] = None,
+    wheel: Annotated[Optional[Path], typer.Option("--wheel", help="A vLLM wheel or sdist archive.")] = None,
+    require: Annotated[Optional[list[str]], typer.Option("--require", help="Fix id that must be present (e.g. 43909); exit 1 if not.")] = None,
+    json_path: JsonOpt = None,
+) -> int:
+    """Does a vLLM (installed, a directory or an archive) carry the upstream fixes? Never imports vLLM."""
+    from repro import audit
+    if path and wheel:
+        sys.stderr.write("repro: error: give --path or --wheel, not both\n")
+        return EXIT_USAGE
+    try:
+        for fix_id in require or []:
+            audit.find_fix(fix_id)
+        result = (audit.audit_directory(path) if path else
+                  audit.audit_archive(wheel) if wheel else audit.audit_installed())
+    except (audit.AuditError, KeyError, ValueError) as e:
+        sys.stderr.write(f"repro: error: {e}\n")
+        return EXIT_USAGE
+    if json_path == "-":
+        sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n")
+    else:
+        audit.render(result, stderr_console())
+        if json_path:
+            report.write_text_atomic(Path(json_path), json.dumps(result.to_dict(), indent=2) + "\n")
+    missing = audit.missing_required(result, require or [])
+    if missing:
+        sys.stderr.write(f"repro: required fixes not present: {', '.join(missing)}\n")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""Trial configuration: TOML presets -> dataclasses, CLI overrides, validation.
+
+A preset file names its scenario, a [model] table (real model dimensions) and a [run]
+table (mode, tp, steps, ...). Every validation error is a ConfigError whose text is one
+line naming the file, the key, the bad value and what is allowed; the CLI prints it and
+exits 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONFIG_DIR = Path(os.environ.get("REPRO_CONFIGS", Path(__file__).resolve().parent.parent / "configs"))
+
+AFTER_FREE = ("keep", "release", "reuse", "poison")
+GUARD_MODES = ("off", "warn", "raise")
+DEVICES = ("auto", "cuda", "cpu")
+
+
+class ConfigError(ValueError):
+    """A bad config or flag: one line, exit code 2."""
+
+
+@dataclass
+class Gemma4Dims:
+    """Gemma 4 assistant (MTP drafter) dimensions; see configs/gemma4-e2b.toml for sources."""
+    vocab_size: int = 262144
+    hidden_size: int = 256            # draft hidden; the centroid head and lm_head act on it
+    backbone_hidden_size: int = 1536  # recorded for the report; the drafter head does not use it
+    num_centroids: int = 2048
+    centroid_top_k: int = 32
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    dtype: str = "bfloat16"
+
+
+@dataclass
+class MoeDims:
+    """One MoE layer (router + experts) in the shape of a real model."""
+    num_experts: int = 128
+    hidden_size: int = 2048
+    intermediate_size: int = 768
+    top_k: int = 8
+    tokens: int = 64                  # tokens per replay (decode batch)
+    dtype: str = "bfloat16"
+
+
+@dataclass
+class SelftestDims:
+    """The harness self-test has no model; one field so presets stay uniform."""
+    dtype: str = "float32"
+
+
+@dataclass
+class RunConfig:
+    mode: str = "unfixed"
+    tp: int = 1
+    steps: int = 8
+    seed: int = 0
+    after_free: str = ""              # "" -> the scenario's default
+    guard: str = "warn"
+    device: str = "auto"
+    deadline_s: float = 180.0
+    forensics: bool = False
+    reload_drafter: bool = False      # gemma4-mtp: reload drafter weights after capture
+    identity_reload: bool = False     # nvfp4-reload: reload the same weights every step
+    expect: str = ""                  # "" -> unfixed: reproduced, otherwise clean
+
+
+@dataclass
+class ScenarioSpec:
+    name: str
+    modes: tuple[str, ...]
+    default_after_free: str
+    dims: type
+    default_preset: str               # real dims, used on CUDA
+    cpu_preset: str                   # tiny dims, used when no GPU is present and none was named
+    run_keys: tuple[str, ...]         # scenario-only [run] keys
+
+
+SCENARIOS: dict[str, ScenarioSpec] = {
+    "gemma4-mtp": ScenarioSpec(
+        name="gemma4-mtp", modes=("unfixed", "fixed", "reload-safe"), default_after_free="release",
+        dims=Gemma4Dims, default_preset="gemma4-e2b", cpu_preset="gemma4-tiny",
+        run_keys=("reload_drafter",)),
+    "nvfp4-reload": ScenarioSpec(
+        name="nvfp4-reload", modes=("unfixed", "kernel-reuse", "fixed"), default_after_free="poison",
+        dims=MoeDims, default_preset="qwen3-30b-a3b-moe", cpu_preset="moe-tiny",
+        run_keys=("identity_reload",)),
+    "selftest": ScenarioSpec(
+        name="selftest", modes=("clean",), default_after_free="keep", dims=SelftestDims,
+        default_preset="selftest", cpu_preset="selftest", run_keys=()),
+}
+
+SCENARIO_RUN_KEYS = {k for s in SCENARIOS.values() for k in s.run_keys}
+
+
+@dataclass
+class TrialConfig:
+    scenario: str
+    preset: str                       # preset name or path it came from
+    model: Any                        # Gemma4Dims | MoeDims
+    run: RunConfig
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scenario": self.scenario, "preset": self.preset,
+                "model": dataclasses.asdict(self.model), "run": dataclasses.asdict(self.run)}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "TrialConfig":
+        spec = SCENARIOS[d["scenario"]]
+        return TrialConfig(scenario=d["scenario"], preset=d["preset"],
+                           model=spec.dims(**d["model"]), run=RunConfig(**d["run"]))
+
+
+def resolve_preset_path(name_or_path: str) -> Path:
+    """A preset name ('gemma4-e2b') or a path to a TOML file."""
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or p.parent != Path("."):
+        if not p.is_file():
+            raise ConfigError(f"config file {name_or_path} does not exist")
+        return p
+    candidate = CONFIG_DIR / f"{name_or_path}.toml"
+    if not candidate.is_file():
+        known = ", ".join(sorted(f.stem for f in CONFIG_DIR.glob("*.toml")))
+        raise ConfigError(f"config preset {name_or_path!r} not found in {CONFIG_DIR}; known: {known}")
+    return candidate
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: malformed TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def _type_name(t: Any) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(t, str(t))
+
+
+def coerce(where: str, key: str, value: Any, default: Any) -> Any:
+    """Check a TOML (or --set) value against the type of the dataclass default."""
+    expected = type(default)
+    if isinstance(default, list):
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ConfigError(f"{where}: {key} = {value!r} must be a list of integers")
+        return list(value)
+    if expected is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: {key} = {value!r} must be true or false")
+        return value
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, expected):
+        raise ConfigError(f"{where}: {key} = {value!r} must be {_type_name(expected)}")
+    return value
+
+
+def fill(cls: type, table: dict[str, Any], where: str, section: str) -> Any:
+    obj = cls()
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    for key, value in table.items():
+        if key not in allowed:
+            raise ConfigError(f"{where}: unknown key [{section}].{key}; allowed: {', '.join(allowed)}")
+        setattr(obj, key, coerce(where, f"[{section}].{key}", value, getattr(obj, key)))
+    return obj
+
+
+def load_preset(name_or_path: str, scenario: str | None = None) -> TrialConfig:
+    path = resolve_preset_path(name_or_path)
+    where = str(path)
+    data = read_toml(path)
+    unknown = set(data) - {"scenario", "description", "model", "run"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown top-level key {sorted(unknown)[0]!r}; "
+                          "allowed: scenario, description, [model], [run]")
+    name = data.get("scenario")
+    if name not in SCENARIOS:
+        raise ConfigError(f"{where}: scenario = {name!r} is not one of {', '.join(SCENARIOS)}")
+    if scenario is not None and name != scenario:
+        raise ConfigError(f"{where}: preset is for scenario {name!r}, not {scenario!r}; "
+                          f"use a {scenario} preset such as {SCENARIOS[scenario].default_preset}")
+    for section in ("model", "run"):
+        if not isinstance(data.get(section, {}), dict):
+            raise ConfigError(f"{where}: [{section}] must be a table")
+    spec = SCENARIOS[name]
+    model = fill(spec.dims, data.get("model", {}), where, "model")
+    run = fill(RunConfig, data.get("run", {}), where, "run")
+    preset = path.stem if path.parent.resolve() == CONFIG_DIR.resolve() else str(path)
+    return TrialConfig(scenario=name, preset=preset, model=model, run=run)
+
+
+def parse_set(item: str) -> tuple[str, str, Any]:
+    """'model.vocab_size=1024' -> ('model', 'vocab_size', 1024); the value is read as TOML."""
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+        raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE, e.g. model.vocab_size=4096")
+    lhs, rhs = item.split("=", 1)
+    section, key = lhs.strip().split(".", 1)
+    if section not in ("model", "run"):
+        raise ConfigError(f"--set {item!r}: section {section!r} is not 'model' or 'run'")
+    try:
+        value = tomllib.loads(f"v = {rhs.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = rhs.strip()  # bare words like unfixed read as strings
+    return section, key.strip(), value
+
+
+def apply_overrides(cfg: TrialConfig, run: dict[str, Any], sets: list[str]) -> TrialConfig:
+    """CLI flags (already typed; None = not given) and --set items override the preset."""
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model), run=dataclasses.replace(cfg.run))
+    for key, value in run.items():
+        if value is not None:
+            setattr(cfg.run, key, value)
+    for item in sets:
+        section, key, value = parse_set(item)
+        target = cfg.model if section == "model" else cfg.run
+        allowed = [f.name for f in dataclasses.fields(target)]
+        if key not in allowed:
+            raise ConfigError(f"--set {item!r}: unknown key [{section}].{key}; allowed: {', '.join(allowed)}")
+        setattr(target, key, coerce("--set", f"[{section}].{key}", value, getattr(target, key)))
+    return cfg
+
+
+def check(cond: bool, where: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{where}: {message}")
+
+
+def validate(cfg: TrialConfig) -> TrialConfig:
+    """Semantic checks; fills scenario defaults (after_free). Returns the resolved config."""
+    spec = SCENARIOS[cfg.scenario]
+    r, m, w = cfg.run, cfg.model, cfg.preset
+    check(r.mode in spec.modes, w, f"mode = {r.mode!r} is not one of {', '.join(spec.modes)} for {spec.name}")
+    check(r.tp >= 1, w, f"tp = {r.tp} must be >= 1")
+    check(r.steps >= 1, w, f"steps = {r.steps} must be >= 1")
+    check(r.seed >= 0, w, f"seed = {r.seed} must be >= 0")
+    check(r.deadline_s > 0, w, f"deadline_s = {r.deadline_s} must be > 0 seconds")
+    check(r.guard in GUARD_MODES, w, f"guard = {r.guard!r} is not one of {', '.join(GUARD_MODES)}")
+    check(r.device in DEVICES, w, f"device = {r.device!r} is not one of {', '.join(DEVICES)}")
+    if r.after_free == "":
+        r.after_free = spec.default_after_free
+    check(r.after_free in AFTER_FREE, w, f"after_free = {r.after_free!r} is not one of {', '.join(AFTER_FREE)}")
+    for key in SCENARIO_RUN_KEYS - set(spec.run_keys):
+        check(not getattr(r, key), w, f"{key} does not apply to {spec.name} (it belongs to "
+              + ", ".join(s.name for s in SCENARIOS.values() if key in s.run_keys) + ")")
+    check(m.dtype in ("bfloat16", "float16", "float32"), w, f"model.dtype = {m.dtype!r} is not bfloat16, float16 or float32")
+    if isinstance(m, Gemma4Dims):
+        validate_gemma4(m, r, w)
+    elif isinstance(m, MoeDims):
+        validate_moe(m, r, w)
+    if r.expect:
+        from repro.outcome import parse_expectation
+        try:
+            parse_expectation(r.expect)
+        except ValueError as e:
+            raise ConfigError(f"{w}: expect: {e}") from None
+    return cfg
+
+
+def validate_gemma4(m: Gemma4Dims, r: RunConfig, w: str) -> None:
+    for key in ("vocab_size", "hidden_size", "num_centroids", "centroid_top_k"):
+        check(getattr(m, key) >= 1, w, f"model.{key} = {getattr(m, key)} must be >= 1")
+    check(m.vocab_size % m.num_centroids == 0, w,
+          f"model.vocab_size = {m.vocab_size} is not divisible by model.num_centroids = {m.num_centroids}; "
+          "token_ordering views the vocab as [num_centroids, vocab/num_centroids]")
+    check(m.centroid_top_k <= m.num_centroids, w,
+          f"model.centroid_top_k = {m.centroid_top_k} exceeds model.num_centroids = {m.num_centroids}")
+    bs = m.batch_sizes
+    check(bool(bs) and all(b >= 1 for b in bs) and bs == sorted(set(bs)), w,
+          f"model.batch_sizes = {bs} must be positive, strictly increasing integers")
+    check(r.tp <= m.vocab_size, w, f"tp = {r.tp} exceeds model.vocab_size = {m.vocab_size}")
+
+
+def validate_moe(m: MoeDims, r: RunConfig, w: str) -> None:
+    for key in ("num_experts", "hidden_size", "intermediate_size", "top_k", "tokens"):
+        check(getattr(m, key) >= 1, w, f"model.{key} = {getattr(m, key)} must be >= 1")
+    for key in ("hidden_size", "intermediate_size"):
+        check(getattr(m, key) % 16 == 0, w,
+              f"model.{key} = {getattr(m, key)} is not a multiple of 16 (the NVFP4 block size along K)")
+    check(m.top_k <= m.num_experts, w, f"model.top_k = {m.top_k} exceeds model.num_experts = {m.num_experts}")
+    check(r.tp == 1, w, f"tp = {r.tp}: nvfp4-reload runs one rank (expert parallelism is not modelled); use tp = 1")
+
+
+def default_expectation(cfg: TrialConfig) -> str:
+    """unfixed reproduces; the fixed modes are clean; the documented exceptions are explicit."""
+    r = cfg.run
+    if r.expect:
+        return r.expect
+    if cfg.scenario == "gemma4-mtp":
+        if r.mode == "unfixed" and r.tp == 1:
+            return "clean"        # TP=1 takes a slice view of a live parameter: safe upstream too
+        if r.mode == "fixed" and r.reload_drafter and r.tp > 1:
+            return "reproduced"   # upstream's fix drops the cache on reload: the bug returns
+    if cfg.scenario == "nvfp4-reload" and r.mode == "kernel-reuse":
+        return "clean" if r.identity_reload else "MISMATCH"
+    return "reproduced" if r.mode == "unfixed" else "clean"

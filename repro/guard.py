@@ -1,0 +1,759 @@
+"""Stale-capture guard: name the captured tensor that died or moved, before the replay.
+
+A CUDA graph bakes in the device address of every tensor its kernels touch. Memory allocated
+during capture lives in the graph's private pool; anything allocated outside it (weights, an
+all-gathered lm_head, kernel workspaces, quant-config scales) is only safe while its owner keeps
+it alive at the same address. This guard records those outside tensors while the capture (or a
+CPU dry run of the same code) runs, and checks cheaply before each replay whether any of them
+was freed or replaced.
+
+The idea is PyTorch's own: ``torch.cuda.graph(..., check_input_liveness=True)`` (torch >= 2.13)
+and inductor's cudagraph trees keep a storage weak reference plus the data pointer seen at
+capture. This is an independent implementation that also runs on torch 2.11 and on CPU, and
+adds readable names (``moe.moe_kernel.workspace13``), where the storage was created and where
+its last Python reference was dropped.
+
+Usage on your own CUDA graph (warm up first, as for any capture)::
+
+    import torch
+    from repro.guard import CaptureGuard
+
+    guard = CaptureGuard(mode="warn")          # "raise" stops at the first dead tensor
+    head = torch.nn.Linear(256, 4096, bias=False, device="cuda")
+    guard.watch("head", head)                  # names: "head.weight", "head.weight[view]"
+    static_in = torch.zeros(16, 256, device="cuda")
+    gathered = head.weight.detach().clone()    # made outside capture, held only by a local
+    torch.cuda.synchronize()
+
+    graph = torch.cuda.CUDAGraph()
+    with guard.tracking():                     # optional: remembers where storages were made
+        scratch = gathered * 1.0
+        with guard.capture(graph, "head bs=16"):
+            static_out = static_in @ scratch.t()
+    del gathered, scratch                      # the bug: nothing keeps the captured input alive
+
+    for finding in guard.check("before replay"):   # microseconds; no replay needed
+        print(finding.message)                 # "graph 'head bs=16' captured tensor <local ...
+    # graph.replay() would now read freed memory
+
+Without a GPU, wrap the same code in ``guard.recording("head bs=16")`` instead of
+``guard.capture(...)``: the recording and the verdict are the same, only no graph exists.
+
+Limits: only tensors that reach the PyTorch dispatcher are seen (aten ops and registered custom
+ops); a raw Triton launch or a C++ extension that takes pointers directly is invisible, as it is
+to PyTorch's own check. Names for plain attributes are found up to three hops below a watched
+owner (``owner.obj.sub.tensor``).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import dis
+import functools
+import inspect
+import os
+import sys
+import types
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from repro.outcome import Finding, Manifest
+
+MODES = ("off", "warn", "raise")
+MECHANISM = "repro dispatch-mode guard"
+MECHANISM_WITH_TORCH = "torch check_input_liveness + repro dispatch-mode guard"
+FIX_FREED = ("Replaying will read freed memory: keep the tensor alive for the graph's lifetime "
+             "(cache it on the module) or re-capture after it changes.")
+FIX_REBOUND = ("Replaying will keep using the old tensor, not the owner's current one: update "
+               "the captured tensor in place (copy_) instead of rebinding it, or re-capture after "
+               "it changes.")
+FIX_MOVED = ("Replaying will touch memory the storage no longer owns: do not resize or re-point "
+             "captured storages, or re-capture after they change.")
+
+# Frames in these files are plumbing, never the user's site.
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_PLUMBING = frozenset({__file__, os.path.abspath(__file__), contextlib.__file__, weakref.__file__})
+# nn.Module bookkeeping attributes (hook dicts, _parameters, ...): walked another way or not at all.
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+_MAX_HOPS = 3             # owner.a.b.tensor: "one or two levels down in attribute objects"
+_MAX_ITEMS = 256          # per list / dict while naming
+_MAX_NODES = 20_000       # per index build, so a huge object graph cannot stall a capture
+_MAX_DROP_REFS = 16       # tensor objects per slot whose death we listen for
+_LOCAL_SCAN_FRAMES = 12   # user frames searched for a local variable holding the tensor
+_PRUNE_EVERY = 4096       # births recorded between sweeps of dead entries
+_CACHE = dis.opmap.get("CACHE", -1)
+
+
+class StaleCaptureError(RuntimeError):
+    """A captured tensor is dead or moved; ``findings`` holds every new finding of that check."""
+
+    def __init__(self, message: str, findings: list[Finding] | None = None):
+        super().__init__(message)
+        self.findings = list(findings or [])
+
+
+@dataclass
+class Slot:
+    """One storage a capture reads or writes that was not allocated inside the capture."""
+    name: str
+    graphs: list[str]
+    shape: list[int]              # of the largest view seen
+    dtype: str                    # "bfloat16"
+    nbytes: int                   # of the largest view seen
+    data_ptr: int                 # of the largest view seen
+    storage_ptr: int
+    storage_nbytes: int
+    device: str
+    version: int | None           # t._version at record time; None for inference tensors
+    captured_at: str              # "file:line in func (aten.mm.default)" of the first op seen
+    created_at: str | None = None
+    freed_at: str | None = None   # updated whenever a Python tensor object of it dies
+    ref: StorageWeakRef | None = field(default=None, repr=False, compare=False)
+    key: int = field(default=0, repr=False)  # storage identity; unique while `ref` lives
+    named: _Named | None = field(default=None, repr=False, compare=False)
+    reported: set[str] = field(default_factory=set, repr=False, compare=False)
+    drop_refs: list[weakref.ref] = field(default_factory=list, repr=False, compare=False)
+    drop_ids: set[int] = field(default_factory=set, repr=False, compare=False)
+
+    @property
+    def graph(self) -> str:
+        return self.graphs[0] if self.graphs else ""
+
+
+@dataclass(frozen=True)
+class _Owner:
+    name: str
+    get: Callable[[], Any]        # weakref.ref where possible: the guard must not extend lifetimes
+
+
+@dataclass(frozen=True)
+class _Named:
+    """Where a watched owner exposes a tensor: owner + attribute/item steps."""
+    name: str
+    owner: _Owner
+    steps: tuple[tuple[str, Any], ...]
+    data_ptr: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_ptr: int
+
+
+@dataclass(frozen=True)
+class _Birth:
+    """Where tracking saw a storage created; formatted only if it ends up in a slot."""
+    ref: StorageWeakRef
+    op: Any
+    filename: str
+    lineno: int
+    func: str
+
+
+@dataclass
+class _Recording:
+    label: str
+    capturing: bool               # a real CUDA capture: host tensors are not in the graph
+    produced: dict[int, StorageWeakRef] = field(default_factory=dict)
+    index: dict[int, _Named] | None = None
+
+
+class _Status(NamedTuple):
+    """A tuple, not a dataclass: check() builds one per slot per replay."""
+    status: str                   # "freed" | "rebound" | "unchanged"
+    new_ptr: int | None = None
+    detail: str = ""              # "moved" | "rebound" | "dropped" for rebound
+
+
+_UNCHANGED = _Status("unchanged")
+
+
+class _OpObserver(TorchDispatchMode):
+    """Runs every op unchanged, then hands (op, args, kwargs, out) to a callback."""
+    supports_higher_order_operators = True
+
+    def __init__(self, on_op: Callable[[Any, tuple, dict, Any], None]):
+        super().__init__()
+        self._on_op = on_op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._on_op(func, args, kwargs, out)
+        return out
+
+
+class CaptureGuard:
+    """Records tensors a capture baked in and checks, before replay, that they are still there.
+
+    mode: "off" records nothing; "warn" returns findings and lets the run go on (so the real
+    symptom still shows); "raise" makes check() raise StaleCaptureError on the first finding.
+    """
+
+    def __init__(self, mode: str = "warn", rank: int = 0):
+        if mode not in MODES:
+            raise ValueError(f"guard mode {mode!r} is not one of {', '.join(MODES)}")
+        self.mode = mode
+        self.rank = rank
+        self._owners: list[_Owner] = []
+        self._slots: dict[int, Slot] = {}
+        self._births: dict[int, _Birth] = {}
+        self._births_since_prune = 0
+        self._mechanism = MECHANISM
+
+    # -- public API -------------------------------------------------------------------------
+
+    @property
+    def slots(self) -> list[Slot]:
+        return list(self._slots.values())
+
+    @property
+    def mechanism(self) -> str:
+        return self._mechanism
+
+    @property
+    def torch_liveness_available(self) -> bool:
+        return torch_supports_liveness()
+
+    def watch(self, name: str, obj: Any) -> None:
+        """Register an owner (module, kernel or config object, dataclass, dict, tensor)."""
+        if self.mode == "off":
+            return
+        self._owners = [o for o in self._owners if o.name != name]
+        self._owners.append(_Owner(name, hold(obj)))
+
+    @contextlib.contextmanager
+    def tracking(self) -> Iterator[None]:
+        """Remember the op and user-code site that created each storage made in the block."""
+        if self.mode == "off":
+            yield
+            return
+        with _OpObserver(self._note_births):
+            yield
+        self._prune_births()
+
+    @contextlib.contextmanager
+    def recording(self, graph: str) -> Iterator[None]:
+        """Record every tensor the block's ops touch that was allocated outside the block."""
+        if self.mode == "off":
+            yield
+            return
+        rec = _Recording(label=graph, capturing=cuda_capturing())
+        with _OpObserver(functools.partial(self._observe, rec)):
+            yield
+
+    @contextlib.contextmanager
+    def capture(self, graph: torch.cuda.CUDAGraph, label: str, pool=None, stream=None,
+                use_torch_liveness: bool = False) -> Iterator[None]:
+        """``torch.cuda.graph(graph, pool, stream)`` + ``recording(label)``.
+
+        use_torch_liveness=True also passes ``check_input_liveness=True`` where the running torch
+        accepts it (>= 2.13), so ``graph.replay()`` itself raises on dead inputs.
+        """
+        kwargs: dict[str, Any] = {}
+        if use_torch_liveness and torch_supports_liveness():
+            kwargs["check_input_liveness"] = True
+            self._mechanism = MECHANISM_WITH_TORCH
+        with torch.cuda.graph(graph, pool=pool, stream=stream, **kwargs):
+            with self.recording(label):
+                yield
+
+    def check(self, when: str) -> list[Finding]:
+        """Findings new since the last check (each slot once per status); cheap enough per replay."""
+        if self.mode == "off":
+            return []
+        findings = []
+        for slot in self._slots.values():
+            if "freed" in slot.reported:
+                continue  # freed is final: nothing new can be said about this slot
+            status = self._classify(slot)
+            if status.status == "unchanged" or status.status in slot.reported:
+                continue
+            slot.reported.add(status.status)
+            findings.append(self._finding(slot, status, when))
+        if findings and self.mode == "raise":
+            raise StaleCaptureError(findings[0].message, findings)
+        return findings
+
+    def manifest(self, when: str) -> Manifest:
+        """Counts of captured storages by state (the pointer census of vLLM RFC #48312)."""
+        counts = {"freed": 0, "rebound": 0, "unchanged": 0}
+        if self.mode != "off":
+            for slot in self._slots.values():
+                status = "freed" if "freed" in slot.reported else self._classify(slot).status
+                counts[status] += 1
+        return Manifest(when=when, rank=self.rank, **counts)
+
+    def freed_blocks(self) -> list[tuple[int, int, str]]:
+        """(storage data_ptr, storage nbytes, dtype) of every captured storage now freed."""
+        return [(s.storage_ptr, s.storage_nbytes, s.dtype)
+                for s in self._slots.values() if s.ref is not None and s.ref.expired()]
+
+    # -- recording --------------------------------------------------------------------------
+
+    def _observe(self, rec: _Recording, func, args, kwargs, out) -> None:
+        # Runs after every op of the capture: keep it to dict lookups for storages already seen.
+        input_keys = set()
+        for t in op_tensors(args, kwargs):
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue
+            key = storage._cdata
+            input_keys.add(key)
+            if key in rec.produced:
+                continue
+            slot = self._slots.get(key)
+            if slot is None:
+                if storage.data_ptr() == 0 or not graph_visible(t, rec.capturing):
+                    continue
+                slot = self._new_slot(rec, func, t, storage)
+                self._slots[key] = slot
+            else:
+                widen_slot(slot, t, rec.label)
+            if id(t) not in slot.drop_ids:
+                listen_for_drop(slot, t)
+        # A fresh storage made by an op inside the block comes from the capture (graph pool):
+        # safe, not a slot. Views of inputs share the input's storage and are skipped here.
+        for t in out_tensors(out):
+            storage = storage_of(t)
+            if storage is None:
+                continue
+            key = storage._cdata
+            if key not in input_keys and key not in self._slots and key not in rec.produced:
+                rec.produced[key] = StorageWeakRef(storage)
+
+    def _new_slot(self, rec: _Recording, func, t: torch.Tensor, storage) -> Slot:
+        key = storage._cdata
+        if rec.index is None:
+            rec.index = build_index(self._owners)
+        named = rec.index.get(key)
+        if named is not None and named.storage_ptr != storage.data_ptr():
+            named = None  # a stale key from a storage that died during the recording
+        frame = user_frame(sys._getframe(1))
+        birth = self._births.get(key)
+        created_at = format_birth(birth) if birth is not None else None
+        slot = Slot(
+            name="", graphs=[rec.label], shape=list(t.shape), dtype=dtype_name(t.dtype),
+            nbytes=t.nbytes, data_ptr=t.data_ptr(), storage_ptr=storage.data_ptr(),
+            storage_nbytes=storage.nbytes(), device=str(t.device), version=version_of(t),
+            captured_at=f"{frame_site(frame)} ({func})", created_at=created_at,
+            ref=StorageWeakRef(storage), key=key, named=named)
+        if named is not None:
+            slot.name = named_slot_name(slot, t)
+        else:
+            slot.name = local_slot_name(key, frame, birth, func)
+        return slot
+
+    def _note_births(self, func, args, kwargs, out) -> None:
+        input_keys = {s._cdata for s in map(storage_of, op_tensors(args, kwargs)) if s is not None}
+        frame = None
+        for t in out_tensors(out):
+            storage = storage_of(t)
+            if storage is None or storage._cdata in input_keys or storage._cdata in self._births:
+                continue
+            if frame is None:
+                frame = user_frame(sys._getframe(1))
+            code = frame.f_code if frame is not None else None
+            self._births[storage._cdata] = _Birth(
+                ref=StorageWeakRef(storage), op=func,
+                filename=code.co_filename if code else "<unknown>",
+                lineno=frame.f_lineno if frame else 0, func=code.co_name if code else "?")
+            self._births_since_prune += 1
+        if self._births_since_prune >= _PRUNE_EVERY:
+            self._prune_births()
+
+    def _prune_births(self) -> None:
+        # Dropping the weak ref of a dead storage lets its identity be reused: drop the entry too.
+        self._births = {k: b for k, b in self._births.items() if not b.ref.expired()}
+        self._births_since_prune = 0
+
+    # -- checking ---------------------------------------------------------------------------
+
+    def _classify(self, slot: Slot) -> _Status:
+        if slot.ref is None or slot.ref.expired():
+            return _Status("freed", current_ptr(slot))
+        current = resolve(slot.named) if slot.named is not None else None
+        held = isinstance(current, torch.Tensor) and storage_key(current) == slot.key
+        # While the owner still holds it, its tensor gives the storage; otherwise revive the weak ref.
+        storage = current.untyped_storage() if held else \
+            torch.UntypedStorage._new_with_weak_ptr(slot.ref.cdata)
+        if storage is None:
+            return _Status("freed", current_ptr(slot))
+        ptr = storage.data_ptr()
+        del storage
+        if ptr != slot.storage_ptr:
+            return _Status("rebound", ptr + (slot.data_ptr - slot.storage_ptr), "moved")
+        if held or slot.named is None:
+            return _UNCHANGED
+        if not isinstance(current, torch.Tensor):
+            return _Status("rebound", None, "dropped")
+        return _Status("rebound", current.data_ptr() + view_offset(slot), "rebound")
+
+    def _finding(self, slot: Slot, status: _Status, when: str) -> Finding:
+        return Finding(
+            slot=slot.name, graph=graph_label(slot), status=status.status, when=when,
+            rank=self.rank, shape=list(slot.shape), dtype=slot.dtype, nbytes=slot.nbytes,
+            old_ptr=slot.data_ptr, new_ptr=status.new_ptr, created_at=slot.created_at,
+            freed_at=slot.freed_at if status.status == "freed" else None,
+            message=finding_message(slot, status))
+
+
+# -- helpers: torch capability ------------------------------------------------------------------
+
+def torch_supports_liveness() -> bool:
+    """Whether this torch's torch.cuda.graph accepts check_input_liveness (torch >= 2.13)."""
+    try:
+        return "check_input_liveness" in inspect.signature(torch.cuda.graph).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def cuda_capturing() -> bool:
+    # An uninitialised CUDA context cannot be capturing; asking would initialise it.
+    return torch.cuda.is_available() and torch.cuda.is_initialized() \
+        and torch.cuda.is_current_stream_capturing()
+
+
+# -- helpers: tensors and storages --------------------------------------------------------------
+
+def op_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensor args of an op: plain, in lists (cat, foreach, index) and in kwargs (out=)."""
+    found = []
+    for group in (args, kwargs.values()):
+        for a in group:
+            if isinstance(a, torch.Tensor):
+                found.append(a)
+            elif isinstance(a, (list, tuple)):
+                found.extend(b for b in a if isinstance(b, torch.Tensor))
+    return found
+
+
+def out_tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [o for o in out if isinstance(o, torch.Tensor)]
+    return []
+
+
+def storage_of(t: torch.Tensor):
+    """The untyped storage, or None for tensors without real memory (meta, sparse, empty)."""
+    try:
+        storage = t.untyped_storage()
+        if storage.data_ptr() == 0:
+            return None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return storage
+
+
+def storage_key(t: torch.Tensor) -> int | None:
+    """Identity of the tensor's storage (its StorageImpl address)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def graph_visible(t: torch.Tensor, capturing: bool) -> bool:
+    """During a real capture only device memory and pinned host memory end up in the graph."""
+    if not capturing or t.is_cuda:
+        return True
+    try:
+        return t.device.type == "cpu" and t.is_pinned()
+    except RuntimeError:
+        return False
+
+
+def version_of(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors carry no version counter
+        return None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def widen_slot(slot: Slot, t: torch.Tensor, label: str) -> None:
+    """Same storage seen again: keep the largest view, note another graph that uses it."""
+    if label not in slot.graphs:
+        slot.graphs.append(label)
+    if t.nbytes > slot.nbytes:
+        slot.shape, slot.dtype, slot.nbytes = list(t.shape), dtype_name(t.dtype), t.nbytes
+        slot.data_ptr = t.data_ptr()
+        if slot.named is not None:
+            slot.name = named_slot_name(slot, t)
+
+
+def listen_for_drop(slot: Slot, t: torch.Tensor) -> None:
+    """Note where each Python tensor object of this storage dies; the last one freed it.
+
+    A weakref callback fires inside the deallocation, so the stack is the dropping site. Refs
+    live on the slot, not in weakref.finalize's process-wide registry: they die with the guard.
+    """
+    if len(slot.drop_refs) >= _MAX_DROP_REFS:
+        return
+    try:
+        slot.drop_refs.append(weakref.ref(t, make_drop_callback(slot, id(t))))
+    except TypeError:
+        return
+    slot.drop_ids.add(id(t))
+
+
+def make_drop_callback(slot: Slot, tensor_id: int) -> Callable[[weakref.ref], None]:
+    def on_drop(ref: weakref.ref) -> None:
+        try:
+            slot.freed_at = drop_site(sys._getframe(1))
+            slot.drop_ids.discard(tensor_id)   # the id may now be reused by another object
+            slot.drop_refs.remove(ref)
+        except Exception:  # runs inside a deallocation, maybe at interpreter exit: never raise
+            pass
+    return on_drop
+
+
+def current_ptr(slot: Slot) -> int | None:
+    """Where the owner's name points now, for a freed slot (None if it names nothing)."""
+    if slot.named is None:
+        return None
+    current = resolve(slot.named)
+    return current.data_ptr() + view_offset(slot) if isinstance(current, torch.Tensor) else None
+
+
+def view_offset(slot: Slot) -> int:
+    return slot.data_ptr - slot.named.data_ptr if slot.named is not None else 0
+
+
+# -- helpers: frames ----------------------------------------------------------------------------
+
+def is_plumbing(filename: str) -> bool:
+    return filename.startswith(_TORCH_DIR) or filename in _PLUMBING
+
+
+def user_frame(frame: types.FrameType | None) -> types.FrameType | None:
+    """First frame outside torch, this module and context/weakref plumbing."""
+    while frame is not None and is_plumbing(frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame
+
+
+def frame_site(frame: types.FrameType | None) -> str:
+    if frame is None:
+        return "<unknown>"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def drop_site(frame: types.FrameType | None) -> str:
+    """'file:line in func (returned)': the instruction tells how the reference went away."""
+    frame = user_frame(frame)
+    how = drop_kind(frame)
+    return frame_site(frame) + (f" ({how})" if how else "")
+
+
+def drop_kind(frame: types.FrameType | None) -> str:
+    # When a function returns, its locals die while the caller sits on the CALL instruction
+    # (followed by inline CACHE entries on 3.11+); `x = ...` is a STORE, `del x` a DELETE.
+    if frame is None or frame.f_lasti < 0:
+        return ""
+    code = frame.f_code.co_code
+    i = frame.f_lasti
+    while i > 0 and i < len(code) and code[i] == _CACHE:
+        i -= 2
+    name = dis.opname[code[i]] if i < len(code) else ""
+    if name.startswith(("CALL", "PRECALL", "RETURN")):
+        return "returned"
+    if name.startswith("STORE"):
+        return "reassigned"
+    if name.startswith("DELETE"):
+        return "deleted"
+    return ""
+
+
+def format_birth(birth: _Birth) -> str:
+    return f"{os.path.basename(birth.filename)}:{birth.lineno} in {birth.func} ({birth.op})"
+
+
+def holder_of(key: int, frame: types.FrameType | None) -> tuple[str, str] | None:
+    """(variable, function) of the outermost user frame whose local holds this storage."""
+    found = None
+    for _ in range(_LOCAL_SCAN_FRAMES):
+        frame = user_frame(frame)
+        if frame is None:
+            break
+        for var, value in list(frame.f_locals.items()):
+            if isinstance(value, torch.Tensor):
+                storage = storage_of(value)
+                if storage is not None and storage._cdata == key:
+                    found = (var, frame.f_code.co_name)
+                    break
+        frame = frame.f_back
+    return found
+
+
+# -- helpers: names -----------------------------------------------------------------------------
+
+def hold(obj: Any) -> Callable[[], Any]:
+    """A weak reference where the type allows one; dicts and lists can only be held strongly."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+def named_slot_name(slot: Slot, t: torch.Tensor) -> str:
+    """The owner's name, with "[view]" when the graph saw only part of (or a reshaped) tensor."""
+    named = slot.named
+    exact = (t.data_ptr() == named.data_ptr and tuple(t.shape) == named.shape
+             and tuple(t.stride()) == named.stride)
+    return named.name if exact else named.name + "[view]"
+
+
+def local_slot_name(key: int, frame, birth: _Birth | None, func) -> str:
+    holder = holder_of(key, frame)
+    held = f"{holder[0]} of {holder[1]}" if holder else ""
+    if birth is not None:
+        made = (f"created by {birth.op.overloadpacket if hasattr(birth.op, 'overloadpacket') else birth.op}"
+                f" at {os.path.basename(birth.filename)}:{birth.lineno} in {birth.func}")
+        return f"<local {held + ', ' if held else ''}{made}>"
+    if holder:
+        return f"<local {held}>"
+    op = func.overloadpacket if hasattr(func, "overloadpacket") else func
+    return f"<unwatched tensor read by {op} at {frame_site(frame)}>"
+
+
+def step_text(kind: str, key: Any) -> str:
+    return f".{key}" if kind == "attr" else f"[{key!r}]"
+
+
+def resolve(named: _Named) -> Any:
+    """Follow the owner's steps now; None where the chain breaks (owner gone, attribute unset)."""
+    obj = named.owner.get()
+    try:
+        for kind, key in named.steps:
+            if obj is None:
+                return None
+            obj = getattr(obj, key) if kind == "attr" else obj[key]
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return None
+    return obj
+
+
+def build_index(owners: list[_Owner]) -> dict[int, _Named]:
+    """storage identity -> shortest name under a watched owner (breadth first)."""
+    index: dict[int, _Named] = {}
+    queue: deque[tuple[_Owner, Any, tuple, int]] = deque()
+    seen: set[int] = set()
+    for owner in owners:
+        root = owner.get()
+        if isinstance(root, torch.nn.Module):
+            add_module_tensors(index, owner, root)
+            for mname, module in root.named_modules():
+                prefix = tuple(("attr", part) for part in mname.split(".")) if mname else ()
+                for attr, value in list(vars(module).items()):
+                    if attr not in _MODULE_INTERNALS:
+                        queue.append((owner, value, prefix + (("attr", attr),), 1))
+        elif root is not None:
+            queue.append((owner, root, (), 0))
+    visited = 0
+    while queue and visited < _MAX_NODES:
+        owner, value, steps, hops = queue.popleft()
+        visited += 1
+        if isinstance(value, torch.Tensor):
+            add_named(index, owner, steps, value)
+            continue
+        if hops >= _MAX_HOPS or id(value) in seen or isinstance(value, torch.nn.Module):
+            continue
+        seen.add(id(value))
+        for kind, key, child in children(value):
+            queue.append((owner, child, steps + ((kind, key),), hops + 1))
+    return index
+
+
+def add_module_tensors(index: dict[int, _Named], owner: _Owner, module: torch.nn.Module) -> None:
+    for pname, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+        add_named(index, owner, tuple(("attr", part) for part in pname.split(".")), tensor)
+
+
+def add_named(index: dict[int, _Named], owner: _Owner, steps: tuple, t: torch.Tensor) -> None:
+    storage = storage_of(t)
+    if storage is None or storage._cdata in index:
+        return
+    name = owner.name + "".join(step_text(kind, key) for kind, key in steps)
+    index[storage._cdata] = _Named(name=name, owner=owner, steps=steps, data_ptr=t.data_ptr(),
+                                   shape=tuple(t.shape), stride=tuple(t.stride()),
+                                   storage_ptr=storage.data_ptr())
+
+
+def children(value: Any) -> list[tuple[str, Any, Any]]:
+    """(kind, key, child) of containers and plain objects worth naming tensors through."""
+    if isinstance(value, (list, tuple)):
+        return [("item", i, v) for i, v in enumerate(value[:_MAX_ITEMS])]
+    if isinstance(value, dict):
+        items = [(k, v) for k, v in value.items() if isinstance(k, (str, int))]
+        return [("item", k, v) for k, v in items[:_MAX_ITEMS]]
+    if not is_plain_object(value):
+        return []
+    attrs = dict(vars(value)) if hasattr(value, "__dict__") else {}
+    for cls in type(value).__mro__:
+        for slot_name in getattr(cls, "__slots__", ()):
+            if slot_name not in ("__dict__", "__weakref__") and hasattr(value, slot_name):
+                attrs.setdefault(slot_name, getattr(value, slot_name))
+    return [("attr", k, v) for k, v in list(attrs.items())[:_MAX_ITEMS]]
+
+
+def is_plain_object(value: Any) -> bool:
+    """User objects (kernels, configs, dataclasses); not torch's own, not code or types."""
+    if isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType,
+                          types.BuiltinFunctionType, str, bytes, int, float, bool)):
+        return False
+    module = type(value).__module__ or ""
+    if module == "builtins" or module == "torch" or module.startswith("torch."):
+        return False
+    return hasattr(value, "__dict__") or hasattr(type(value), "__slots__") \
+        or dataclasses.is_dataclass(value)
+
+
+# -- helpers: messages --------------------------------------------------------------------------
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def graph_label(slot: Slot) -> str:
+    extra = len(slot.graphs) - 1
+    return slot.graph + (f" (+{extra} more)" if extra > 0 else "")
+
+
+def finding_message(slot: Slot, status: _Status) -> str:
+    graphs = f"graph '{slot.graph}'"
+    if len(slot.graphs) > 1:
+        graphs += f" (and {len(slot.graphs) - 1} more graphs)"
+    shape = ", ".join(str(d) for d in slot.shape)
+    what = f"captured tensor {slot.name} ({slot.dtype}[{shape}], {format_bytes(slot.nbytes)}"
+    if slot.created_at and "created by" not in slot.name:
+        what += f", created at {slot.created_at}"
+    head = f"{graphs} {what}) at {slot.data_ptr:#x}"
+    owner = slot.named.name if slot.named is not None else ""
+    if status.status == "freed":
+        dropped = f" (last reference dropped at {slot.freed_at})" if slot.freed_at else ""
+        now = f"; {owner} now names a different tensor at {status.new_ptr:#x}" \
+            if owner and status.new_ptr is not None else ""
+        return f"{head}, and that storage has been freed{dropped}{now}. {FIX_FREED}"
+    if status.detail == "moved":
+        return (f"{head}, but that storage now lives at {status.new_ptr:#x} (it was resized or "
+                f"re-pointed). {FIX_MOVED}")
+    if status.detail == "dropped":
+        return (f"{head}, but {owner} no longer holds a tensor; the old storage is still alive "
+                f"only through another reference. {FIX_REBOUND}")
+    return (f"{head}, but {owner} now names a different tensor at {status.new_ptr:#x}; the old "
+            f"storage is still alive, so a replay silently uses the old values. {FIX_REBOUND}")

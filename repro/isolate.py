@@ -1,0 +1,352 @@
+"""Run one trial as an isolated group of rank processes and classify how it ended.
+
+The parent never imports torch's CUDA state: it spawns `python -m repro.worker` per rank
+(a fresh interpreter, never a fork), watches exit codes and a deadline, kills the whole
+group as soon as one rank dies (a peer blocked in a collective after its neighbour's illegal
+memory access must never hang the harness), then reads the ranks' JSONL records back.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from repro.config import TrialConfig, default_expectation
+from repro.dist import MULTICAST_OFF, free_port
+from repro.outcome import (FirstFailure, Outcome, RankExit, TrialRecord, finding_from_dict,
+                           manifest_from_dict, parse_expectation, step_from_dict, worst)
+from repro.worker import TrialSpec, log_path, records_path
+
+POLL_S = 0.05
+# After the first rank dies, peers get this long to record their own error before the kill.
+GRACE_S = 2.0
+TAIL_CHARS = 3000
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Order matters: a device assert often also mentions "CUDA error", an IMA never says assert.
+ERROR_PATTERNS = [
+    (Outcome.STALE_CAPTURE, re.compile(r"StaleCaptureError")),
+    (Outcome.DEVICE_ASSERT, re.compile(r"device-side assert|cudaErrorAssert|CUDA_ERROR_ASSERT", re.I)),
+    (Outcome.ILLEGAL_ADDRESS, re.compile(
+        r"illegal memory access|cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS|"
+        r"Invalid __global__ (read|write)", re.I)),
+]
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a trial; carries the partial trial record so nothing is lost."""
+
+    def __init__(self, trial: TrialRecord):
+        super().__init__("interrupted")
+        self.trial = trial
+
+
+@dataclass
+class Rank:
+    rank: int
+    proc: subprocess.Popen
+    log: Any
+    pgid: int
+    exited_at: float | None = None
+    killed: bool = False
+
+
+@dataclass
+class Waited:
+    spawned_at: float
+    ended_at: float
+    hung: bool = False
+    interrupted: bool = False
+    first_death: int | None = None
+
+
+@dataclass
+class RankRecords:
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == kind]
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    for key, value in MULTICAST_OFF.items():
+        env.setdefault(key, value)
+    env["PYTHONUNBUFFERED"] = "1"
+    # The worker must import this very checkout, also when run as `python cli.py`.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def spawn_ranks(spec: TrialSpec, spec_path: Path, wrapper: list[str]) -> list[Rank]:
+    ranks: list[Rank] = []
+    env = child_env()
+    try:
+        for r in range(spec.world_size):
+            log = open(log_path(spec.out_dir, r), "wb")
+            cmd = [*wrapper, sys.executable, "-m", "repro.worker", str(spec_path), str(r)]
+            # Rank 0 leads a new process group (not in the terminal's foreground, so Ctrl-C
+            # reaches only the parent); the others join it so one killpg ends the trial.
+            # If rank 0 is already gone, a rank leads its own group.
+            joins = bool(ranks) and ranks[0].proc.poll() is None
+            pgid = ranks[0].pgid if joins else 0
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, cwd=os.getcwd(), process_group=pgid)
+            pgid = pgid or proc.pid
+            ranks.append(Rank(rank=r, proc=proc, log=log, pgid=pgid))
+    except BaseException:
+        kill_group(ranks)
+        raise
+    return ranks
+
+
+def kill_group(ranks: list[Rank]) -> None:
+    """SIGKILL every process group of the trial (children of ranks included) and reap."""
+    for pgid in {r.pgid for r in ranks}:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for r in ranks:
+        if r.proc.poll() is None:
+            r.killed = True
+        try:
+            r.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        r.log.close()
+
+
+def wait_group(ranks: list[Rank], deadline_s: float, spawned_at: float,
+               on_tick: Callable[[], None] | None = None) -> Waited:
+    waited = Waited(spawned_at=spawned_at, ended_at=spawned_at)
+    first_death_at = None
+    try:
+        while True:
+            now = time.monotonic()
+            for r in ranks:
+                if r.exited_at is None and r.proc.poll() is not None:
+                    r.exited_at = now
+                    if r.proc.returncode != 0 and waited.first_death is None:
+                        waited.first_death, first_death_at = r.rank, now
+            if all(r.exited_at is not None for r in ranks):
+                break
+            if first_death_at is not None and now - first_death_at > GRACE_S:
+                break
+            if now - spawned_at > deadline_s:
+                waited.hung = True
+                break
+            if on_tick:
+                on_tick()
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        waited.interrupted = True
+    finally:
+        kill_group(ranks)
+        waited.ended_at = time.monotonic()
+    return waited
+
+
+def read_records(out_dir: str, world_size: int) -> list[RankRecords]:
+    """Every complete JSON line each rank wrote; a torn last line (SIGKILL mid-write) is dropped."""
+    out = []
+    for r in range(world_size):
+        rec = RankRecords()
+        path = records_path(out_dir, r)
+        if path.exists():
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    rec.events.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        out.append(rec)
+    return out
+
+
+def tail(path: Path, chars: int = TAIL_CHARS) -> str:
+    if not path.exists():
+        return ""
+    data = path.read_bytes()[-chars:]
+    return data.decode("utf-8", errors="replace")
+
+
+def signal_name(code: int | None) -> str | None:
+    if code is None or code >= 0:
+        return None
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def classify_error(text: str) -> Outcome:
+    for outcome, pattern in ERROR_PATTERNS:
+        if pattern.search(text):
+            return outcome
+    return Outcome.CRASH
+
+
+def rank_exit(r: Rank, recs: RankRecords, out_dir: str) -> RankExit:
+    errors = recs.of("error")
+    error = f"{errors[-1]['type']}: {errors[-1]['message']}" if errors else None
+    code = r.proc.returncode
+    starts = recs.of("start")
+    return RankExit(rank=r.rank, pid=starts[0]["pid"] if starts else r.proc.pid,
+                    exitcode=None if r.killed else code, signal=None if r.killed else signal_name(code),
+                    killed_by_harness=r.killed, stderr_tail=tail(log_path(out_dir, r.rank)), error=error)
+
+
+def rank_failure(ex: RankExit, recs: RankRecords) -> Outcome | None:
+    """How a rank ended on its own: None when it finished cleanly or was killed by us."""
+    if ex.killed_by_harness:
+        return None
+    if ex.exitcode == 0 and recs.of("done"):
+        return None
+    if ex.signal:
+        return Outcome.CRASH
+    errors = recs.of("error")
+    text = "\n".join([errors[-1].get("message", ""), errors[-1].get("traceback", "")] if errors else []) \
+        + "\n" + ex.stderr_tail
+    return classify_error(text)
+
+
+def last_step(recs: RankRecords) -> int | None:
+    steps = [e["step"] for e in recs.of("step")]
+    return max(steps) if steps else None
+
+
+def crash_detail(ex: RankExit, outcome: Outcome) -> str:
+    if ex.error:
+        return ex.error.splitlines()[0][:300]
+    if ex.signal:
+        return f"killed by {ex.signal}"
+    lines = [ln for ln in ex.stderr_tail.splitlines() if ln.strip()]
+    return (lines[-1][:300] if lines else f"exit code {ex.exitcode}") if outcome != Outcome.CLEAN else ""
+
+
+def classify(cfg: TrialConfig, recs: list[RankRecords], exits: list[RankExit], waited: Waited
+             ) -> tuple[Outcome, FirstFailure | None]:
+    if any(r.of("unsupported") for r in recs):
+        reason = next(e["reason"] for r in recs for e in r.of("unsupported"))
+        return Outcome.UNSUPPORTED, FirstFailure(Outcome.UNSUPPORTED, None, None, reason)
+    died = [(ex, o) for ex, rr in zip(exits, recs) if (o := rank_failure(ex, rr)) is not None]
+    if died:
+        # The first rank to die is the failing rank; the outcome is the most severe own death.
+        first = next((d for d in died if d[0].rank == waited.first_death), died[0])
+        outcome = worst([o for _, o in died])
+        ex = first[0]
+        step = last_step(recs[ex.rank])
+        return outcome, FirstFailure(outcome, ex.rank, None if step is None else step + 1, crash_detail(ex, outcome))
+    if waited.hung:
+        stuck = [ex.rank for ex in exits if ex.killed_by_harness]
+        rank = stuck[0] if stuck else None
+        step = last_step(recs[rank]) if rank is not None else None
+        return Outcome.HANG, FirstFailure(Outcome.HANG, rank, None if step is None else step + 1,
+                                          f"no exit within the {cfg.run.deadline_s:g} s deadline; group killed")
+    if waited.interrupted:
+        return Outcome.CRASH, FirstFailure(Outcome.CRASH, None, None, "interrupted by the user (Ctrl-C)")
+    return classify_steps(recs)
+
+
+def classify_steps(recs: list[RankRecords]) -> tuple[Outcome, FirstFailure | None]:
+    steps = [step_from_dict(e) for r in recs for e in r.of("step")]
+    for kind in (Outcome.NONFINITE, Outcome.MISMATCH):
+        bad = sorted((s for s in steps if s.outcome() == kind), key=lambda s: (s.step, s.rank))
+        if bad:
+            s = bad[0]
+            what = (f"{s.nonfinite}/{s.numel} non-finite" if kind == Outcome.NONFINITE
+                    else f"{s.mismatches}/{s.compared} differ from the reference")
+            return kind, FirstFailure(kind, s.rank, s.step, f"{s.label}: {what}")
+    findings = [e for r in recs for e in r.of("finding")]
+    if findings:
+        f = findings[0]
+        return Outcome.STALE_CAPTURE, FirstFailure(Outcome.STALE_CAPTURE, f["rank"], None,
+                                                   f"{f['slot']} {f['status']} ({f['when']})")
+    return Outcome.CLEAN, None
+
+
+def phase_timings(recs: list[RankRecords], waited: Waited) -> dict[str, float]:
+    """Per phase, the slowest rank (phases run in lock-step across ranks)."""
+    timings: dict[str, float] = {}
+    starts = [e["t"] for r in recs for e in r.of("start")]
+    wall_spawn = time.time() - (time.monotonic() - waited.spawned_at)
+    if starts:
+        timings["start"] = max(0.0, min(starts) - wall_spawn)
+    for r in recs:
+        per_rank: dict[str, float] = {}
+        for e in r.of("phase"):
+            per_rank[e["name"]] = per_rank.get(e["name"], 0.0) + e["seconds"]
+        for name, sec in per_rank.items():
+            timings[name] = max(timings.get(name, 0.0), sec)
+    timings["total"] = waited.ended_at - waited.spawned_at
+    return timings
+
+
+def unique(items: list[str]) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def build_record(trial_id: str, cfg: TrialConfig, recs: list[RankRecords], exits: list[RankExit],
+                 waited: Waited, out_dir: str) -> TrialRecord:
+    outcome, first = classify(cfg, recs, exits, waited)
+    expected = parse_expectation(default_expectation(cfg))
+    steps = sorted((step_from_dict(e) for r in recs for e in r.of("step")), key=lambda s: (s.step, s.rank))
+    details: dict[str, Any] = {}
+    for r in recs:
+        for e in r.of("detail"):
+            details.update({k: v for k, v in e.items() if k not in ("event", "rank", "t")})
+    artifacts = {e["name"]: e["path"] for r in recs for e in r.of("artifact")}
+    artifacts.update({f"rank {i} records": str(records_path(out_dir, i)) for i in range(len(recs))})
+    return TrialRecord(
+        id=trial_id, scenario=cfg.scenario, mode=cfg.run.mode, config=cfg.to_dict(), outcome=outcome,
+        expected=expected, met=outcome in expected and not waited.interrupted,
+        graph_replayed=any(s.replayed for s in steps), first_failure=first, steps=steps,
+        guard_findings=[finding_from_dict(e) for r in recs for e in r.of("finding")],
+        manifests=[manifest_from_dict(e) for r in recs for e in r.of("manifest")],
+        timings=phase_timings(recs, waited), ranks=exits,
+        notes=unique([e["text"] for r in recs for e in r.of("note")]), artifacts=artifacts, details=details)
+
+
+def unsupported_record(trial_id: str, cfg: TrialConfig, reason: str) -> TrialRecord:
+    expected = parse_expectation(default_expectation(cfg))
+    return TrialRecord(id=trial_id, scenario=cfg.scenario, mode=cfg.run.mode, config=cfg.to_dict(),
+                       outcome=Outcome.UNSUPPORTED, expected=expected, met=Outcome.UNSUPPORTED in expected,
+                       graph_replayed=False,
+                       first_failure=FirstFailure(Outcome.UNSUPPORTED, None, None, reason),
+                       notes=[f"not run: {reason}"])
+
+
+def run_trial(cfg: TrialConfig, device: str, out_root: Path, trial_id: str,
+              fault: dict[str, Any] | None = None, wrapper: list[str] | None = None,
+              on_tick: Callable[[str, int], None] | None = None) -> TrialRecord:
+    """Spawn, watch, kill, classify. Raises Interrupted (with the partial record) on Ctrl-C."""
+    out_dir = out_root / trial_id
+    out_dir.mkdir(parents=True, exist_ok=True)
+    world = cfg.run.tp
+    spec = TrialSpec(trial_id=trial_id, config=cfg.to_dict(), device=device, world_size=world,
+                     port=free_port() if world > 1 else 0, out_dir=str(out_dir), fault=fault)
+    spec_path = out_dir / "spec.json"
+    spec.save(spec_path)
+    spawned_at = time.monotonic()
+    ranks = spawn_ranks(spec, spec_path, wrapper or [])
+    rank0 = records_path(out_dir, 0)
+
+    def tick() -> None:
+        if on_tick and rank0.exists():
+            on_tick(trial_id, rank0.read_text(errors="replace").count('"event": "step"'))
+
+    waited = wait_group(ranks, cfg.run.deadline_s, spawned_at, tick)
+    recs = read_records(str(out_dir), world)
+    exits = [rank_exit(r, rr, str(out_dir)) for r, rr in zip(ranks, recs)]
+    trial = build_record(trial_id, cfg, recs, exits, waited, str(out_dir))
+    if waited.interrupted:
+        trial.notes.append("interrupted by the user; records up to that point kept")
+        raise Interrupted(trial)
+    return trial

@@ -1,0 +1,226 @@
+"""Outcome taxonomy and the records a trial produces.
+
+Everything here is plain data: workers write these records (as JSON lines), the parent
+reads them back, classifies, and the report renders them. No torch import: the parent
+process must stay free of CUDA state.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+SCHEMA = "repro.report/1"
+
+
+class Outcome(str, Enum):
+    CLEAN = "CLEAN"                      # replays ran, finite, equal to the reference
+    ILLEGAL_ADDRESS = "ILLEGAL_ADDRESS"  # CUDA error 700 on any rank
+    DEVICE_ASSERT = "DEVICE_ASSERT"      # CUDA error 710 / device-side assert
+    NONFINITE = "NONFINITE"              # NaN/Inf in outputs
+    MISMATCH = "MISMATCH"                # finite but different from the reference
+    STALE_CAPTURE = "STALE_CAPTURE"      # guard found a dead/moved captured tensor, no symptom
+    HANG = "HANG"                        # a rank passed its deadline; the group was killed
+    CRASH = "CRASH"                      # any other abnormal exit
+    UNSUPPORTED = "UNSUPPORTED"          # the environment cannot run it: never a pass
+
+
+# What "the bug reproduced" means for an unfixed mode: a symptom, or the guard's latent finding.
+REPRODUCED = frozenset({
+    Outcome.ILLEGAL_ADDRESS, Outcome.DEVICE_ASSERT, Outcome.NONFINITE,
+    Outcome.MISMATCH, Outcome.STALE_CAPTURE,
+})
+
+# When ranks disagree, the trial takes the most severe outcome; a hard CUDA error outranks
+# the numbers that led up to it.
+SEVERITY = [
+    Outcome.UNSUPPORTED, Outcome.CLEAN, Outcome.STALE_CAPTURE, Outcome.MISMATCH,
+    Outcome.NONFINITE, Outcome.HANG, Outcome.CRASH, Outcome.DEVICE_ASSERT,
+    Outcome.ILLEGAL_ADDRESS,
+]
+
+
+def worst(outcomes: list[Outcome]) -> Outcome:
+    return max(outcomes, key=SEVERITY.index) if outcomes else Outcome.CLEAN
+
+
+def parse_expectation(text: str) -> list[Outcome]:
+    """'clean' | 'reproduced' | 'NONFINITE' | 'MISMATCH,NONFINITE' -> allowed outcomes."""
+    allowed: set[Outcome] = set()
+    for word in (w.strip() for w in text.split(",") if w.strip()):
+        if word.lower() == "clean":
+            allowed.add(Outcome.CLEAN)
+        elif word.lower() == "reproduced":
+            allowed |= REPRODUCED
+        else:
+            try:
+                allowed.add(Outcome(word.upper()))
+            except ValueError:
+                names = ", ".join(["clean", "reproduced"] + [o.value for o in Outcome])
+                raise ValueError(f"expectation {word!r} is not one of: {names}") from None
+    if not allowed:
+        raise ValueError("expectation is empty; use 'clean', 'reproduced' or outcome names")
+    return sorted(allowed, key=SEVERITY.index)
+
+
+@dataclass
+class StepRecord:
+    """One decode step (gemma4-mtp) or one reload+replay step (nvfp4-reload) on one rank."""
+    step: int
+    rank: int
+    batch: int                      # tokens fed to the captured region
+    replayed: bool                  # False on CPU: the eager path stood in for the graph
+    numel: int = 0                  # output elements checked for finiteness
+    nonfinite: int = 0
+    compared: int = 0               # tokens (gemma) or elements (moe) compared to the oracle
+    mismatches: int = 0
+    max_abs_err: float | None = None
+    rel_err: float | None = None
+    tolerance: float | None = None
+    seconds: float = 0.0
+    label: str = ""                 # e.g. "graph bs=16", "reload 3 (changed)"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def outcome(self) -> Outcome:
+        if self.nonfinite:
+            return Outcome.NONFINITE
+        if self.mismatches:
+            return Outcome.MISMATCH
+        return Outcome.CLEAN
+
+
+@dataclass
+class Finding:
+    """A captured tensor that the guard found dead or moved."""
+    slot: str                       # readable name, e.g. "drafter.<local lm_head_weight>"
+    graph: str                      # label of the capture that recorded it
+    status: str                     # "freed" | "rebound"
+    when: str                       # e.g. "before replay, step 0"
+    rank: int
+    shape: list[int]
+    dtype: str
+    nbytes: int
+    old_ptr: int
+    new_ptr: int | None = None
+    created_at: str | None = None   # "file:line in func" of the op that made the storage
+    freed_at: str | None = None     # where the last Python reference was dropped, when known
+    message: str = ""
+    alloc_stack: list[str] = field(default_factory=list)  # from memory history (CUDA)
+    free_stack: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Manifest:
+    """Counts of captured storages after a reload (vLLM RFC #48312's check)."""
+    when: str
+    rank: int
+    freed: int
+    rebound: int
+    unchanged: int
+
+
+@dataclass
+class FirstFailure:
+    kind: Outcome
+    rank: int | None
+    step: int | None
+    detail: str
+
+
+@dataclass
+class RankExit:
+    rank: int
+    pid: int | None
+    exitcode: int | None            # None: killed by the harness before it exited
+    signal: str | None
+    killed_by_harness: bool
+    stderr_tail: str
+    error: str | None = None        # exception text the worker recorded before dying
+
+
+@dataclass
+class TrialRecord:
+    id: str
+    scenario: str
+    mode: str
+    config: dict[str, Any]
+    outcome: Outcome
+    expected: list[Outcome]
+    met: bool
+    graph_replayed: bool
+    first_failure: FirstFailure | None = None
+    steps: list[StepRecord] = field(default_factory=list)
+    guard_findings: list[Finding] = field(default_factory=list)
+    manifests: list[Manifest] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    ranks: list[RankExit] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    artifacts: dict[str, str] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)   # after-free result, guard mechanism, ...
+
+
+@dataclass
+class Report:
+    environment: dict[str, Any]
+    trials: list[TrialRecord]
+    command: str = ""
+    created: str = ""
+    interrupted: bool = False
+    schema: str = SCHEMA
+
+    def all_met(self) -> bool:
+        return bool(self.trials) and all(t.met for t in self.trials) and not self.interrupted
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Dataclasses and enums -> plain JSON types."""
+    if isinstance(obj, Enum):
+        return obj.value
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    return obj
+
+
+def _build(cls: type, data: dict[str, Any]) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def step_from_dict(d: dict[str, Any]) -> StepRecord:
+    return _build(StepRecord, d)
+
+
+def finding_from_dict(d: dict[str, Any]) -> Finding:
+    return _build(Finding, d)
+
+
+def manifest_from_dict(d: dict[str, Any]) -> Manifest:
+    return _build(Manifest, d)
+
+
+def trial_from_dict(d: dict[str, Any]) -> TrialRecord:
+    d = dict(d)
+    d["outcome"] = Outcome(d["outcome"])
+    d["expected"] = [Outcome(e) for e in d.get("expected", [])]
+    ff = d.get("first_failure")
+    d["first_failure"] = None if ff is None else FirstFailure(
+        kind=Outcome(ff["kind"]), rank=ff.get("rank"), step=ff.get("step"), detail=ff.get("detail", ""))
+    d["steps"] = [step_from_dict(s) for s in d.get("steps", [])]
+    d["guard_findings"] = [finding_from_dict(f) for f in d.get("guard_findings", [])]
+    d["manifests"] = [manifest_from_dict(m) for m in d.get("manifests", [])]
+    d["ranks"] = [_build(RankExit, r) for r in d.get("ranks", [])]
+    return _build(TrialRecord, d)
+
+
+def report_from_dict(d: dict[str, Any]) -> Report:
+    if d.get("schema") != SCHEMA:
+        raise ValueError(f"report schema is {d.get('schema')!r}, this repro reads {SCHEMA!r}")
+    return Report(environment=d.get("environment", {}),
+                  trials=[trial_from_dict(t) for t in d.get("trials", [])],
+                  command=d.get("command", ""), created=d.get("created", ""),
+                  interrupted=d.get("interrupted", False))

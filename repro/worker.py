@@ -1,0 +1,235 @@
+"""One rank of one trial, in its own process: `python -m repro.worker SPEC.json RANK`.
+
+The worker appends every record to rank<R>.jsonl as soon as it has it (line-buffered,
+flushed), so a crash, a sticky CUDA error or a SIGKILL loses nothing already produced. It
+never renders a report; the parent reads the records back and classifies.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from repro.config import TrialConfig
+from repro.outcome import Finding, StepRecord, to_jsonable
+
+
+@dataclass
+class TrialSpec:
+    """What the parent hands every rank of a trial (written to spec.json)."""
+    trial_id: str
+    config: dict[str, Any]            # TrialConfig.to_dict()
+    device: str                       # "cuda" | "cpu"
+    world_size: int
+    port: int
+    out_dir: str
+    fault: dict[str, Any] | None = None   # test hook: {"kind", "rank", "step"}
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+
+    @staticmethod
+    def load(path: Path) -> "TrialSpec":
+        return TrialSpec(**json.loads(path.read_text()))
+
+
+def records_path(out_dir: str | Path, rank: int) -> Path:
+    return Path(out_dir) / f"rank{rank}.jsonl"
+
+
+def log_path(out_dir: str | Path, rank: int) -> Path:
+    return Path(out_dir) / f"rank{rank}.log"
+
+
+class RecordSink:
+    """Append-only JSON lines; each line is flushed before the call returns."""
+
+    def __init__(self, path: Path, rank: int):
+        self.rank = rank
+        self.file = open(path, "a", buffering=1, encoding="utf-8")
+
+    def emit(self, event: str, **fields: Any) -> None:
+        line = {"event": event, "rank": self.rank, "t": time.time(), **to_jsonable(fields)}
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
+
+
+FAULTS = ("segv", "hang", "ima-message", "exit", "sigkill", "raise")
+
+
+def inject_fault(kind: str) -> None:
+    """Test hook: make this rank fail the way real failures look from the outside."""
+    if kind == "segv":
+        faulthandler.disable()           # a bare segfault, as a crashing kernel launch would give
+        ctypes.string_at(0)
+    elif kind == "hang":
+        while True:
+            time.sleep(3600)
+    elif kind == "ima-message":
+        sys.stderr.write("RuntimeError: CUDA error: an illegal memory access was encountered\n"
+                         "CUDA kernel errors might be asynchronously reported at some other API call\n")
+        sys.stderr.flush()
+        os._exit(1)
+    elif kind == "exit":
+        os._exit(3)                      # dies silently; peers are left waiting in a collective
+    elif kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "raise":
+        raise RuntimeError("injected fault")
+
+
+@dataclass
+class WorkerContext:
+    """Everything a scenario needs on one rank; scenarios talk to the harness only through it."""
+    spec: TrialSpec
+    cfg: TrialConfig
+    rank: int
+    device: Any                        # torch.device
+    tp: Any                            # repro.dist.TP
+    sink: RecordSink
+    guard: Any                         # repro.guard.CaptureGuard
+    history: Any                       # repro.forensics.MemoryHistory
+    memory: Any                        # repro.graphs.HarnessMemory
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a phase (build, capture, reload, replays); CUDA work is synchronized first."""
+        start = time.perf_counter()
+        yield
+        self.sync()
+        seconds = time.perf_counter() - start
+        self.timings[name] = self.timings.get(name, 0.0) + seconds
+        self.sink.emit("phase", name=name, seconds=seconds)
+
+    def sync(self) -> None:
+        if self.on_gpu:
+            import torch
+            torch.cuda.synchronize(self.device)
+
+    def begin_step(self, step: int) -> None:
+        f = self.spec.fault
+        if f and f.get("rank", 0) == self.rank and f.get("step", 0) == step:
+            inject_fault(f["kind"])
+
+    def step(self, record: StepRecord) -> None:
+        self.sink.emit("step", **dataclasses.asdict(record))
+
+    def check_guard(self, when: str) -> list[Finding]:
+        """Guard check before a replay; findings are written before the replay can crash."""
+        findings = self.guard.check(when)
+        if findings:
+            self.history.annotate(findings)
+            for f in findings:
+                self.sink.emit("finding", **dataclasses.asdict(f))
+        return findings
+
+    def manifest(self, when: str) -> None:
+        self.sink.emit("manifest", **dataclasses.asdict(self.guard.manifest(when)))
+
+    def note(self, text: str) -> None:
+        self.sink.emit("note", text=text)
+
+    def detail(self, **fields: Any) -> None:
+        """Trial facts worth keeping (after-free result, mechanism, ...)."""
+        self.sink.emit("detail", **fields)
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this worker if the harness dies, so no rank outlives it."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)    # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:                # parent already gone before prctl took effect
+        os._exit(1)
+
+
+def pick_device(spec: TrialSpec, rank: int):
+    import torch
+    if spec.device == "cuda":
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank)
+    return torch.device("cpu")
+
+
+def build_context(spec: TrialSpec, rank: int, sink: RecordSink) -> WorkerContext:
+    import torch
+    from repro import dist, forensics, graphs, guard
+    cfg = TrialConfig.from_dict(spec.config)
+    torch.manual_seed(cfg.run.seed)
+    device = pick_device(spec, rank)
+    history = forensics.MemoryHistory(enabled=cfg.run.forensics and device.type == "cuda")
+    history.start()
+    start = time.perf_counter()
+    tp = dist.init_tp(rank, spec.world_size, spec.port, device, timeout_s=cfg.run.deadline_s)
+    sink.emit("phase", name="init", seconds=time.perf_counter() - start)
+    ctx = WorkerContext(spec=spec, cfg=cfg, rank=rank, device=device, tp=tp, sink=sink,
+                        guard=guard.CaptureGuard(mode=cfg.run.guard, rank=rank), history=history,
+                        memory=graphs.HarnessMemory(device))
+    ctx.timings["init"] = time.perf_counter() - start
+    return ctx
+
+
+def dump_forensics(ctx: WorkerContext) -> None:
+    if not ctx.history.available:
+        return
+    name = ctx.history.snapshot_name(ctx.cfg.scenario, ctx.rank, os.getpid())
+    path = Path(ctx.spec.out_dir) / name
+    if ctx.history.dump(path):
+        ctx.sink.emit("artifact", name=f"memory snapshot rank {ctx.rank}", path=str(path))
+
+
+def run_rank(spec: TrialSpec, rank: int) -> int:
+    from repro.scenarios import load_scenario
+    sink = RecordSink(records_path(spec.out_dir, rank), rank)
+    sink.emit("start", pid=os.getpid(), device=spec.device, world_size=spec.world_size)
+    ctx = None
+    try:
+        ctx = build_context(spec, rank, sink)
+        load_scenario(ctx.cfg.scenario).run(ctx)
+        dump_forensics(ctx)
+        sink.emit("done", graph_replayed=ctx.on_gpu, timings=ctx.timings)
+        from repro import dist
+        dist.shutdown(ctx.tp)
+        return 0
+    except BaseException as e:  # noqa: BLE001 - every failure must be recorded before exit
+        sink.emit("error", type=type(e).__name__, message=str(e)[:4000],
+                  traceback=traceback.format_exc()[-6000:])
+        if ctx is not None:
+            with contextlib.suppress(BaseException):
+                dump_forensics(ctx)
+        sys.stderr.write(traceback.format_exc())
+        sys.stderr.flush()
+        return 1
+
+
+def main(argv: list[str]) -> None:
+    die_with_parent()
+    faulthandler.enable()                # a segfault still prints the Python stack to the log
+    spec = TrialSpec.load(Path(argv[0]))
+    code = run_rank(spec, int(argv[1]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # os._exit: after a sticky CUDA error or with a dead peer, normal interpreter teardown
+    # (NCCL communicator destructors) can hang; everything worth keeping is already on disk.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

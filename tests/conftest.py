@@ -1,0 +1,35 @@
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """Pretend NVML sees no GPU, so auto device means CPU on any machine."""
+    import repro.doctor
+    monkeypatch.setattr(repro.doctor, "gpu_count", lambda *a, **k: 0)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone for our purposes only once reaped, so read its state.
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except OSError:
+        return False
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False

@@ -1,0 +1,94 @@
+"""The CLI through Typer's CliRunner: usage errors are one line + exit 2, env errors exit 3."""
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import repro.doctor
+from repro.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, list(args))
+
+
+def one_line_error(result, code=2):
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("repro: error:")
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def test_help_lists_commands_and_exit_codes():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for word in ("gemma4-mtp", "nvfp4-reload", "matrix", "doctor", "vllm-audit", "Exit codes", "130"):
+        assert word in result.stdout
+
+
+def test_scenario_help_lists_exit_codes():
+    result = invoke("gemma4-mtp", "--help")
+    assert result.exit_code == 0 and "--after-free" in result.stdout and "Exit codes" in result.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["gemma4-mtp", "--bogus"], "No such option"),
+    (["gemma4-mtp", "--tp", "two"], "Invalid value for '--tp'"),
+    (["gemma4-mtp", "--mode", "halfway"], "mode = 'halfway' is not one of"),
+    (["gemma4-mtp", "--after-free", "shred"], "after_free = 'shred' is not one of"),
+    (["gemma4-mtp", "--config", "/nope.toml"], "does not exist"),
+    (["gemma4-mtp", "--steps", "-2", "--device", "cpu"], "steps = -2 must be >= 1"),
+    (["gemma4-mtp", "--tp", "0", "--device", "cpu"], "tp = 0 must be >= 1"),
+    (["gemma4-mtp", "--set", "model.vocab_size=4001", "--device", "cpu"], "not divisible"),
+    (["gemma4-mtp", "--set", "oops"], "expected SECTION.KEY=VALUE"),
+    (["gemma4-mtp", "--identity-reload", "--device", "cpu"], "No such option"),
+    (["nvfp4-reload", "--config", "gemma4-tiny"], "preset is for scenario 'gemma4-mtp'"),
+    (["nvfp4-reload", "--tp", "2"], "No such option"),
+    (["gemma4-mtp", "--expect", "works", "--device", "cpu"], "expectation 'works'"),
+    (["matrix", "--config", "/nope.toml"], "does not exist"),
+    (["selftest", "--inject-fault", "melt@0:0", "--device", "cpu"], "kind 'melt'"),
+    (["vllm-audit", "--path", "/nonexistent-dir"], "/nonexistent-dir"),
+])
+def test_bad_input_one_line_exit_2(args, needle):
+    assert needle in one_line_error(invoke(*args))
+
+
+def test_tp_larger_than_gpus_is_environment_exit_3(monkeypatch, tmp_path):
+    monkeypatch.setattr(repro.doctor, "gpu_count", lambda *a, **k: 1)
+    result = invoke("gemma4-mtp", "--tp", "2", "--device", "cuda", "--artifacts", str(tmp_path), "--json", "-")
+    assert result.exit_code == 3
+    doc = json.loads(result.stdout)
+    assert doc["trials"][0]["outcome"] == "UNSUPPORTED" and doc["trials"][0]["met"] is False
+    assert "needs 2 GPUs, 1 visible" in doc["trials"][0]["first_failure"]["detail"]
+
+
+def test_print_config_resolves_cpu_preset(no_gpu):
+    result = invoke("gemma4-mtp", "--print-config", "--mode", "fixed")
+    assert result.exit_code == 0
+    cfg = json.loads(result.stdout)
+    assert cfg["preset"] == "gemma4-tiny" and cfg["device"] == "cpu" and cfg["run"]["mode"] == "fixed"
+    assert cfg["run"]["after_free"] == "release"
+
+
+def test_print_config_real_preset_when_named(no_gpu):
+    cfg = json.loads(invoke("nvfp4-reload", "--config", "qwen3-30b-a3b-moe", "--print-config").stdout)
+    assert cfg["model"]["num_experts"] == 128 and cfg["run"]["after_free"] == "poison"
+
+
+def test_doctor_without_gpu_exits_0(monkeypatch):
+    result = invoke("doctor", "--json", "-")
+    assert result.exit_code == 0
+    env = json.loads(result.stdout)
+    assert "torch" in env and "gpus" in env
+
+
+def test_selftest_json_stdout_is_only_json(tmp_path, no_gpu):
+    result = invoke("selftest", "--tp", "2", "--steps", "2", "--artifacts", str(tmp_path), "--json", "-")
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)                  # nothing but JSON on stdout
+    assert doc["schema"] == "repro.report/1"
+    assert doc["trials"][0]["outcome"] == "CLEAN"

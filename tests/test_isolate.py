@@ -1,0 +1,149 @@
+"""The trial runner under injected faults: classification, deadline, no process left behind.
+
+Each trial is the harness self-test at TP=2 on gloo: every step all-gathers across ranks, so a
+dead rank leaves its peer blocked in a real collective.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, alive, group_alive
+from repro.isolate import GRACE_S, run_trial
+from repro.outcome import Outcome
+from repro.runner import plan
+
+DEADLINE = 20.0
+
+
+def selftest(tmp_path, fault=None, steps=3, deadline=DEADLINE):
+    p = plan("selftest", None, {"tp": 2, "steps": steps, "device": "cpu", "deadline_s": deadline}, [], gpus=0)
+    start = time.monotonic()
+    trial = run_trial(p.cfg, "cpu", tmp_path, "t", fault=fault)
+    return trial, time.monotonic() - start
+
+
+def assert_nothing_left(trial):
+    pids = [r.pid for r in trial.ranks if r.pid]
+    assert pids, "every rank recorded its pid"
+    assert not any(alive(pid) for pid in pids)
+    assert not group_alive(pids[0])
+
+
+def steps_of(trial, rank):
+    return sorted(s.step for s in trial.steps if s.rank == rank)
+
+
+def test_clean_run(tmp_path):
+    trial, _ = selftest(tmp_path)
+    assert trial.outcome == Outcome.CLEAN and trial.met
+    assert steps_of(trial, 0) == [0, 1, 2] and steps_of(trial, 1) == [0, 1, 2]
+    assert all(r.exitcode == 0 and not r.killed_by_harness for r in trial.ranks)
+    assert trial.timings["total"] > 0 and "init" in trial.timings
+    assert_nothing_left(trial)
+
+
+def test_segfault_is_crash_with_signal(tmp_path):
+    trial, elapsed = selftest(tmp_path, {"kind": "segv", "rank": 0, "step": 1})
+    assert trial.outcome == Outcome.CRASH
+    assert trial.first_failure.rank == 0 and trial.first_failure.step == 1
+    assert trial.ranks[0].signal == "SIGSEGV"
+    assert trial.ranks[1].killed_by_harness          # it was waiting in the all-gather
+    assert steps_of(trial, 0) == [0]
+    assert elapsed < DEADLINE
+    assert_nothing_left(trial)
+
+
+def test_hang_is_killed_at_deadline(tmp_path):
+    deadline = 8.0
+    trial, elapsed = selftest(tmp_path, {"kind": "hang", "rank": 1, "step": 1}, deadline=deadline)
+    assert trial.outcome == Outcome.HANG
+    assert trial.first_failure.step == 1
+    assert deadline <= elapsed < deadline + 5
+    assert all(r.killed_by_harness for r in trial.ranks)
+    assert_nothing_left(trial)
+
+
+def test_cuda_700_message_is_illegal_address(tmp_path):
+    trial, elapsed = selftest(tmp_path, {"kind": "ima-message", "rank": 0, "step": 0})
+    assert trial.outcome == Outcome.ILLEGAL_ADDRESS
+    assert trial.first_failure.rank == 0 and trial.first_failure.step == 0
+    assert "illegal memory access" in trial.ranks[0].stderr_tail
+    assert elapsed < DEADLINE
+    assert_nothing_left(trial)
+
+
+def test_rank_dies_while_peer_waits_in_gloo_all_gather(tmp_path):
+    trial, elapsed = selftest(tmp_path, {"kind": "exit", "rank": 1, "step": 1})
+    assert trial.outcome == Outcome.CRASH
+    assert trial.first_failure.rank == 1 and trial.first_failure.step == 1
+    assert trial.ranks[1].exitcode == 3
+    assert trial.ranks[0].killed_by_harness
+    # Killed right after the grace period, long before the deadline.
+    assert elapsed < GRACE_S + 10
+    assert_nothing_left(trial)
+
+
+def test_sigkill_keeps_earlier_records(tmp_path):
+    trial, _ = selftest(tmp_path, {"kind": "sigkill", "rank": 0, "step": 2})
+    assert trial.outcome == Outcome.CRASH
+    assert trial.ranks[0].signal == "SIGKILL"
+    assert steps_of(trial, 0) == [0, 1]              # written before the kill, still there
+    assert_nothing_left(trial)
+
+
+def test_exception_is_recorded(tmp_path):
+    trial, _ = selftest(tmp_path, {"kind": "raise", "rank": 0, "step": 0})
+    assert trial.outcome == Outcome.CRASH
+    assert trial.ranks[0].error == "RuntimeError: injected fault"
+    assert_nothing_left(trial)
+
+
+def cli(*args, **kw):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-m", "repro", *args], cwd=kw.get("cwd"), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_pids(root, n, timeout=30):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        pids = []
+        for f in root.rglob("rank*.jsonl"):
+            pids += [json.loads(l)["pid"] for l in f.read_text().splitlines() if '"start"' in l]
+        if len(pids) >= n:
+            return pids
+        time.sleep(0.1)
+    raise AssertionError("workers did not start")
+
+
+def test_ctrl_c_exits_130_keeps_records_no_orphans(tmp_path):
+    out = tmp_path / "r.json"
+    proc = cli("selftest", "--tp", "2", "--steps", "3", "--device", "cpu", "--deadline", "60",
+               "--inject-fault", "hang@1:1", "--artifacts", str(tmp_path / "a"), "--json", str(out))
+    pids = wait_for_pids(tmp_path / "a", 2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    report = json.loads(out.read_text())
+    assert report["interrupted"] is True
+    assert any(s["step"] == 0 for s in report["trials"][0]["steps"])   # records kept
+    time.sleep(0.5)
+    assert not any(alive(p) for p in pids)
+
+
+def test_harness_killed_takes_workers_with_it(tmp_path):
+    proc = cli("selftest", "--tp", "2", "--device", "cpu", "--deadline", "60",
+               "--inject-fault", "hang@0:0", "--artifacts", str(tmp_path / "a"))
+    pids = wait_for_pids(tmp_path / "a", 2)
+    proc.kill()
+    proc.wait(timeout=10)
+    end = time.monotonic() + 10
+    while time.monotonic() < end and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)

@@ -1,0 +1,449 @@
+"""Report rendering and artifacts, on hand-built records (CPU only, no torch)."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+from rich.console import Console
+
+from repro import report as rp
+from repro.outcome import (
+    Finding, FirstFailure, Manifest, Outcome, RankExit, Report, StepRecord, TrialRecord,
+    parse_expectation, report_from_dict, to_jsonable,
+)
+
+LM_HEAD_PTR = 0x7F2A40000000
+SLOT = "drafter.<local lm_head_weight>"
+
+
+def config(scenario: str, mode: str, tp: int = 1, after_free: str = "release", **run) -> dict:
+    return {"scenario": scenario, "preset": "tiny", "model": {"vocab_size": 1024},
+            "run": {"mode": mode, "tp": tp, "after_free": after_free, "steps": 8, **run}}
+
+
+def clean_trial() -> TrialRecord:
+    steps = [StepRecord(step=i, rank=r, batch=16, replayed=True, numel=4096, compared=16,
+                        max_abs_err=0.0, tolerance=1e-2, seconds=0.002, label="graph bs=16")
+             for i in range(2) for r in range(2)]
+    return TrialRecord(
+        id="gemma4-mtp-fixed-tp2", scenario="gemma4-mtp", mode="fixed", config=config("gemma4-mtp", "fixed", tp=2),
+        outcome=Outcome.CLEAN, expected=[Outcome.CLEAN], met=True, graph_replayed=True, steps=steps,
+        timings={"start": 1.5, "replays": 0.2, "total": 4.0})
+
+
+def illegal_address_trial() -> TrialRecord:
+    finding = Finding(
+        slot=SLOT, graph="centroids bs=16", status="freed", when="before replay, step 0", rank=0,
+        shape=[262144, 256], dtype="bfloat16", nbytes=134217728, old_ptr=LM_HEAD_PTR,
+        created_at="repro/scenarios/gemma4_mtp.py:88 in get_full_lm_head_weight",
+        freed_at="repro/scenarios/gemma4_mtp.py:131 in setup_centroids_cuda_graphs",
+        alloc_stack=["gemma4_mtp.py:88 get_full_lm_head_weight", "gemma4_mtp.py:120 setup_centroids_cuda_graphs",
+                     "worker.py:40 run", "worker.py:12 main"],
+        free_stack=["gemma4_mtp.py:131 setup_centroids_cuda_graphs"])
+    return TrialRecord(
+        id="gemma4-mtp-unfixed-tp2", scenario="gemma4-mtp", mode="unfixed",
+        config=config("gemma4-mtp", "unfixed", tp=2),
+        outcome=Outcome.ILLEGAL_ADDRESS, expected=parse_expectation("reproduced"), met=True, graph_replayed=True,
+        first_failure=FirstFailure(Outcome.ILLEGAL_ADDRESS, 0, 0,
+                                   "CUDA error: an illegal memory access was encountered"),
+        steps=[StepRecord(step=0, rank=1, batch=16, replayed=True, numel=4096, compared=16, max_abs_err=0.0,
+                          tolerance=1e-2, seconds=0.003, label="graph bs=16")],
+        guard_findings=[finding],
+        timings={"total": 7.4, "start": 1.9, "init": 0.6, "build": 1.1, "capture": 0.8, "replays": 0.1},
+        ranks=[RankExit(rank=0, pid=4242, exitcode=1, signal=None, killed_by_harness=False,
+                        stderr_tail="Traceback (most recent call last):\n  [rank0]: replay()\n"
+                                    "torch.AcceleratorError: CUDA error: an illegal memory access\n"
+                                    "<script>alert(1)</script>\n",
+                        error="AcceleratorError: CUDA error 700"),
+               RankExit(rank=1, pid=4243, exitcode=None, signal="SIGKILL", killed_by_harness=True,
+                        stderr_tail="\x1b[31mwaiting in all_gather\x1b[0m\n")],
+        notes=["after-free=release: gc.collect(); torch.cuda.empty_cache() after capture"],
+        artifacts={"rank0 records": "runs/gemma4-mtp-unfixed-tp2/rank0.jsonl"})
+
+
+def cpu_trial() -> TrialRecord:
+    finding = Finding(slot="drafter.<local lm_head_weight>", graph="centroids bs=4", status="freed",
+                      when="before replay, step 0", rank=1, shape=[1024, 16], dtype="float32", nbytes=65536,
+                      old_ptr=0x55D0C0DE0000)
+    return TrialRecord(
+        id="gemma4-mtp-unfixed-cpu", scenario="gemma4-mtp", mode="unfixed",
+        config=config("gemma4-mtp", "unfixed", 2, device="cpu"),
+        outcome=Outcome.STALE_CAPTURE, expected=parse_expectation("reproduced"), met=True, graph_replayed=False,
+        first_failure=FirstFailure(Outcome.STALE_CAPTURE, 1, 0, "captured lm_head storage freed"),
+        steps=[StepRecord(step=0, rank=1, batch=4, replayed=False, numel=64, compared=4, seconds=0.01)],
+        guard_findings=[finding], timings={"total": 2.0})
+
+
+def unsupported_trial(met: bool = False) -> TrialRecord:
+    return TrialRecord(
+        id="gemma4-mtp-unfixed-tp8", scenario="gemma4-mtp", mode="unfixed", config=config("gemma4-mtp", "unfixed", 8),
+        outcome=Outcome.UNSUPPORTED,
+        expected=[Outcome.UNSUPPORTED] if met else parse_expectation("reproduced"), met=met,
+        graph_replayed=False, first_failure=FirstFailure(Outcome.UNSUPPORTED, None, None, "tp=8 needs 8 GPUs, found 1"))
+
+
+def mismatch_trial() -> TrialRecord:
+    # 50 reload steps; the first 5 are clean, then every one mismatches.
+    steps = [StepRecord(step=i, rank=0, batch=64, replayed=True, numel=131072, compared=131072,
+                        mismatches=0 if i < 5 else 9000 + i, max_abs_err=0.001 if i < 5 else 3.5,
+                        rel_err=0.0005 if i < 5 else 0.9, tolerance=0.05, seconds=0.004,
+                        label=f"reload {i} (changed)") for i in range(50)]
+    return TrialRecord(
+        id="nvfp4-reload-kernel-reuse", scenario="nvfp4-reload", mode="kernel-reuse",
+        config=config("nvfp4-reload", "kernel-reuse", after_free="poison"),
+        outcome=Outcome.MISMATCH, expected=[Outcome.CLEAN], met=False, graph_replayed=True,
+        first_failure=FirstFailure(Outcome.MISMATCH, 0, 5, "9005/131072 elements above tolerance"),
+        steps=steps,
+        manifests=[Manifest(when=f"after reload {i}", rank=0, freed=3, rebound=1, unchanged=12) for i in range(2)],
+        timings={"custom": 0.5, "reload": 1.0, "start": 1.0, "total": 9.0})
+
+
+def full_report(**kw) -> Report:
+    return Report(environment={"summary": "2x NVIDIA H200 · torch 2.11 · CUDA 13.0", "gpus": 2},
+                  trials=[clean_trial(), illegal_address_trial(), cpu_trial(), unsupported_trial(), mismatch_trial()],
+                  command="repro matrix", created="2025-01-01T00:00:00Z", **kw)
+
+
+def trial_text(trial: TrialRecord, width: int = 160) -> str:
+    console = Console(record=True, width=width, file=io.StringIO(), color_system=None)
+    rp.render_trial(trial, console)
+    return console.export_text()
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+
+def test_outcome_styles_group_failures_red_and_keep_unsupported_apart():
+    assert "green" in rp.outcome_style(Outcome.CLEAN)
+    assert "yellow" in rp.outcome_style(Outcome.STALE_CAPTURE)
+    assert "magenta" in rp.outcome_style(Outcome.UNSUPPORTED)
+    for o in (Outcome.ILLEGAL_ADDRESS, Outcome.DEVICE_ASSERT, Outcome.NONFINITE, Outcome.MISMATCH,
+              Outcome.HANG, Outcome.CRASH):
+        assert "red" in rp.outcome_style(o)
+
+
+def test_describe_has_one_distinct_sentence_per_outcome_and_places_the_failure():
+    sentences = {rp.describe(o) for o in Outcome}
+    assert len(sentences) == len(Outcome)
+    text = rp.describe(Outcome.ILLEGAL_ADDRESS, FirstFailure(Outcome.ILLEGAL_ADDRESS, 0, 0, ""))
+    assert text.startswith("CUDA error 700 on rank 0 at step 0: the replay touched memory returned to the driver")
+    assert "not a pass" in rp.describe(Outcome.UNSUPPORTED)
+
+
+@pytest.mark.parametrize("n, text", [(None, "-"), (512, "512 B"), (1536, "1.5 KiB"),
+                                     (134217728, "128 MiB"), (3 * 1024**3, "3 GiB")])
+def test_fmt_bytes(n, text):
+    assert rp.fmt_bytes(n) == text
+
+
+def test_fmt_ptr():
+    assert rp.fmt_ptr(LM_HEAD_PTR) == "0x7f2a40000000"
+    assert rp.fmt_ptr(None) == "-"
+
+
+def test_report_module_does_not_import_torch():
+    # The parent renders reports and must stay free of CUDA state; a fresh interpreter shows it.
+    code = "import sys, repro.report; assert 'torch' not in sys.modules, 'torch imported'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 0, result.stderr
+
+
+# ---- console rendering ----------------------------------------------------------------------
+
+
+def test_report_text_names_every_outcome_and_the_tally():
+    text = rp.report_to_text(full_report())
+    assert text.splitlines()[0].startswith("environment: 2x NVIDIA H200")
+    for name in ("CLEAN", "ILLEGAL_ADDRESS", "STALE_CAPTURE", "UNSUPPORTED", "MISMATCH"):
+        assert name in text
+    assert "gemma4-mtp · unfixed · tp=2 · after-free=release" in text
+    assert "Summary" in text
+    assert "3/5 trials met their expectation" in text
+    assert "interrupted" not in text
+
+
+def test_interrupted_report_says_so():
+    assert "interrupted" in rp.report_to_text(full_report(interrupted=True)).splitlines()[-1]
+
+
+def test_single_trial_report_has_no_summary_table():
+    text = rp.report_to_text(Report(environment={}, trials=[clean_trial()]))
+    assert "Summary" not in text
+    assert "1/1 trials met their expectation" in text
+
+
+def test_cpu_line_only_for_the_cpu_trial():
+    assert rp.CPU_NOTE in trial_text(cpu_trial())
+    for trial in (clean_trial(), illegal_address_trial(), mismatch_trial()):
+        assert "No CUDA graph was replayed" not in trial_text(trial)
+
+
+def test_illegal_address_trial_shows_finding_meaning_and_rank_exits():
+    text = trial_text(illegal_address_trial())
+    assert SLOT in text
+    assert "0x7f2a40000000" in text
+    assert "128 MiB" in text
+    assert "CUDA error 700 on rank 0 at step 0" in text
+    assert "gemma4_mtp.py:88 get_full_lm_head_weight" in text   # top alloc frame
+    assert "(+1 more frames)" in text                          # 4 frames, 3 shown
+    assert "killed by harness (SIGKILL)" in text
+    assert "[rank0]: replay()" in text                         # brackets survive (no markup)
+    assert "\x1b" not in text and "waiting in all_gather" in text
+
+
+def test_rank_exits_only_for_process_level_failures():
+    trial = mismatch_trial()
+    trial.ranks = [RankExit(rank=0, pid=1, exitcode=0, signal=None, killed_by_harness=False, stderr_tail="bye")]
+    assert "Rank exits" not in trial_text(trial)
+    assert "Rank exits" in trial_text(illegal_address_trial())
+
+
+def test_long_step_list_is_capped_with_a_hidden_rows_note():
+    text = trial_text(mismatch_trial())
+    rows = [line for line in text.splitlines() if "reload " in line and "(changed)" in line]
+    assert len(rows) == rp.MAX_STEP_ROWS
+    assert f"{50 - rp.MAX_STEP_ROWS} rows hidden" in text
+    assert "first failing step 5 on rank 0" in text
+    assert "reload 2 (changed)" in text   # context before the first failure is kept
+
+
+def test_findings_of_one_storage_in_many_graphs_are_grouped():
+    trial = illegal_address_trial()
+    base = trial.guard_findings[0]
+    trial.guard_findings = [Finding(**{**base.__dict__, "graph": f"centroids bs={bs}"}) for bs in (1, 2, 4, 8, 16, 32, 64)]
+    text = trial_text(trial)
+    assert "Guard findings (7)" in text
+    assert text.count(f"FREED {SLOT}") == 1
+    assert "in 7 graphs: centroids bs=1, centroids bs=2" in text
+
+
+def test_narrow_console_keeps_outcomes_whole_and_lines_short():
+    text = rp.report_to_text(full_report(), width=80)
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= 80
+    summary = text[text.rindex("Summary"):]
+    for name in ("CLEAN", "ILLEGAL_ADDRESS", "STALE_CAPTURE", "UNSUPPORTED", "MISMATCH"):
+        assert name in summary
+    assert "…" not in summary   # nothing truncated; long entries wrap instead
+
+
+def test_step_selection_fills_the_cap_after_a_lone_failure():
+    steps = [StepRecord(step=i, rank=0, batch=1, replayed=True, nonfinite=1 if i == 40 else 0, numel=8)
+             for i in range(100)]
+    shown = rp.select_steps(steps)
+    assert len(shown) == rp.MAX_STEP_ROWS
+    assert shown[0] == 40 - rp.CONTEXT_STEP_ROWS and 40 in shown
+
+
+def test_manifests_and_timings_order():
+    text = trial_text(mismatch_trial())
+    assert "after reload 1" in text
+    line = next(line for line in text.splitlines() if line.startswith("timings:"))
+    assert line.index("start") < line.index("reload") < line.index("total") < line.index("custom")
+
+
+def test_unsupported_is_never_rendered_as_a_pass():
+    for met in (True, False):
+        trial = unsupported_trial(met=met)
+        text = trial_text(trial)
+        assert "UNSUPPORTED" in text
+        assert "✓" not in text
+        assert "not a pass" in text
+    for width in (160, 80):   # the table, and the narrow one-line-per-trial form
+        text = rp.report_to_text(Report(environment={}, trials=[unsupported_trial(met=True), clean_trial()]),
+                                 width=width)
+        summary = text[text.index("Summary"):]
+        row = next(line for line in summary.splitlines() if "UNSUPPORTED" in line)
+        assert "✓" not in row, row
+        clean_row = next(line for line in summary.splitlines() if "CLEAN" in line)
+        assert "✓" in clean_row
+
+
+def test_render_summary_prints_only_the_table():
+    console = Console(record=True, width=160, file=io.StringIO(), color_system=None)
+    rp.render_summary(full_report(), console)
+    text = console.export_text()
+    assert "first failure" in text and "MISMATCH" in text
+    assert "environment" not in text and "Guard findings" not in text
+
+
+# ---- artifacts ------------------------------------------------------------------------------
+
+
+def test_json_round_trip(tmp_path):
+    report = full_report()
+    path = tmp_path / "deep" / "dir" / "report.json"
+    rp.write_json(report, path)
+    back = report_from_dict(json.loads(path.read_text()))
+    assert to_jsonable(back) == to_jsonable(report)
+
+
+def test_json_is_strict_even_with_nonfinite_numbers(tmp_path):
+    report = full_report()
+    report.trials[4].steps[10].max_abs_err = float("inf")
+    report.trials[4].steps[11].rel_err = float("nan")
+    path = tmp_path / "r.json"
+    rp.write_json(report, path)
+
+    def reject(token):
+        raise AssertionError(f"non-standard JSON token {token}")
+
+    data = json.loads(path.read_text(), parse_constant=reject)
+    assert data["trials"][4]["steps"][10]["max_abs_err"] == "Infinity"
+    assert data["trials"][4]["steps"][11]["rel_err"] == "NaN"
+    assert "Infinity" in rp.report_to_text(report_from_dict(data))
+
+
+def test_json_dash_writes_only_json_to_stdout(capsys):
+    rp.write_json(full_report(), "-")
+    out, err = capsys.readouterr()
+    assert json.loads(out)["schema"] == "repro.report/1"
+    assert err == ""
+
+
+def junit_root(tmp_path, report: Report) -> ET.Element:
+    path = tmp_path / "junit.xml"
+    rp.write_junit(report, path)
+    return ET.parse(path).getroot()
+
+
+def test_junit_counts_and_cases(tmp_path):
+    suite = junit_root(tmp_path, full_report()).find("testsuite")
+    assert suite.get("name") == "repro"
+    # mismatch (unmet) and unsupported (unmet) fail; nothing is skipped.
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("5", "2", "0")
+    assert float(suite.get("time")) == pytest.approx(4.0 + 7.4 + 2.0 + 9.0)
+    cases = suite.findall("testcase")
+    assert [c.get("classname") for c in cases][:2] == ["repro.gemma4-mtp", "repro.gemma4-mtp"]
+    assert cases[1].get("name") == "unfixed[tp=2,after_free=release]"
+    assert cases[2].get("name") == "unfixed[tp=2,after_free=release,device=cpu]"
+    failure = cases[4].find("failure")
+    assert failure.get("message") == "outcome MISMATCH, expected CLEAN"
+    assert "9005/131072 elements above tolerance" in failure.text
+    props = {p.get("name"): p.get("value") for p in cases[1].iter("property")}
+    assert props["outcome"] == "ILLEGAL_ADDRESS" and props["expected"] == "reproduced"
+
+
+def test_junit_names_stay_unique(tmp_path):
+    twin = illegal_address_trial()
+    twin.id = "second-run"
+    cases = junit_root(tmp_path, Report(environment={}, trials=[illegal_address_trial(), twin])).iter("testcase")
+    names = [c.get("name") for c in cases]
+    assert len(set(names)) == 2 and names[1] == "unfixed[tp=2,after_free=release,id=second-run]"
+
+
+def test_lifecycle_flags_appear_in_title_and_case_name(tmp_path):
+    trial = clean_trial()
+    trial.config["run"]["reload_drafter"] = True
+    trial.config["run"]["after_free"] = ""   # unresolved: the scenario default is named
+    assert rp.trial_title(trial) == "gemma4-mtp · fixed · tp=2 · after-free=release · reload-drafter"
+    case = junit_root(tmp_path, Report(environment={}, trials=[trial])).find("testsuite/testcase")
+    assert case.get("name") == "fixed[tp=2,after_free=release,reload_drafter]"
+
+
+def test_junit_unsupported_is_skipped_only_when_expected(tmp_path):
+    suite = junit_root(tmp_path, Report(environment={}, trials=[unsupported_trial(met=True), clean_trial()])
+                       ).find("testsuite")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("2", "0", "1")
+    skipped = suite.findall("testcase")[0]
+    assert skipped.find("skipped") is not None and skipped.find("failure") is None
+    suite = junit_root(tmp_path, Report(environment={}, trials=[unsupported_trial(met=False)])).find("testsuite")
+    assert (suite.get("failures"), suite.get("skipped")) == ("1", "0")
+
+
+def test_junit_survives_control_characters_in_stderr(tmp_path):
+    report = Report(environment={}, trials=[illegal_address_trial()])
+    report.trials[0].met = False
+    report.trials[0].ranks[0].stderr_tail = "bell\x07 nul\x00 esc\x1b[1mbold\x1b[0m"
+    case = junit_root(tmp_path, report).find("testsuite/testcase")
+    assert "bell nul escbold" in case.find("failure").text
+    assert SLOT in case.find("failure").text
+
+
+def test_html_is_self_contained_and_escaped(tmp_path):
+    path = tmp_path / "report.html"
+    rp.write_html(full_report(), path)
+    page = path.read_text()
+    assert page.startswith("<!DOCTYPE html>")
+    assert "<script" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "drafter.&lt;local lm_head_weight&gt;" in page
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)
+    assert "<style>" in page
+    assert page.count("<section") == 5
+    assert "<details>" in page    # the long trial keeps all its rows, folded
+
+
+def test_atomic_write_replaces_and_leaves_no_temp_files(tmp_path):
+    path = tmp_path / "out" / "report.json"
+    path.parent.mkdir()
+    path.write_text("old")
+    rp.write_json(full_report(), path)
+    assert json.loads(path.read_text())["command"] == "repro matrix"
+    rp.write_html(full_report(), tmp_path / "out" / "report.html")
+    assert sorted(os.listdir(path.parent)) == ["report.html", "report.json"]
+
+
+def test_write_text_atomic_creates_parents_and_honours_umask(tmp_path):
+    target = rp.write_text_atomic(tmp_path / "a" / "b" / "env.json", "{}\n")
+    assert target.read_text() == "{}\n"
+    old = os.umask(0o022)
+    try:
+        mode = rp.write_text_atomic(tmp_path / "perm.txt", "x").stat().st_mode & 0o777
+    finally:
+        os.umask(old)
+    assert mode == 0o644   # not mkstemp's 0o600: CI must be able to read the artifact
+
+
+def test_failed_atomic_write_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "report.xml"
+    path.write_text("old")
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(rp.os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        rp.write_junit(full_report(), path)
+    assert path.read_text() == "old"
+    assert os.listdir(tmp_path) == ["report.xml"]
+
+
+# ---- progress -------------------------------------------------------------------------------
+
+
+def test_progress_without_a_terminal_prints_plain_lines():
+    stream = io.StringIO()
+    console = Console(file=stream, width=40, force_terminal=False)
+    with rp.Progress(console) as progress:
+        progress.add("t1", "gemma4-mtp unfixed tp=2 with a long label that must not wrap", 8)
+        progress.update("t1", 1, "replay [bs=16]")
+        progress.update("t1", 1, "replay [bs=16]")   # repeat: no new line
+        progress.update("t1", 2, "replay [bs=16]")
+        progress.finish("t1", Outcome.ILLEGAL_ADDRESS)
+    out = stream.getvalue()
+    assert "\x1b" not in out and "\r" not in out
+    lines = out.splitlines()
+    assert len(lines) == 4
+    assert lines[0] == "[t1] started gemma4-mtp unfixed tp=2 with a long label that must not wrap (8 steps)"
+    assert lines[1] == "[t1] step 1/8 replay [bs=16]"
+    assert lines[3].startswith("[t1] finished ILLEGAL_ADDRESS in ")
+
+
+def test_progress_on_a_terminal_uses_the_live_display():
+    stream = io.StringIO()
+    console = Console(file=stream, width=100, force_terminal=True, color_system="standard")
+    with rp.Progress(console) as progress:
+        progress.add("t1", "nvfp4-reload [unfixed]", 5)
+        progress.update("t1", 3, "reload [3]")
+        progress.finish("t1", Outcome.NONFINITE)
+    out = stream.getvalue()
+    assert "NONFINITE" in out
+    assert "nvfp4-reload [unfixed]" in out
+    assert "\x1b[" in out   # a live display, not plain lines
