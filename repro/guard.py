@@ -41,8 +41,8 @@ Without a GPU, wrap the same code in ``guard.recording("head bs=16")`` instead o
 
 Limits: only tensors that reach the PyTorch dispatcher are seen (aten ops and registered custom
 ops); a raw Triton launch or a C++ extension that takes pointers directly is invisible, as it is
-to PyTorch's own check. Names for plain attributes are found up to three hops below a watched
-owner (``owner.obj.sub.tensor``).
+to PyTorch's own check. Names for plain attributes are found up to four hops below a watched
+owner (``owner.obj.sub.tensor``, ``owner.graphs[16].inputs[0]``).
 """
 from __future__ import annotations
 
@@ -82,13 +82,14 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PLUMBING = frozenset({__file__, os.path.abspath(__file__), contextlib.__file__, weakref.__file__})
 # nn.Module bookkeeping attributes (hook dicts, _parameters, ...): walked another way or not at all.
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
-_MAX_HOPS = 3             # owner.a.b.tensor: "one or two levels down in attribute objects"
+_MAX_HOPS = 4             # owner.a.b.tensor, owner.graphs[16].inputs[0]
 _MAX_ITEMS = 256          # per list / dict while naming
 _MAX_NODES = 20_000       # per index build, so a huge object graph cannot stall a capture
 _MAX_DROP_REFS = 16       # tensor objects per slot whose death we listen for
 _LOCAL_SCAN_FRAMES = 12   # user frames searched for a local variable holding the tensor
 _PRUNE_EVERY = 4096       # births recorded between sweeps of dead entries
 _CACHE = dis.opmap.get("CACHE", -1)
+_LOCALS_ARE_SNAPSHOTS = sys.version_info < (3, 13)
 
 
 class StaleCaptureError(RuntimeError):
@@ -129,8 +130,18 @@ class Slot:
 
 @dataclass(frozen=True)
 class _Owner:
+    """A watched object. When its watch name extends another owner's ("moe.quant_method" under
+    "moe") and that path reaches it, it is found through the parent at every use, so rebinding
+    `layer.quant_method` is seen; otherwise it is held (weakly where the type allows)."""
     name: str
-    get: Callable[[], Any]        # weakref.ref where possible: the guard must not extend lifetimes
+    held: Callable[[], Any]       # weakref.ref where possible: the guard must not extend lifetimes
+    parent: _Owner | None = None
+    steps: tuple[tuple[str, Any], ...] = ()
+
+    def get(self) -> Any:
+        if self.parent is None:
+            return self.held()
+        return follow(self.parent.get(), self.steps)
 
 
 @dataclass(frozen=True)
@@ -224,8 +235,9 @@ class CaptureGuard:
         """Register an owner (module, kernel or config object, dataclass, dict, tensor)."""
         if self.mode == "off":
             return
-        self._owners = [o for o in self._owners if o.name != name]
-        self._owners.append(_Owner(name, hold(obj)))
+        owners = [o for o in self._owners if o.name != name]
+        owners.append(_Owner(name, hold(obj)))
+        self._owners = bind_owners(owners)
 
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:
@@ -587,14 +599,28 @@ def holder_of(key: int, frame: types.FrameType | None) -> tuple[str, str] | None
         frame = user_frame(frame)
         if frame is None:
             break
-        for var, value in list(frame.f_locals.items()):
-            if isinstance(value, torch.Tensor):
-                storage = storage_of(value)
-                if storage is not None and storage._cdata == key:
-                    found = (var, frame.f_code.co_name)
-                    break
+        for var, value in frame_locals(frame):
+            if isinstance(value, torch.Tensor) and storage_key(value) == key:
+                found = (var, frame.f_code.co_name)
+                break
         frame = frame.f_back
     return found
+
+
+def frame_locals(frame: types.FrameType) -> list[tuple[str, Any]]:
+    """A frame's local variables without keeping them alive afterwards.
+
+    Before Python 3.13 (PEP 667), ``frame.f_locals`` of a function frame is a snapshot dict
+    cached on the frame: it would hold every tensor it saw until the function returns, hiding
+    exactly the frees the guard exists to see. So the snapshot is emptied again (only the
+    cache: the real locals are untouched). Module and class frames return their namespace
+    itself, which must not be touched; 3.13+ returns a live proxy that caches nothing.
+    """
+    namespace = frame.f_locals
+    items = list(namespace.items())
+    if _LOCALS_ARE_SNAPSHOTS and frame.f_code.co_flags & inspect.CO_OPTIMIZED:
+        namespace.clear()
+    return items
 
 
 # -- helpers: names -----------------------------------------------------------------------------
@@ -633,16 +659,50 @@ def step_text(kind: str, key: Any) -> str:
 
 
 def resolve(named: _Named) -> Any:
-    """Follow the owner's steps now; None where the chain breaks (owner gone, attribute unset)."""
-    obj = named.owner.get()
+    """The tensor the owner's name points at now (None if the chain breaks)."""
+    return follow(named.owner.get(), named.steps)
+
+
+def follow(obj: Any, steps: tuple[tuple[str, Any], ...]) -> Any:
+    """Walk attribute / item steps; None where the chain breaks (owner gone, attribute unset)."""
     try:
-        for kind, key in named.steps:
+        for kind, key in steps:
             if obj is None:
                 return None
             obj = getattr(obj, key) if kind == "attr" else obj[key]
     except (AttributeError, KeyError, IndexError, TypeError):
         return None
     return obj
+
+
+def bind_owners(owners: list[_Owner]) -> list[_Owner]:
+    """Re-derive parent links: "a.b.c" hangs off "a.b" (or "a") when that path reaches it.
+
+    A link made once stays (the held object may be gone since: that is a rebinding, and the
+    link is how it is seen); a new link needs the path to reach the held object now.
+    """
+    by_name = {o.name: o for o in owners}
+    bound: dict[str, _Owner] = {}
+
+    def bind(owner: _Owner) -> _Owner:
+        if owner.name in bound:
+            return bound[owner.name]
+        bound[owner.name] = _Owner(owner.name, owner.held)   # cycle guard while parents bind
+        parts = owner.name.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            parent_name = ".".join(parts[:cut])
+            if parent_name not in by_name:
+                continue
+            steps = tuple(("attr", p) for p in parts[cut:])
+            parent = bind(by_name[parent_name])
+            kept = owner.parent is not None and owner.steps == steps
+            obj = owner.held()
+            if kept or (obj is not None and follow(parent.get(), steps) is obj):
+                bound[owner.name] = _Owner(owner.name, owner.held, parent, steps)
+                break
+        return bound[owner.name]
+
+    return [bind(o) for o in owners]
 
 
 def build_index(owners: list[_Owner]) -> dict[int, _Named]:
@@ -714,8 +774,8 @@ def is_plain_object(value: Any) -> bool:
                           types.BuiltinFunctionType, str, bytes, int, float, bool)):
         return False
     module = type(value).__module__ or ""
-    if module == "builtins" or module == "torch" or module.startswith("torch."):
-        return False
+    if module in ("builtins", "torch", __name__) or module.startswith("torch."):
+        return False   # torch's objects hold no user tensors worth naming; nor does a guard
     return hasattr(value, "__dict__") or hasattr(type(value), "__slots__") \
         or dataclasses.is_dataclass(value)
 

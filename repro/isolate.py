@@ -40,6 +40,12 @@ ERROR_PATTERNS = [
 ]
 
 
+# A rank that died of these died because a peer went away first: collateral, not the cause.
+PEER_LOSS = re.compile(
+    r"Connection closed by peer|Connection reset by peer|remote worker|remote process|"
+    r"Broken pipe|NCCL communicator was aborted|ncclRemoteError|Socket Timeout", re.I)
+
+
 class Interrupted(Exception):
     """Ctrl-C during a trial; carries the partial trial record so nothing is lost."""
 
@@ -109,14 +115,15 @@ def spawn_ranks(spec: TrialSpec, spec_path: Path, wrapper: list[str]) -> list[Ra
 
 def kill_group(ranks: list[Rank]) -> None:
     """SIGKILL every process group of the trial (children of ranks included) and reap."""
+    for r in ranks:                       # decide before the kill: afterwards poll() says -9
+        if r.proc.poll() is None:
+            r.killed = True
     for pgid in {r.pgid for r in ranks}:
         try:
             os.killpg(pgid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
     for r in ranks:
-        if r.proc.poll() is None:
-            r.killed = True
         try:
             r.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -203,6 +210,16 @@ def rank_exit(r: Rank, recs: RankRecords, out_dir: str) -> RankExit:
                     killed_by_harness=r.killed, stderr_tail=tail(log_path(out_dir, r.rank)), error=error)
 
 
+def error_text(ex: RankExit, recs: RankRecords) -> str:
+    errors = recs.of("error")
+    last = [errors[-1].get("message", ""), errors[-1].get("traceback", "")] if errors else []
+    return "\n".join(last) + "\n" + ex.stderr_tail
+
+
+def collateral(ex: RankExit, recs: RankRecords) -> bool:
+    return not ex.signal and bool(PEER_LOSS.search(error_text(ex, recs)))
+
+
 def rank_failure(ex: RankExit, recs: RankRecords) -> Outcome | None:
     """How a rank ended on its own: None when it finished cleanly or was killed by us."""
     if ex.killed_by_harness:
@@ -211,24 +228,23 @@ def rank_failure(ex: RankExit, recs: RankRecords) -> Outcome | None:
         return None
     if ex.signal:
         return Outcome.CRASH
-    errors = recs.of("error")
-    text = "\n".join([errors[-1].get("message", ""), errors[-1].get("traceback", "")] if errors else []) \
-        + "\n" + ex.stderr_tail
-    return classify_error(text)
+    return classify_error(error_text(ex, recs))
 
 
-def last_step(recs: RankRecords) -> int | None:
-    steps = [e["step"] for e in recs.of("step")]
+def current_step(recs: RankRecords) -> int | None:
+    """The step a rank was in when it stopped: the last one it began."""
+    steps = [e["step"] for e in recs.of("begin")]
     return max(steps) if steps else None
 
 
-def crash_detail(ex: RankExit, outcome: Outcome) -> str:
+def crash_detail(ex: RankExit) -> str:
     if ex.error:
         return ex.error.splitlines()[0][:300]
     if ex.signal:
         return f"killed by {ex.signal}"
-    lines = [ln for ln in ex.stderr_tail.splitlines() if ln.strip()]
-    return (lines[-1][:300] if lines else f"exit code {ex.exitcode}") if outcome != Outcome.CLEAN else ""
+    lines = [ln.strip() for ln in ex.stderr_tail.splitlines() if ln.strip()]
+    telling = [ln for ln in lines if any(p.search(ln) for _, p in ERROR_PATTERNS)]
+    return (telling or lines or [f"exit code {ex.exitcode}"])[-1][:300]
 
 
 def classify(cfg: TrialConfig, recs: list[RankRecords], exits: list[RankExit], waited: Waited
@@ -237,18 +253,20 @@ def classify(cfg: TrialConfig, recs: list[RankRecords], exits: list[RankExit], w
         reason = next(e["reason"] for r in recs for e in r.of("unsupported"))
         return Outcome.UNSUPPORTED, FirstFailure(Outcome.UNSUPPORTED, None, None, reason)
     died = [(ex, o) for ex, rr in zip(exits, recs) if (o := rank_failure(ex, rr)) is not None]
+    causes = [(ex, o) for ex, o in died if not collateral(ex, recs[ex.rank])]
+    died = causes or died
     if died:
-        # The first rank to die is the failing rank; the outcome is the most severe own death.
+        # The failing rank is the first to die of its own accord (not of a lost peer); the
+        # outcome is the most severe such death.
         first = next((d for d in died if d[0].rank == waited.first_death), died[0])
         outcome = worst([o for _, o in died])
         ex = first[0]
-        step = last_step(recs[ex.rank])
-        return outcome, FirstFailure(outcome, ex.rank, None if step is None else step + 1, crash_detail(ex, outcome))
+        return outcome, FirstFailure(outcome, ex.rank, current_step(recs[ex.rank]), crash_detail(ex))
     if waited.hung:
         stuck = [ex.rank for ex in exits if ex.killed_by_harness]
         rank = stuck[0] if stuck else None
-        step = last_step(recs[rank]) if rank is not None else None
-        return Outcome.HANG, FirstFailure(Outcome.HANG, rank, None if step is None else step + 1,
+        step = current_step(recs[rank]) if rank is not None else None
+        return Outcome.HANG, FirstFailure(Outcome.HANG, rank, step,
                                           f"no exit within the {cfg.run.deadline_s:g} s deadline; group killed")
     if waited.interrupted:
         return Outcome.CRASH, FirstFailure(Outcome.CRASH, None, None, "interrupted by the user (Ctrl-C)")

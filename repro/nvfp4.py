@@ -99,7 +99,7 @@ def e2m1_encode(x: Tensor) -> Tensor:
     magnitude = x.abs()
     codes = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
     crossed = torch.empty(x.shape, dtype=torch.bool, device=x.device)   # reused buffer
-    # The magnitude code is the number of decision boundaries at or below |x|.
+    # The magnitude code is the number of decision boundaries |x| has crossed.
     for boundary, tie_moves_up in _ENCODE_BOUNDARIES:
         compare = torch.ge if tie_moves_up else torch.gt
         compare(magnitude, boundary, out=crossed)
@@ -176,11 +176,11 @@ def quantize(w: Tensor, global_scale: float | Tensor | None = None) -> NVFP4Weig
     if not bool(torch.isfinite(amax).all()):
         raise ValueError(f"quantize: w of shape {tuple(w.shape)} contains NaN or Inf")
     if global_scale is None:
-        scale_2 = amax / GLOBAL_RANGE
+        scale_2 = _divide(amax, GLOBAL_RANGE)
         gs = _normalize_slices_(scratch, amax)
     else:
         gs = _as_global_scale(global_scale, w)
-        scale_2 = 1.0 / gs
+        scale_2 = _divide(1.0, gs)
     codes, block_scale = _quantize_blocks_(scratch, gs)
     return NVFP4Weight(pack_fp4(codes), block_scale, scale_2.contiguous())
 
@@ -206,6 +206,23 @@ def _slice_amax(w: Tensor) -> Tensor:
     return torch.maximum(w.amax(dim=(-2, -1)), w.amin(dim=(-2, -1)).neg())
 
 
+def _divide(numerator: Tensor | float, denominator: Tensor | float) -> Tensor:
+    """Correctly rounded fp32 division, identical on CPU and CUDA.
+
+    `t / 6.0` on CUDA multiplies by a rounded 1/6, and `2688 / t` is reciprocal-then-multiply
+    on every device: both round twice and can move an exact E4M3/E2M1 tie. Dividing by a
+    0-d tensor on the same device (made by a fill kernel, no host copy) divides exactly.
+    """
+    device = (numerator if isinstance(numerator, Tensor) else denominator).device
+    return torch.div(_on_device(numerator, device), _on_device(denominator, device))
+
+
+def _on_device(value: Tensor | float, device: torch.device) -> Tensor:
+    if isinstance(value, Tensor):
+        return value
+    return torch.full((), float(value), dtype=torch.float32, device=device)
+
+
 def _pow2(exponent: Tensor) -> Tensor:
     """Exact 2**exponent (int tensor, -126..127) built from fp32 bits, no exp2 rounding."""
     return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32)
@@ -227,7 +244,7 @@ def _normalize_slices_(w: Tensor, amax: Tensor) -> Tensor:
     amax_normalized = amax * _pow2(first) * _pow2(second)
     # An all-zero slice has no scale to find; any finite gs gives blockamax 0 -> s_b 0.
     safe = torch.where(amax_normalized > 0, amax_normalized, torch.ones_like(amax_normalized))
-    return GLOBAL_RANGE / safe
+    return _divide(GLOBAL_RANGE, safe)
 
 
 def _as_global_scale(global_scale: float | Tensor, w: Tensor) -> Tensor:
@@ -251,7 +268,7 @@ def _quantize_blocks_(w: Tensor, gs: Tensor) -> tuple[Tensor, Tensor]:
     """
     blocks = w.unflatten(-1, (-1, BLOCK_SIZE))                          # [..., N, K/16, 16]
     block_amax = torch.maximum(blocks.amax(-1), blocks.amin(-1).neg())  # [..., N, K/16]
-    scale = gs[..., None, None] * block_amax / E2M1_MAX
+    scale = _divide(gs[..., None, None] * block_amax, E2M1_MAX)
     # Lower clamp: a non-zero block must not get scale 0 (it would lose every value);
     # 2**-9 is the smallest positive E4M3. Upper clamp: 448 is the largest finite E4M3.
     scale = torch.where(block_amax > 0, scale.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX),

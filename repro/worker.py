@@ -122,6 +122,8 @@ class WorkerContext:
             torch.cuda.synchronize(self.device)
 
     def begin_step(self, step: int) -> None:
+        """Mark the step as started, so a death inside it is attributed to it."""
+        self.sink.emit("begin", step=step)
         f = self.spec.fault
         if f and f.get("rank", 0) == self.rank and f.get("step", 0) == step:
             inject_fault(f["kind"])
@@ -177,7 +179,9 @@ def build_context(spec: TrialSpec, rank: int, sink: RecordSink) -> WorkerContext
     history = forensics.MemoryHistory(enabled=cfg.run.forensics and device.type == "cuda")
     history.start()
     start = time.perf_counter()
-    tp = dist.init_tp(rank, spec.world_size, spec.port, device, timeout_s=cfg.run.deadline_s)
+    # Collectives must outlast the trial deadline: a hang is the harness's verdict, not a
+    # collective timeout that looks like a crash.
+    tp = dist.init_tp(rank, spec.world_size, spec.port, device, timeout_s=cfg.run.deadline_s + 600)
     sink.emit("phase", name="init", seconds=time.perf_counter() - start)
     ctx = WorkerContext(spec=spec, cfg=cfg, rank=rank, device=device, tp=tp, sink=sink,
                         guard=guard.CaptureGuard(mode=cfg.run.guard, rank=rank), history=history,
@@ -202,7 +206,9 @@ def run_rank(spec: TrialSpec, rank: int) -> int:
     ctx = None
     try:
         ctx = build_context(spec, rank, sink)
-        load_scenario(ctx.cfg.scenario).run(ctx)
+        import torch
+        with torch.no_grad():           # inference engines never build autograd graphs
+            load_scenario(ctx.cfg.scenario).run(ctx)
         dump_forensics(ctx)
         sink.emit("done", graph_replayed=ctx.on_gpu, timings=ctx.timings)
         from repro import dist

@@ -46,20 +46,23 @@ from repro import nvfp4
 from repro.graphs import apply_after_free, capture
 from repro.outcome import StepRecord
 
-# Mismatch tolerance, elementwise: |y - y_ref| > TOLERANCE * (|y_ref| + rms(y_ref)).
-# Why 1e-2. Warm-B and cold-B quantize the same BF16 weights with the same deterministic code,
-# so with correct scales their NVFP4 codes, block scales and scale_2 are bit-identical and the
-# outputs differ only by BF16 rounding / accumulation order: at most a couple of BF16 ulps
-# (2**-8 = 3.9e-3 relative) per element; the rms term keeps near-zero elements from counting
-# on rounding alone. A stale global scale multiplies every dequantised weight of an expert by
-# scale_2_old / scale_2_new; the weight sequence below changes each expert's scale by a factor
-# 2**0.5 or 2**-1 per reload (|ratio - 1| >= 0.29, on top of the data's own amax change). The
-# smallest NVFP4 disagreement of any kind, one E2M1 code step, is >= 33% of the value
-# (3 -> 4, 4 -> 6). 1e-2 sits ~3x above the rounding noise and ~30x below the smallest real
-# signal. Measured on CPU (moe-tiny, tests/test_nvfp4_moe.py): fixed rel_err 0 (bit-identical);
-# BF16 forward vs an fp64 forward of the same dequantised weights ~3e-3; kernel-reuse
-# (stale scales) rel_err ~0.3-0.5.
-TOLERANCE = 1e-2
+# Mismatch tolerance, per element: |y - y_ref| > TOLERANCE * (|y_ref| + rms(y_ref)); the rms
+# term keeps near-zero outputs from counting on rounding alone. Why 0.05:
+#  * Correct scales: warm-B and cold-B quantize the same BF16 weights with the same
+#    deterministic code, so their NVFP4 codes, block scales and scale_2 are bit-identical and
+#    only BF16 rounding / accumulation order can differ. Graph replay vs eager runs the same
+#    kernels (expected: bit-identical). A hard ceiling for any such noise is the gap between
+#    this BF16 forward and an fp64 forward of the same dequantised weights with the same
+#    routing: measured on CPU up to 0.022 per element (norm-relative ~5e-3), at moe-tiny and at
+#    32 experts x 512 hidden x top-8 (tests/test_nvfp4_moe.py checks it stays below).
+#  * Stale scales: a stale global scale multiplies every dequantised weight of an expert by
+#    scale_2_old / scale_2_new. make_checkpoint moves each expert's scale by 2**0.5 or 2**-1 per
+#    reload (|ratio - 1| >= 0.29, plus the data's own amax change); the smallest NVFP4
+#    disagreement of any other kind, one E2M1 code step, is >= 33% of the value.
+# 0.05 sits 2x above that noise ceiling and ~6x below the smallest real signal. Measured on
+# CPU: fixed rel_err 0.0 (bit-identical) at every step; kernel-reuse rel_err 0.77-0.87 at
+# moe-tiny and 0.65-0.73 at 32 experts x 512 hidden x top-8, ~90% of elements beyond 0.05.
+TOLERANCE = 0.05
 
 HOPPER_NOTE = ("Hopper: NVFP4 MoE runs as weight-only W4A16 (FP4 weights dequantised, BF16 "
                "activations) — the Blackwell tensor-core path is not exercised")
@@ -375,6 +378,7 @@ class Comparison:
     mismatches: int           # finite elements beyond the tolerance (elementwise count)
     max_abs_err: float | None
     rel_err: float | None     # ||y - y_ref|| / ||y_ref|| over the finite elements
+    max_scaled_err: float | None  # max |y - y_ref| / (|y_ref| + rms(y_ref)): vs the tolerance
 
 
 def compare(out: Tensor, ref: Tensor, tolerance: float) -> Comparison:
@@ -386,13 +390,15 @@ def compare(out: Tensor, ref: Tensor, tolerance: float) -> Comparison:
     compared = int(finite.sum())
     diff = torch.where(finite, y - r, torch.zeros_like(y))
     rms = r.pow(2).mean().sqrt()
-    beyond = (diff.abs() > tolerance * (r.abs() + rms)) & finite
+    scaled = diff.abs() / (r.abs() + rms.clamp_min(1e-30))
+    beyond = (scaled > tolerance) & finite
     ref_norm = float(torch.where(finite, r, torch.zeros_like(r)).norm())
     return Comparison(
         numel=y.numel(), nonfinite=y.numel() - compared, compared=compared,
         mismatches=int(beyond.sum()),
         max_abs_err=float(diff.abs().max()) if compared else None,
-        rel_err=(float(diff.norm()) / ref_norm if ref_norm > 0 else 0.0) if compared else None)
+        rel_err=(float(diff.norm()) / ref_norm if ref_norm > 0 else 0.0) if compared else None,
+        max_scaled_err=float(scaled.max()) if compared else None)
 
 
 @torch.no_grad()
@@ -512,7 +518,7 @@ def run(ctx: Any) -> None:
             nonfinite=cmp.nonfinite, compared=cmp.compared, mismatches=cmp.mismatches,
             max_abs_err=cmp.max_abs_err, rel_err=cmp.rel_err, tolerance=TOLERANCE,
             seconds=time.perf_counter() - step_start, label=f"reload {k} ({kind})",
-            extra={"weights": kind, "kernel_rebuilt": rebuilt,
+            extra={"weights": kind, "kernel_rebuilt": rebuilt, "max_scaled_err": cmp.max_scaled_err,
                    "scale_change_w13": changes[0], "scale_change_w2": changes[1],
                    "live_kernel_alpha_staleness": stale, "quant_gbps": reloads[-1]["gbps"],
                    "reload_s": reload_s, "replay_s": replay_s, "oracle_s": oracle_s}))

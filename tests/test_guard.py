@@ -1,0 +1,494 @@
+"""CaptureGuard on CPU: the same dispatch-mode recording a CUDA capture gets, minus the graph."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from repro.guard import CaptureGuard, StaleCaptureError
+from repro.outcome import Finding, Manifest
+
+THIS_FILE = Path(__file__).name
+STATIC_IN = torch.ones(16, 64)   # a static input buffer that outlives every graph here
+
+
+def line_of(marker: str) -> int:
+    """Line number of the source line carrying `# <marker>` in this file."""
+    for number, text in enumerate(Path(__file__).read_text().splitlines(), start=1):
+        if text.rstrip().endswith(f"# {marker}"):
+            return number
+    raise AssertionError(f"marker {marker!r} not found")
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    # Autograd would keep captured inputs alive through saved tensors; capture code runs without.
+    with torch.no_grad():
+        yield
+
+
+def make_scratch() -> torch.Tensor:
+    return torch.full((64, 8), 2.0)  # created-scratch
+
+
+def setup_graph(guard: CaptureGuard, static_in: torch.Tensor) -> torch.Tensor:
+    """Like the unfixed Gemma4 capture: a buffer held only by a local of the setup routine."""
+    scratch = make_scratch()
+    with guard.recording("centroids bs=16"):
+        out = static_in @ scratch
+    return out
+
+
+class Kernel:
+    """A kernel object like vLLM's modular MoE kernel: device tensors outside any parameter."""
+
+    def __init__(self, n: int = 32):
+        self.workspace13 = torch.zeros(n)
+        self.strides = [torch.arange(4)]
+
+
+@dataclasses.dataclass
+class QuantConfig:
+    g1_alphas: torch.Tensor
+    g2_alphas: torch.Tensor
+
+
+class MoE(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w13 = torch.nn.Parameter(torch.ones(4, 32), requires_grad=False)
+        self.register_buffer("expert_map", torch.arange(4))
+        self.moe_kernel = Kernel()
+        self.moe_quant_config = QuantConfig(torch.ones(4), torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.w13 + self.moe_kernel.workspace13
+        return h * self.moe_quant_config.g1_alphas[self.expert_map].sum()
+
+
+def capture_moe(guard: CaptureGuard, moe: MoE) -> torch.Tensor:
+    guard.watch("moe", moe)
+    with guard.recording("moe bs=2"):
+        return moe(torch.ones(2, 4))   # the input is made inside: not a slot
+
+
+# -- freed / rebound / unchanged ------------------------------------------------------------------
+
+def test_local_freed_after_setup_returns_names_creation_and_drop_sites():
+    guard = CaptureGuard("warn", rank=1)
+    static_in = torch.ones(16, 64)
+    with guard.tracking():
+        setup_graph(guard, static_in)  # dropped-scratch
+
+    findings = guard.check("before replay, step 0")
+
+    assert len(findings) == 1
+    f = findings[0]
+    assert isinstance(f, Finding)
+    assert (f.status, f.graph, f.when, f.rank) == ("freed", "centroids bs=16", "before replay, step 0", 1)
+    assert (f.shape, f.dtype, f.nbytes) == ([64, 8], "float32", 64 * 8 * 4)
+    assert f.created_at == f"{THIS_FILE}:{line_of('created-scratch')} in make_scratch (aten.full.default)"
+    assert f.freed_at == f"{THIS_FILE}:{line_of('dropped-scratch')} in " \
+        "test_local_freed_after_setup_returns_names_creation_and_drop_sites (returned)"
+    assert f.slot == (f"<local scratch of setup_graph, created by aten.full at "
+                      f"{THIS_FILE}:{line_of('created-scratch')} in make_scratch>")
+
+
+def test_static_input_that_stays_alive_is_unchanged():
+    guard = CaptureGuard("warn")
+    static_in = torch.ones(16, 64)
+    setup_graph(guard, static_in)
+
+    assert sorted(s.name.split(" ")[1] for s in guard.slots) == ["scratch", "static_in"]
+    findings = guard.check("before replay")
+    assert [f.slot.split(" ")[1] for f in findings] == ["scratch"]   # static_in is not reported
+    manifest = guard.manifest("m")
+    assert (manifest.freed, manifest.unchanged) == (1, 1)
+
+
+def test_owner_rebinding_is_rebound_with_old_and_new_pointer_then_freed_once():
+    guard = CaptureGuard("warn")
+    moe = MoE()
+    capture_moe(guard, moe)
+    old_kernel = moe.moe_kernel
+    old_ptr = old_kernel.workspace13.data_ptr()
+
+    moe.moe_kernel = Kernel()   # the unfixed _setup_kernel: a new kernel on every reload
+    findings = {f.slot: f for f in guard.check("after reload 1")}
+
+    ws = findings["moe.moe_kernel.workspace13"]
+    assert ws.status == "rebound"
+    assert ws.old_ptr == old_ptr
+    assert ws.new_ptr == moe.moe_kernel.workspace13.data_ptr() != old_ptr
+    assert "moe.moe_quant_config.g1_alphas" not in findings   # config untouched
+    assert guard.check("after reload 1, again") == []          # each slot once per status
+
+    del old_kernel            # the last reference: now the captured workspace is gone
+    freed = {f.slot: f.status for f in guard.check("after reload 2")}
+    assert freed == {"moe.moe_kernel.workspace13": "freed"}
+    assert guard.check("after reload 2, again") == []
+
+
+def test_parameter_data_swap_is_rebound():
+    guard = CaptureGuard("warn")
+    moe = MoE()
+    capture_moe(guard, moe)
+    old = moe.w13.data
+    moe.w13.data = torch.zeros(4, 32)   # a reload that rebinds instead of copy_ into the storage
+
+    (finding,) = guard.check("after reload")
+    assert (finding.slot, finding.status) == ("moe.w13", "rebound")
+    assert finding.old_ptr == old.data_ptr()
+    assert finding.new_ptr == moe.w13.data_ptr()
+
+
+def test_in_place_reload_is_unchanged():
+    guard = CaptureGuard("warn")
+    moe = MoE()
+    capture_moe(guard, moe)
+    moe.w13.copy_(torch.full((4, 32), 3.0))       # the safe reload: same storage, new values
+    moe.moe_kernel.workspace13.zero_()
+
+    assert guard.check("after reload") == []
+    manifest = guard.manifest("after reload")
+    assert manifest == Manifest(when="after reload", rank=0, freed=0, rebound=0,
+                                unchanged=len(guard.slots))
+    assert manifest.unchanged == 4   # w13, expert_map, workspace13, g1_alphas
+
+
+def test_storage_resized_in_place_is_rebound():
+    guard = CaptureGuard("warn")
+    moe = MoE()
+    capture_moe(guard, moe)
+    storage = moe.moe_kernel.workspace13.untyped_storage()
+    old = storage.data_ptr()
+    storage.resize_(4096)   # same storage object, new memory (FSDP-style free/realloc)
+
+    (finding,) = guard.check("after resize")
+    assert finding.slot == "moe.moe_kernel.workspace13"
+    assert finding.status == "rebound"
+    assert finding.old_ptr == old and finding.new_ptr == storage.data_ptr() != old
+    assert "resized" in finding.message
+
+
+def test_owner_dropping_the_tensor_while_something_else_holds_it():
+    guard = CaptureGuard("warn")
+    moe = MoE()
+    capture_moe(guard, moe)
+    kept = moe.moe_quant_config.g2_alphas, moe.moe_quant_config.g1_alphas
+    moe.moe_quant_config = None
+
+    findings = {f.slot: f for f in guard.check("after reset")}
+    assert findings["moe.moe_quant_config.g1_alphas"].status == "rebound"
+    assert findings["moe.moe_quant_config.g1_alphas"].new_ptr is None
+    assert "no longer holds a tensor" in findings["moe.moe_quant_config.g1_alphas"].message
+    assert kept  # held on purpose until here
+
+
+# -- what is (not) a slot -----------------------------------------------------------------------
+
+def test_slice_view_of_live_parameter_is_named_view_and_not_flagged():
+    guard = CaptureGuard("warn")
+    head = torch.nn.Linear(8, 100, bias=False)
+    guard.watch("drafter.lm_head", head)
+
+    def full_lm_head_weight():   # TP=1: a slice view of the long-lived parameter
+        return head.weight[:64]
+
+    def setup():
+        weight = full_lm_head_weight()
+        with guard.recording("centroids bs=4"):
+            torch.ones(4, 8) @ weight.t()
+
+    setup()   # the view object dies here; the parameter's storage does not
+    (slot,) = guard.slots
+    assert slot.name == "drafter.lm_head.weight[view]"
+    assert slot.shape == [64, 8]
+    assert guard.check("before replay") == []
+    assert guard.manifest("m").unchanged == 1
+
+
+def test_tensors_created_inside_the_recording_are_not_slots():
+    guard = CaptureGuard("warn")
+    weight = torch.ones(8, 8)
+    with guard.recording("g"):
+        tmp = torch.zeros(8, 8)          # made inside: graph pool memory on CUDA
+        tmp.add_(1)
+        out = torch.empty(8, 8)
+        torch.mm(tmp, weight, out=out)   # written through out=, still made inside
+        del tmp
+    assert [s.shape for s in guard.slots] == [[8, 8]]
+    assert guard.slots[0].data_ptr == weight.data_ptr()
+    assert guard.check("before replay") == []
+
+
+def test_out_tensor_made_outside_is_a_slot():
+    guard = CaptureGuard("warn")
+    a = torch.ones(4, 4)
+    out = torch.empty(4, 4)
+    with guard.recording("g"):
+        torch.mm(a, a, out=out)
+    assert sorted(s.data_ptr for s in guard.slots) == sorted([a.data_ptr(), out.data_ptr()])
+    del out
+    (finding,) = guard.check("before replay")
+    assert finding.status == "freed"
+
+
+def test_one_slot_per_storage_keeps_largest_view_and_all_graphs():
+    guard = CaptureGuard("warn")
+    base = torch.arange(100.0)
+    for bs in (1, 2):
+        with guard.recording(f"g bs={bs}"):
+            base[:10].sum()
+            base.sum()
+            base[:50].sum()
+    (slot,) = guard.slots
+    assert slot.shape == [100]
+    assert slot.data_ptr == base.data_ptr()
+    assert slot.graphs == ["g bs=1", "g bs=2"]
+
+
+def test_internal_output_of_one_graph_read_by_another_is_a_slot():
+    guard = CaptureGuard("warn")
+    x = torch.ones(4)
+    with guard.recording("first"):
+        y = x * 2
+    with guard.recording("second"):
+        y + 1
+    assert {s.data_ptr for s in guard.slots} == {x.data_ptr(), y.data_ptr()}
+
+
+# -- naming -------------------------------------------------------------------------------------
+
+def test_watch_names_module_kernel_dataclass_and_dict():
+    guard = CaptureGuard("warn")
+    moe = MoE()
+    scales = {"w13": torch.ones(3), "w2": torch.ones(3)}
+    plain = torch.ones(2)
+    guard.watch("scales", scales)
+    guard.watch("plain", plain)
+    capture_moe(guard, moe)
+    with guard.recording("extra"):
+        scales["w13"] * 2
+        moe.moe_kernel.strides[0] + 1
+        plain + 1
+
+    names = {s.name for s in guard.slots}
+    assert {"moe.w13", "moe.expert_map", "moe.moe_kernel.workspace13",
+            "moe.moe_quant_config.g1_alphas", "moe.moe_kernel.strides[0]",
+            "scales['w13']", "plain"} <= names
+
+
+def test_plain_tensor_attribute_on_submodule_is_named():
+    guard = CaptureGuard("warn")
+    outer = torch.nn.Module()
+    outer.drafter = torch.nn.Module()
+    outer.drafter._stable_full_lm_head_weight = torch.ones(16, 4)   # the upstream fix's cache
+    guard.watch("model", outer)
+    with guard.recording("g"):
+        outer.drafter._stable_full_lm_head_weight.sum()
+    assert [s.name for s in guard.slots] == ["model.drafter._stable_full_lm_head_weight"]
+
+
+class QuantMethod:
+    """Like vLLM's online NVFP4 method: owns the kernel and config, rebuilds them on reload."""
+
+    def __init__(self):
+        self.moe_kernel = Kernel()
+        self.moe_quant_config = QuantConfig(torch.ones(4), torch.ones(4))
+
+
+def watch_like_nvfp4_scenario(guard: CaptureGuard, layer: torch.nn.Module, reverse: bool) -> None:
+    watches = [("moe", layer), ("moe.quant_method", layer.quant_method),
+               ("moe.quant_method.moe_kernel", layer.quant_method.moe_kernel)]
+    for name, obj in reversed(watches) if reverse else watches:
+        guard.watch(name, obj)
+
+
+@pytest.mark.parametrize("order", ["outer first", "inner first"])
+def test_dotted_watch_names_resolve_through_the_parent(order):
+    guard = CaptureGuard("warn")
+    layer = torch.nn.Module()
+    layer.quant_method = QuantMethod()
+    method = layer.quant_method
+    watch_like_nvfp4_scenario(guard, layer, reverse=order == "inner first")
+    with guard.recording("moe forward"):
+        method.moe_kernel.workspace13 + method.moe_quant_config.g1_alphas.sum()
+    assert sorted(s.name for s in guard.slots) == [
+        "moe.quant_method.moe_kernel.workspace13", "moe.quant_method.moe_quant_config.g1_alphas"]
+
+    old = method.moe_kernel
+    method.moe_kernel = Kernel()   # watching the old kernel object must not hide this
+    (finding,) = guard.check("after reload")
+    assert (finding.slot, finding.status) == ("moe.quant_method.moe_kernel.workspace13", "rebound")
+    assert finding.new_ptr == method.moe_kernel.workspace13.data_ptr()
+
+    del old
+    guard.watch("extra", torch.ones(1))   # re-binding owners later keeps the parent link
+    (finding,) = guard.check("after reload, old kernel gone")
+    assert finding.status == "freed"
+    assert finding.new_ptr == method.moe_kernel.workspace13.data_ptr()
+
+
+def test_closure_local_is_named_by_the_routine_that_owns_it():
+    guard = CaptureGuard("warn")
+
+    def get_top_tokens(h, lm_head_weight):
+        return (h @ lm_head_weight.t()).argmax(-1)
+
+    def setup_centroid_graphs():
+        lm_head_weight = torch.ones(32, 8) * 2   # the gathered weight: held by this local only
+        body = lambda x: get_top_tokens(x, lm_head_weight)  # noqa: E731 (like the upstream code)
+        with guard.recording("centroids bs=4"):
+            body(STATIC_IN[:4, :8])
+
+    with guard.tracking():
+        setup_centroid_graphs()
+    names = sorted(s.name for s in guard.slots)
+    assert names[0].startswith("<local lm_head_weight of setup_centroid_graphs, created by aten.mul")
+    assert [f.slot for f in guard.check("before replay")] == [names[0]]
+
+
+def test_names_resolve_lazily_at_record_time():
+    guard = CaptureGuard("warn")
+    moe = MoE()
+    guard.watch("moe", moe)
+    moe.moe_kernel = Kernel(8)   # rebound after watch(), before capture: the new one is named
+    with guard.recording("g"):
+        moe.moe_kernel.workspace13 + 1
+    assert [s.name for s in guard.slots] == ["moe.moe_kernel.workspace13"]
+    assert guard.slots[0].data_ptr == moe.moe_kernel.workspace13.data_ptr()
+
+
+def test_unwatched_tensor_without_tracking_is_still_named_by_its_holder():
+    guard = CaptureGuard("warn")
+    lonely = torch.ones(3)
+    with guard.recording("g"):
+        lonely + 1
+    assert guard.slots[0].name == "<local lonely of test_unwatched_tensor_without_tracking_is_still_named_by_its_holder>"
+    assert guard.slots[0].created_at is None
+
+
+def test_watch_holds_owners_weakly():
+    guard = CaptureGuard("warn")
+    kernel = Kernel()
+    guard.watch("kernel", kernel)
+    with guard.recording("g"):
+        kernel.workspace13 + 1
+    del kernel   # had watch() kept it alive, this bug would be invisible
+    (finding,) = [f for f in guard.check("before replay") if f.slot == "kernel.workspace13"]
+    assert finding.status == "freed"
+
+
+# -- messages, modes, manifest, freed blocks ----------------------------------------------------
+
+def test_freed_message_names_slot_address_and_fix():
+    guard = CaptureGuard("warn")
+    with guard.tracking():
+        setup_graph(guard, STATIC_IN)
+    (f,) = guard.check("before replay")
+    assert f.message.startswith("graph 'centroids bs=16' captured tensor <local scratch of setup_graph")
+    assert f"(float32[64, 8], 2.0 KiB) at {f.old_ptr:#x}" in f.message
+    assert "has been freed (last reference dropped at" in f.message
+    assert "keep the tensor alive for the graph's lifetime (cache it on the module)" in f.message
+    assert "\n" not in f.message
+
+
+def test_rebound_message_names_both_addresses_and_fix():
+    guard = CaptureGuard("warn")
+    moe = MoE()
+    capture_moe(guard, moe)
+    old = moe.moe_kernel
+    moe.moe_kernel = Kernel()
+    (f,) = [f for f in guard.check("after reload") if f.slot == "moe.moe_kernel.workspace13"]
+    assert f"at {f.old_ptr:#x}" in f.message and f"at {f.new_ptr:#x}" in f.message
+    assert "copy_" in f.message and "re-capture" in f.message
+    assert old is not None
+
+
+def test_raise_mode_raises_on_first_dead_slot():
+    guard = CaptureGuard("raise")
+    with guard.tracking():
+        setup_graph(guard, STATIC_IN)
+    with pytest.raises(StaleCaptureError, match="has been freed") as info:
+        guard.check("before replay")
+    assert [f.status for f in info.value.findings] == ["freed"]
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_warn_mode_returns_findings_and_keeps_going():
+    guard = CaptureGuard("warn")
+    setup_graph(guard, STATIC_IN)
+    assert [f.status for f in guard.check("step 0")] == ["freed"]
+    assert guard.check("step 1") == []   # no exception, no repeat
+
+
+def test_raise_mode_is_quiet_when_everything_is_alive():
+    guard = CaptureGuard("raise")
+    moe = MoE()
+    capture_moe(guard, moe)
+    assert guard.check("before replay") == []
+
+
+def test_off_mode_records_nothing():
+    guard = CaptureGuard("off")
+    moe = MoE()
+    with guard.tracking():
+        capture_moe(guard, moe)
+        setup_graph(guard, STATIC_IN)
+    moe.moe_kernel = Kernel()
+    assert guard.slots == []
+    assert guard.check("before replay") == []
+    assert guard.freed_blocks() == []
+    assert guard.manifest("m") == Manifest(when="m", rank=0, freed=0, rebound=0, unchanged=0)
+
+
+def test_unknown_mode_is_rejected():
+    with pytest.raises(ValueError, match="off, warn, raise"):
+        CaptureGuard("loud")
+
+
+def test_manifest_counts_each_state():
+    guard = CaptureGuard("warn", rank=3)
+    moe = MoE()
+    capture_moe(guard, moe)
+    total = len(guard.slots)
+    keep_old = moe.moe_kernel
+    moe.moe_kernel = Kernel()                    # workspace13 rebound (old kernel kept)
+    moe.moe_quant_config = QuantConfig(torch.ones(4), torch.ones(4))   # g1_alphas freed
+    manifest = guard.manifest("after reload")
+    assert (manifest.rank, manifest.freed, manifest.rebound) == (3, 1, 1)
+    assert manifest.unchanged == total - 2 == 2
+    assert keep_old is not None
+
+
+def test_freed_blocks_lists_storage_address_size_dtype():
+    guard = CaptureGuard("warn")
+    big = torch.zeros(1000, dtype=torch.bfloat16)
+    ptr = big.untyped_storage().data_ptr()
+    with guard.recording("g"):
+        big[10:20].sum()
+    assert guard.freed_blocks() == []
+    del big
+    assert guard.freed_blocks() == [(ptr, 2000, "bfloat16")]
+
+
+def test_slots_is_a_copy():
+    guard = CaptureGuard("warn")
+    x = torch.ones(2)
+    with guard.recording("g"):
+        x + 1
+    guard.slots.clear()
+    assert len(guard.slots) == 1
+
+
+def test_mechanism_and_capture_signature():
+    guard = CaptureGuard("warn")
+    assert guard.mechanism == "repro dispatch-mode guard"
+    import inspect
+    params = inspect.signature(guard.capture).parameters
+    assert list(params) == ["graph", "label", "pool", "stream", "use_torch_liveness"]
+    assert guard.torch_liveness_available == (
+        "check_input_liveness" in inspect.signature(torch.cuda.graph).parameters)
