@@ -13,28 +13,33 @@ capture. This is an independent implementation that also runs on torch 2.11 and 
 adds readable names (``moe.moe_kernel.workspace13``), where the storage was created and where
 its last Python reference was dropped.
 
-Usage on your own CUDA graph (warm up first, as for any capture)::
+Usage on your own CUDA graph::
 
     import torch
     from repro.guard import CaptureGuard
 
-    guard = CaptureGuard(mode="warn")          # "raise" stops at the first dead tensor
-    head = torch.nn.Linear(256, 4096, bias=False, device="cuda")
+    guard = CaptureGuard(mode="warn")          # "raise": check() raises StaleCaptureError
+    head = torch.nn.Linear(256, 4096, bias=False, device="cuda").requires_grad_(False)
     guard.watch("head", head)                  # names: "head.weight", "head.weight[view]"
     static_in = torch.zeros(16, 256, device="cuda")
-    gathered = head.weight.detach().clone()    # made outside capture, held only by a local
-    torch.cuda.synchronize()
+
+    def capture_routine(graph):
+        weight = head.weight.clone()           # made outside the capture, held by a local only
+        static_in @ weight.t()                 # warm up before capturing, as usual
+        torch.cuda.synchronize()
+        with guard.capture(graph, "head bs=16"):
+            out = static_in @ weight.t()
+        return out                             # `weight` dies here; the graph keeps its address
 
     graph = torch.cuda.CUDAGraph()
     with guard.tracking():                     # optional: remembers where storages were made
-        scratch = gathered * 1.0
-        with guard.capture(graph, "head bs=16"):
-            static_out = static_in @ scratch.t()
-    del gathered, scratch                      # the bug: nothing keeps the captured input alive
+        static_out = capture_routine(graph)
 
-    for finding in guard.check("before replay"):   # microseconds; no replay needed
-        print(finding.message)                 # "graph 'head bs=16' captured tensor <local ...
-    # graph.replay() would now read freed memory
+    for finding in guard.check("before replay"):   # microseconds; nothing is replayed
+        print(finding.message)
+    # graph 'head bs=16' captured tensor <local weight of capture_routine, created by
+    # aten.clone at ...> (float32[4096, 256], 4.0 MiB) at 0x7f..., and that storage has been
+    # freed (last reference dropped at ... (returned)). Replaying will read freed memory: ...
 
 Without a GPU, wrap the same code in ``guard.recording("head bs=16")`` instead of
 ``guard.capture(...)``: the recording and the verdict are the same, only no graph exists.
@@ -79,7 +84,11 @@ FIX_MOVED = ("Replaying will touch memory the storage no longer owns: do not res
 
 # Frames in these files are plumbing, never the user's site.
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PLUMBING = frozenset({__file__, os.path.abspath(__file__), contextlib.__file__, weakref.__file__})
+# The harness's own capture and collective helpers are plumbing too: a site should name the
+# scenario line that asked for the tensor, not the helper that allocated it.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_PLUMBING = frozenset({__file__, os.path.abspath(__file__), contextlib.__file__, weakref.__file__,
+                       os.path.join(_HERE, "dist.py"), os.path.join(_HERE, "graphs.py")})
 # nn.Module bookkeeping attributes (hook dicts, _parameters, ...): walked another way or not at all.
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 _MAX_HOPS = 4             # owner.a.b.tensor, owner.graphs[16].inputs[0]

@@ -226,8 +226,7 @@ def rank_failure(ex: RankExit, recs: RankRecords) -> Outcome | None:
         return None
     if ex.exitcode == 0 and recs.of("done"):
         return None
-    if ex.signal:
-        return Outcome.CRASH
+    # A recorded CUDA error outranks the signal that may follow it (an abort in a destructor).
     return classify_error(error_text(ex, recs))
 
 

@@ -222,7 +222,10 @@ def run_rank(spec: TrialSpec, rank: int) -> int:
                 dump_forensics(ctx)
         sys.stderr.write(traceback.format_exc())
         sys.stderr.flush()
-        return 1
+        # Exit before the context is torn down: after a sticky CUDA error, destructors of
+        # CUDA objects (memory pools, communicators) abort the process and would hide the
+        # error we just recorded behind a SIGABRT.
+        os._exit(1)
 
 
 def main(argv: list[str]) -> None:

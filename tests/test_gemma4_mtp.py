@@ -1,0 +1,122 @@
+"""gemma4-mtp on CPU: TP math on gloo, the mode difference, guard verdicts through the runner."""
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from repro.config import load_preset, validate
+from repro.dist import TP, free_port, init_tp, shutdown
+from repro.isolate import run_trial
+from repro.outcome import Outcome
+from repro.runner import plan
+from repro.scenarios.gemma4_mtp import Gemma4Drafter, Oracle, make_lm_head_shard, padded_vocab
+
+DIMS = load_preset("gemma4-tiny").model          # vocab 4000, 50 centroids, top-4, hidden 64
+CPU = torch.device("cpu")
+
+
+def test_padded_vocab_like_a_vocab_parallel_head():
+    assert padded_vocab(262144, 2) == 262144
+    assert padded_vocab(4000, 1) == 4032
+    assert padded_vocab(4000, 3) == 4032          # multiple of 64 * 3 = 192
+    assert padded_vocab(4000, 4) == 4096
+
+
+def test_tp1_full_weight_is_a_view_of_the_live_parameter():
+    d = Gemma4Drafter(DIMS, TP(0, 1, None), "unfixed", CPU, seed=0)
+    w = d.full_lm_head_weight()
+    assert w.untyped_storage().data_ptr() == d.lm_head.weight.untyped_storage().data_ptr()
+    assert w.shape == (DIMS.vocab_size, DIMS.hidden_size)
+    assert d._stable_full_lm_head_weight is None  # TP=1 never caches, in any mode
+
+
+def _tp_worker(rank, world, port, queue):
+    torch.set_grad_enabled(False)                 # as in the harness's workers
+    tp = init_tp(rank, world, port, CPU, timeout_s=60)
+    try:
+        out = {}
+        for mode in ("unfixed", "fixed"):
+            d = Gemma4Drafter(DIMS, tp, mode, CPU, seed=0)
+            first, second = d.full_lm_head_weight(), d.full_lm_head_weight()
+            out[mode] = {
+                "full": first.clone(),
+                "fresh_each_call": first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr(),
+                "cached": d._stable_full_lm_head_weight is not None,
+                "shard_rows": d.lm_head.weight.shape[0],
+            }
+            if mode == "fixed":
+                d.load_weights(make_lm_head_shard(DIMS, tp, CPU, seed=1))
+                out[mode]["cache_after_reload"] = d._stable_full_lm_head_weight is not None
+        h = torch.randn(8, DIMS.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+        out["tokens"] = Oracle(d.masked_embedding, out["unfixed"]["full"]).top_tokens(h, 8)
+        queue.put((rank, out))
+    finally:
+        shutdown(tp)
+
+
+def run_tp(world):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_tp_worker, args=(r, world, free_port_for(world), queue)) for r in range(world)]
+    return procs, queue
+
+
+def free_port_for(world, _cache={}):
+    return _cache.setdefault(world, free_port())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tp_gather_equals_full_weight_and_tokens_match_tp1(world):
+    procs, queue = run_tp(world)
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    ref = Gemma4Drafter(DIMS, TP(0, 1, None), "unfixed", CPU, seed=0)
+    full_ref = ref.full_lm_head_weight()
+    h = torch.randn(8, DIMS.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    tokens_ref = Oracle(ref.masked_embedding, full_ref).top_tokens(h, 8)
+    for rank, out in results.items():
+        assert out["unfixed"]["shard_rows"] == padded_vocab(DIMS.vocab_size, world) // world
+        assert torch.equal(out["unfixed"]["full"], full_ref)            # gather + slice = the TP=1 weight
+        assert torch.equal(out["tokens"], tokens_ref)                   # same draft tokens at any TP
+        assert out["unfixed"]["fresh_each_call"] and not out["unfixed"]["cached"]   # the bug's shape
+        assert not out["fixed"]["fresh_each_call"] and out["fixed"]["cached"]       # the fix's shape
+        assert out["fixed"]["cache_after_reload"] is False                          # upstream resets it
+
+
+def cpu_trial(tmp_path, **run):
+    p = plan("gemma4-mtp", "gemma4-tiny", {"device": "cpu", "steps": 4, **run}, [], gpus=0)
+    return run_trial(p.cfg, "cpu", tmp_path, "g")
+
+
+def test_cpu_unfixed_tp2_is_stale_capture_naming_the_gathered_local(tmp_path):
+    t = cpu_trial(tmp_path, mode="unfixed", tp=2)
+    assert t.outcome == Outcome.STALE_CAPTURE and t.met
+    assert not t.graph_replayed
+    assert {f.rank for f in t.guard_findings} == {0, 1}
+    f = t.guard_findings[0]
+    assert f.status == "freed" and "lm_head_weight" in f.slot
+    assert f.shape == [DIMS.vocab_size, DIMS.hidden_size] and f.dtype.endswith("bfloat16")
+    assert "setup_centroid_graphs" in (f.freed_at or "") or "setup_centroid_graphs" in f.slot
+    assert any("no CUDA graph" in n for n in t.notes)
+    assert all(s.mismatches == 0 for s in t.steps)   # eager stand-in uses live weights: no symptom on CPU
+
+
+@pytest.mark.parametrize("run,expected", [
+    ({"mode": "fixed", "tp": 2}, Outcome.CLEAN),
+    ({"mode": "reload-safe", "tp": 2, "reload_drafter": True}, Outcome.CLEAN),
+    ({"mode": "unfixed", "tp": 1}, Outcome.CLEAN),
+    ({"mode": "fixed", "tp": 2, "reload_drafter": True}, Outcome.STALE_CAPTURE),
+])
+def test_cpu_verdicts(tmp_path, run, expected):
+    t = cpu_trial(tmp_path, **run)
+    assert t.outcome == expected and t.met, (t.outcome, t.first_failure)
+    if run.get("reload_drafter"):
+        m = [m for m in t.manifests if m.rank == 0][0]
+        assert m.when == "after drafter reload"
+        assert (m.freed > 0) == (expected == Outcome.STALE_CAPTURE)
