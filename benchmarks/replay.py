@@ -69,11 +69,14 @@ def bench_gemma() -> list[dict]:
         for batch in (1, 64):
             h = torch.randn(batch, dims.hidden_size, device=dev, dtype=torch.bfloat16)
 
+            label = f"centroids bs={batch}"   # the graph greedy_sample picks for this batch
+
             def replay():
-                guard.check("bench")
+                guard.check("bench", graph=label)
                 return proposer.greedy_sample(h)
             row = {"region": "gemma4 greedy_sample", "batch": batch, "guard": guard_mode,
-                   "replay_us": wall(replay), "slots": len(guard.slots)}
+                   "replay_us": wall(replay),
+                   "slots_checked": sum(label in sl.graphs for sl in guard.slots)}
             if guard_mode == "off":
                 w = drafter.full_lm_head_weight()
                 row["eager_us"] = wall(lambda: drafter.masked_embedding.get_top_tokens(h, w))

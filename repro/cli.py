@@ -140,6 +140,7 @@ def execute(planned: list[Planned], artifacts: Path, json_path: str | None, juni
             on_done=lambda t: progress.finish(t.id, t.outcome))
     if summary_only:
         report.render_summary(result.report, console)
+        console.print(report.summary_line(result.report))
     else:
         report.render_report(result.report, console)
     write_artifacts(result.report, json_path, junit, html)

@@ -79,12 +79,17 @@ def events_after(device: int, trace: list, index: int, ptr: int) -> AllocEvents:
     return found
 
 
+_GUARD_SUFFIX = os.path.join("repro", "guard.py")
+
+
 def is_user_frame(frame: dict[str, Any], torch_dir: str | None = None) -> bool:
     filename = frame.get("filename") or ""
     if not filename or filename == "??" or filename.startswith("<frozen"):
         return False
     if filename.endswith(_NATIVE_SUFFIXES) or _TORCH_PATH.search(filename):
         return False
+    if filename.endswith(_GUARD_SUFFIX):
+        return False   # the guard's dispatch mode sits in every stack recorded during capture
     return not (torch_dir and filename.startswith(torch_dir))
 
 

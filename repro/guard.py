@@ -284,12 +284,17 @@ class CaptureGuard:
             with self.recording(label):
                 yield
 
-    def check(self, when: str) -> list[Finding]:
-        """Findings new since the last check (each slot once per status); cheap enough per replay."""
+    def check(self, when: str, graph: str | None = None) -> list[Finding]:
+        """Findings new since the last check (each slot once per status); cheap enough per replay.
+
+        graph: only the slots that capture recorded, i.e. what the replay about to run reads.
+        """
         if self.mode == "off":
             return []
         findings = []
         for slot in self._slots.values():
+            if graph is not None and graph not in slot.graphs:
+                continue
             if "freed" in slot.reported:
                 continue  # freed is final: nothing new can be said about this slot
             status = self._classify(slot)

@@ -30,10 +30,13 @@ GRACE_S = 2.0
 TAIL_CHARS = 3000
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# Order matters: a device assert often also mentions "CUDA error", an IMA never says assert.
+# Specific phrases only: PyTorch's illegal-address message itself ends with "Compile with
+# TORCH_USE_CUDA_DSA to enable device-side assertions", so "device-side assert" alone is not
+# evidence of an assert (measured on torch 2.11 / H200).
 ERROR_PATTERNS = [
     (Outcome.STALE_CAPTURE, re.compile(r"StaleCaptureError")),
-    (Outcome.DEVICE_ASSERT, re.compile(r"device-side assert|cudaErrorAssert|CUDA_ERROR_ASSERT", re.I)),
+    (Outcome.DEVICE_ASSERT, re.compile(
+        r"device-side assert triggered|cudaErrorAssert|CUDA_ERROR_ASSERT|Assertion `.*` failed", re.I)),
     (Outcome.ILLEGAL_ADDRESS, re.compile(
         r"illegal memory access|cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS|"
         r"Invalid __global__ (read|write)", re.I)),
@@ -310,8 +313,13 @@ def unique(items: list[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def build_record(trial_id: str, cfg: TrialConfig, recs: list[RankRecords], exits: list[RankExit],
-                 waited: Waited, out_dir: str) -> TrialRecord:
+def replayed_graphs(device: str, steps: list, recs: list[RankRecords]) -> bool:
+    """On CUDA every step that began replays a graph, also the one that crashed mid-replay."""
+    return any(s.replayed for s in steps) or (device == "cuda" and any(r.of("begin") for r in recs))
+
+
+def build_record(trial_id: str, cfg: TrialConfig, device: str, recs: list[RankRecords],
+                 exits: list[RankExit], waited: Waited, out_dir: str) -> TrialRecord:
     outcome, first = classify(cfg, recs, exits, waited)
     expected = parse_expectation(default_expectation(cfg))
     steps = sorted((step_from_dict(e) for r in recs for e in r.of("step")), key=lambda s: (s.step, s.rank))
@@ -324,7 +332,7 @@ def build_record(trial_id: str, cfg: TrialConfig, recs: list[RankRecords], exits
     return TrialRecord(
         id=trial_id, scenario=cfg.scenario, mode=cfg.run.mode, config=cfg.to_dict(), outcome=outcome,
         expected=expected, met=outcome in expected and not waited.interrupted,
-        graph_replayed=any(s.replayed for s in steps), first_failure=first, steps=steps,
+        graph_replayed=replayed_graphs(device, steps, recs), first_failure=first, steps=steps,
         guard_findings=[finding_from_dict(e) for r in recs for e in r.of("finding")],
         manifests=[manifest_from_dict(e) for r in recs for e in r.of("manifest")],
         timings=phase_timings(recs, waited), ranks=exits,
@@ -362,7 +370,7 @@ def run_trial(cfg: TrialConfig, device: str, out_root: Path, trial_id: str,
     waited = wait_group(ranks, cfg.run.deadline_s, spawned_at, tick)
     recs = read_records(str(out_dir), world)
     exits = [rank_exit(r, rr, str(out_dir)) for r, rr in zip(ranks, recs)]
-    trial = build_record(trial_id, cfg, recs, exits, waited, str(out_dir))
+    trial = build_record(trial_id, cfg, device, recs, exits, waited, str(out_dir))
     if waited.interrupted:
         trial.notes.append("interrupted by the user; records up to that point kept")
         raise Interrupted(trial)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import shlex
+from concurrent.futures import ThreadPoolExecutor
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,8 +79,19 @@ def run_planned(planned: list[Planned], out_root: Path, on_start: Callable[[str,
                 wrapper: list[str] | None = None) -> RunResult:
     stamp = dt.datetime.now(dt.timezone.utc)
     run_dir = out_root / stamp.strftime("%Y%m%d-%H%M%S-%f")
-    report = Report(environment=environment(), trials=[], command=shlex.join(sys.argv),
-                    created=stamp.isoformat(timespec="seconds"))
+    # The inventory imports torch (seconds); take it while the first trial's ranks start.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        env = pool.submit(environment)
+        result = run_all(planned, run_dir, on_start, on_tick, on_done, wrapper)
+        result.report.environment = env.result()
+    result.report.command = shlex.join(sys.argv)
+    result.report.created = stamp.isoformat(timespec="seconds")
+    return result
+
+
+def run_all(planned: list[Planned], run_dir: Path, on_start, on_tick, on_done,
+            wrapper: list[str] | None) -> RunResult:
+    report = Report(environment={}, trials=[])
     for i, p in enumerate(planned):
         tid = trial_id(i, p.cfg)
         if on_start:

@@ -131,9 +131,9 @@ class WorkerContext:
     def step(self, record: StepRecord) -> None:
         self.sink.emit("step", **dataclasses.asdict(record))
 
-    def check_guard(self, when: str) -> list[Finding]:
+    def check_guard(self, when: str, graph: str | None = None) -> list[Finding]:
         """Guard check before a replay; findings are written before the replay can crash."""
-        findings = self.guard.check(when)
+        findings = self.guard.check(when, graph)
         if findings:
             self.history.annotate(findings)
             for f in findings:
@@ -205,8 +205,10 @@ def run_rank(spec: TrialSpec, rank: int) -> int:
     sink.emit("start", pid=os.getpid(), device=spec.device, world_size=spec.world_size)
     ctx = None
     try:
+        start = time.perf_counter()
+        import torch  # noqa: F401  (timed: a large share of a trial's start-up)
+        sink.emit("phase", name="import", seconds=time.perf_counter() - start)
         ctx = build_context(spec, rank, sink)
-        import torch
         with torch.no_grad():           # inference engines never build autograd graphs
             load_scenario(ctx.cfg.scenario).run(ctx)
         dump_forensics(ctx)

@@ -151,3 +151,12 @@ def test_disabled_history_says_so():
 def test_snapshot_name():
     assert snapshot_name("gemma4-mtp", 0, 1234) == "memory-gemma4-mtp-rank0-pid1234.pickle"
     assert MemoryHistory.snapshot_name("nvfp4-reload", 1, 7) == "memory-nvfp4-reload-rank1-pid7.pickle"
+
+
+def test_guard_dispatch_frame_is_not_a_user_frame():
+    # Every allocation made during a guarded capture has the guard's __torch_dispatch__ on its
+    # stack; the report must start at the scenario line instead (seen on an H200 run).
+    from repro.forensics import user_frames
+    frames = [{"filename": "/site/repro/guard.py", "line": 206, "name": "__torch_dispatch__"},
+              {"filename": "/site/repro/scenarios/gemma4_mtp.py", "line": 100, "name": "full_lm_head_weight"}]
+    assert user_frames(frames) == ["gemma4_mtp.py:100 in full_lm_head_weight"]

@@ -54,7 +54,7 @@ def assert_gemma_shape(trials):
         else:
             assert t.outcome == Outcome.CLEAN, (key(t), t.outcome)     # fixed, reload-safe, TP=1
             assert not t.guard_findings, key(t)
-        assert t.graph_replayed or t.outcome == Outcome.ILLEGAL_ADDRESS, key(t)
+        assert t.graph_replayed, key(t)
 
 
 def assert_moe_shape(trials):

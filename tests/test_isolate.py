@@ -150,3 +150,23 @@ def test_harness_killed_takes_workers_with_it(tmp_path):
     while time.monotonic() < end and any(alive(p) for p in pids):
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)
+
+
+# Verbatim from torch 2.11 on an H200 (matrix gpu-2): the IMA text mentions "device-side
+# assertions" in its last line; the assert text says "device-side assert triggered".
+IMA_2_11 = """torch.AcceleratorError: CUDA error: an illegal memory access was encountered
+Search for `cudaErrorIllegalAddress' in https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html for more information.
+CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below might be incorrect.
+For debugging consider passing CUDA_LAUNCH_BLOCKING=1
+Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions."""
+ASSERT_2_11 = """torch.AcceleratorError: CUDA error: device-side assert triggered
+Search for `cudaErrorAssert' in https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html for more information.
+Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions."""
+
+
+def test_real_cuda_messages_classify():
+    from repro.isolate import classify_error
+    assert classify_error(IMA_2_11) == Outcome.ILLEGAL_ADDRESS
+    assert classify_error(ASSERT_2_11) == Outcome.DEVICE_ASSERT
+    assert classify_error("RuntimeError: shapes do not match") == Outcome.CRASH
+    assert classify_error("repro.guard.StaleCaptureError: graph ...") == Outcome.STALE_CAPTURE

@@ -35,6 +35,10 @@ SCHEDULE = [1, 2, 3, 5, 8, 13, 21, 34, 55, 64, 4, 16, 32, 7]
 PAD_TO = 64  # vocab-parallel heads pad the vocab to a multiple of 64 * tp
 
 
+def graph_label(size: int) -> str:
+    return f"centroids bs={size}"
+
+
 def padded_vocab(vocab: int, tp: int) -> int:
     unit = PAD_TO * tp
     return (vocab + unit - 1) // unit * unit
@@ -136,7 +140,7 @@ class Proposer:
         for size in self.batch_sizes:
             static_input = torch.zeros(size, masked.hidden_size, dtype=self.drafter.dtype, device=self.device)
             self.graphs[size] = capture(lambda x: masked.get_top_tokens(x, lm_head_weight), (static_input,),
-                                        label=f"centroids bs={size}", guard=self.guard, warmup=3)
+                                        label=graph_label(size), guard=self.guard, warmup=3)
         # lm_head_weight dies here; the graphs keep its address.
 
     def greedy_sample(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -215,13 +219,13 @@ def run(ctx) -> None:
         tokens_n = schedule[step % len(schedule)]
         with ctx.memory.use():
             hidden = hidden_states(step, tokens_n, dims, run_cfg.seed, ctx.device)
-        ctx.check_guard(f"before replay, step {step}")
+        size = bucket(tokens_n, dims.batch_sizes)
+        ctx.check_guard(f"before replay, step {step}", graph=graph_label(size))
         start = time.perf_counter()
         with ctx.phase("replays"):
             tokens, scores, replayed = proposer.greedy_sample(hidden)
         seconds = time.perf_counter() - start
         with ctx.memory.use():
-            size = bucket(tokens_n, dims.batch_sizes)
             reference = oracle.top_tokens(hidden, size)
             disagree = rank_disagreements(tokens, ctx.tp)
             ctx.step(StepRecord(
