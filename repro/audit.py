@@ -878,12 +878,17 @@ def scan_zip(path: Path) -> ArchiveScan:
             hit = split_member(info.filename, wanted)
             meta = is_metadata_member(info.filename)
             if (hit or meta) and info.file_size <= MAX_MEMBER_BYTES:
-                text = archive.read(info).decode("utf-8", errors="replace")
-                if hit:
-                    scan.files[hit] = text
-                else:
-                    scan.metadata.append(text)
+                keep_member(scan, hit, archive.read(info))
     return scan
+
+
+def keep_member(scan: ArchiveScan, hit: str | None, data: bytes) -> None:
+    """A wanted source file goes under its package path; anything else read is metadata."""
+    text = data.decode("utf-8", errors="replace")
+    if hit:
+        scan.files[hit] = text
+    else:
+        scan.metadata.append(text)
 
 
 def scan_tar(path: Path) -> ArchiveScan:
@@ -899,11 +904,7 @@ def scan_tar(path: Path) -> ArchiveScan:
             hit = split_member(name, wanted)
             if hit or is_metadata_member(name):
                 handle = archive.extractfile(member)
-                text = handle.read().decode("utf-8", errors="replace") if handle else ""
-                if hit:
-                    scan.files[hit] = text
-                else:
-                    scan.metadata.append(text)
+                keep_member(scan, hit, handle.read() if handle else b"")
     return scan
 
 

@@ -46,7 +46,7 @@ CPU_NOTE = "No CUDA graph was replayed (CPU run): the verdict comes from the sta
 EXIT_OUTCOMES = frozenset({Outcome.CRASH, Outcome.HANG, Outcome.ILLEGAL_ADDRESS, Outcome.DEVICE_ASSERT})
 
 # Phases in the order a trial runs them; keys a trial adds beyond these follow in its own order.
-TIMING_ORDER = ("start", "init", "build", "capture", "reload", "replays", "total")
+TIMING_ORDER = ("start", "import", "init", "build", "capture", "reload", "replays", "oracle", "total")
 
 MAX_STEP_ROWS = 20      # a 500-step nvfp4 run must not bury the verdict
 MAX_FINDING_GROUPS = 10  # distinct dead storages shown; one storage is often in 7+ graphs

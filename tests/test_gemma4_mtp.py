@@ -67,7 +67,7 @@ def free_port_for(world, _cache={}):
     return _cache.setdefault(world, free_port())
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_tp_gather_equals_full_weight_and_tokens_match_tp1(world):
     procs, queue = run_tp(world)
     for p in procs:
