@@ -60,8 +60,9 @@ def bench_gemma() -> list[dict]:
     dims = validate(load_preset("gemma4-e2b")).model
     dev = torch.device("cuda", 0)
     rows = []
-    for guard_mode in ("off", "warn"):
-        guard = CaptureGuard(mode=guard_mode)
+    for guard_mode in ("off", "warn", "warn-liveness"):
+        guard = CaptureGuard(mode=guard_mode.split("-")[0])
+        deep = guard_mode != "warn-liveness"
         drafter = Gemma4Drafter(dims, TP(0, 1, None), "fixed", dev, seed=0)
         proposer = Proposer(drafter, dims.batch_sizes, guard, dev)
         guard.watch("drafter", drafter)
@@ -72,7 +73,7 @@ def bench_gemma() -> list[dict]:
             label = f"centroids bs={batch}"   # the graph greedy_sample picks for this batch
 
             def replay():
-                guard.check("bench", graph=label)
+                guard.check("bench", graph=label, deep=deep)
                 return proposer.greedy_sample(h)
             row = {"region": "gemma4 greedy_sample", "batch": batch, "guard": guard_mode,
                    "replay_us": wall(replay),
@@ -116,7 +117,7 @@ def main() -> None:
     # Ratios inside one run: guard overhead and graph speedup.
     by = {(r["region"], r["batch"], r.get("guard")): r for r in rows}
     for r in rows:
-        if r.get("guard") == "warn":
+        if r.get("guard", "").startswith("warn"):
             off = by[(r["region"], r["batch"], "off")]
             r["guard_overhead"] = r["replay_us"] / off["replay_us"] - 1
         if "eager_us" in r:

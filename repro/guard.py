@@ -284,10 +284,14 @@ class CaptureGuard:
             with self.recording(label):
                 yield
 
-    def check(self, when: str, graph: str | None = None) -> list[Finding]:
-        """Findings new since the last check (each slot once per status); cheap enough per replay.
+    def check(self, when: str, graph: str | None = None, deep: bool = True) -> list[Finding]:
+        """Findings new since the last check (each slot once per status).
 
         graph: only the slots that capture recorded, i.e. what the replay about to run reads.
+        deep:  also detect rebinding (an owner's name now points at another tensor), which
+               re-resolves every owner path. deep=False tests liveness only (what names the
+               tensor before an illegal memory access): run it before every replay, and a
+               deep check after anything that may rebind (a weight reload).
         """
         if self.mode == "off":
             return []
@@ -297,7 +301,7 @@ class CaptureGuard:
                 continue
             if "freed" in slot.reported:
                 continue  # freed is final: nothing new can be said about this slot
-            status = self._classify(slot)
+            status = self._classify(slot) if deep else self._liveness(slot)
             if status.status == "unchanged" or status.status in slot.reported:
                 continue
             slot.reported.add(status.status)
@@ -400,6 +404,11 @@ class CaptureGuard:
         self._births_since_prune = 0
 
     # -- checking ---------------------------------------------------------------------------
+
+    def _liveness(self, slot: Slot) -> _Status:
+        if slot.ref is None or slot.ref.expired():
+            return _Status("freed", current_ptr(slot))
+        return _UNCHANGED
 
     def _classify(self, slot: Slot) -> _Status:
         if slot.ref is None or slot.ref.expired():

@@ -131,9 +131,9 @@ class WorkerContext:
     def step(self, record: StepRecord) -> None:
         self.sink.emit("step", **dataclasses.asdict(record))
 
-    def check_guard(self, when: str, graph: str | None = None) -> list[Finding]:
+    def check_guard(self, when: str, graph: str | None = None, deep: bool = True) -> list[Finding]:
         """Guard check before a replay; findings are written before the replay can crash."""
-        findings = self.guard.check(when, graph)
+        findings = self.guard.check(when, graph, deep)
         if findings:
             self.history.annotate(findings)
             for f in findings:

@@ -492,3 +492,43 @@ def test_mechanism_and_capture_signature():
     assert list(params) == ["graph", "label", "pool", "stream", "use_torch_liveness"]
     assert guard.torch_liveness_available == (
         "check_input_liveness" in inspect.signature(torch.cuda.graph).parameters)
+
+
+def test_liveness_only_check_sees_freed_not_rebound():
+    """deep=False is the per-replay fast path: it names dead storages, leaves rebinding to deep."""
+    import torch
+    from repro.guard import CaptureGuard
+
+    class Kernel:
+        def __init__(self):
+            self.workspace = torch.zeros(8)
+
+    guard = CaptureGuard(mode="warn")
+    kernel = Kernel()
+    guard.watch("k", kernel)
+    doomed = torch.ones(4)
+    with guard.recording("g"):
+        kernel.workspace.add_(1)
+        doomed * 2
+    old = kernel.workspace
+    kernel.workspace = torch.zeros(8)            # rebound; the old storage stays alive via `old`
+    del doomed                                   # freed
+    fast = guard.check("fast", deep=False)
+    assert [f.status for f in fast] == ["freed"]
+    deep = guard.check("deep")
+    assert [(f.slot, f.status) for f in deep] == [("k.workspace", "rebound")]
+    assert old.numel() == 8
+
+
+def test_check_limited_to_one_graph():
+    import torch
+    from repro.guard import CaptureGuard
+    guard = CaptureGuard(mode="warn")
+    a, b = torch.ones(4), torch.ones(4)
+    with guard.recording("A"):
+        a * 2
+    with guard.recording("B"):
+        b * 2
+    del a, b
+    assert [f.graph for f in guard.check("x", graph="B")] == ["B"]
+    assert [f.graph for f in guard.check("x")] == ["A"]       # B's slot was already reported

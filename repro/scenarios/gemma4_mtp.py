@@ -220,7 +220,8 @@ def run(ctx) -> None:
         with ctx.memory.use():
             hidden = hidden_states(step, tokens_n, dims, run_cfg.seed, ctx.device)
         size = bucket(tokens_n, dims.batch_sizes)
-        ctx.check_guard(f"before replay, step {step}", graph=graph_label(size))
+        # Deep (rebinding) check once after set-up and reload; liveness before every replay.
+        ctx.check_guard(f"before replay, step {step}", graph=graph_label(size), deep=step == 0)
         start = time.perf_counter()
         with ctx.phase("replays"):
             tokens, scores, replayed = proposer.greedy_sample(hidden)
