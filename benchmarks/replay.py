@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from repro.config import apply_overrides, load_preset, validate
+from repro.config import load_preset, validate
 from repro.dist import TP
 from repro.guard import CaptureGuard
 from repro.scenarios.gemma4_mtp import Gemma4Drafter, Proposer
@@ -56,33 +56,37 @@ def wall(fn, repeats=REPEATS) -> float:
     return samples[len(samples) // 2]
 
 
+def bench_gemma_mode(guard_mode: str, dims, dev: torch.device) -> list[dict]:
+    """One guard setting: off, warn (deep check before each replay), warn-liveness."""
+    guard = CaptureGuard(mode=guard_mode.split("-")[0])
+    deep = guard_mode != "warn-liveness"
+    drafter = Gemma4Drafter(dims, TP(0, 1, None), "fixed", dev, seed=0)
+    proposer = Proposer(drafter, dims.batch_sizes, guard, dev)
+    guard.watch("drafter", drafter)
+    proposer.setup_centroid_graphs()
+    rows = []
+    for batch in (1, 64):
+        h = torch.randn(batch, dims.hidden_size, device=dev, dtype=torch.bfloat16)
+        label = f"centroids bs={batch}"   # the graph greedy_sample picks for this batch
+
+        def replay():
+            guard.check("bench", graph=label, deep=deep)
+            return proposer.greedy_sample(h)
+        row = {"region": "gemma4 greedy_sample", "batch": batch, "guard": guard_mode,
+               "replay_us": wall(replay), "slots_checked": sum(label in sl.graphs for sl in guard.slots)}
+        if guard_mode == "off":
+            w = drafter.full_lm_head_weight()
+            row["eager_us"] = wall(lambda: drafter.masked_embedding.get_top_tokens(h, w))
+        rows.append(row)
+    return rows
+
+
 def bench_gemma() -> list[dict]:
     dims = validate(load_preset("gemma4-e2b")).model
     dev = torch.device("cuda", 0)
     rows = []
     for guard_mode in ("off", "warn", "warn-liveness"):
-        guard = CaptureGuard(mode=guard_mode.split("-")[0])
-        deep = guard_mode != "warn-liveness"
-        drafter = Gemma4Drafter(dims, TP(0, 1, None), "fixed", dev, seed=0)
-        proposer = Proposer(drafter, dims.batch_sizes, guard, dev)
-        guard.watch("drafter", drafter)
-        proposer.setup_centroid_graphs()
-        for batch in (1, 64):
-            h = torch.randn(batch, dims.hidden_size, device=dev, dtype=torch.bfloat16)
-
-            label = f"centroids bs={batch}"   # the graph greedy_sample picks for this batch
-
-            def replay():
-                guard.check("bench", graph=label, deep=deep)
-                return proposer.greedy_sample(h)
-            row = {"region": "gemma4 greedy_sample", "batch": batch, "guard": guard_mode,
-                   "replay_us": wall(replay),
-                   "slots_checked": sum(label in sl.graphs for sl in guard.slots)}
-            if guard_mode == "off":
-                w = drafter.full_lm_head_weight()
-                row["eager_us"] = wall(lambda: drafter.masked_embedding.get_top_tokens(h, w))
-            rows.append(row)
-        del proposer, drafter
+        rows += bench_gemma_mode(guard_mode, dims, dev)
         torch.cuda.empty_cache()
     return rows
 

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 from repro.config import ConfigError, RunConfig, SCENARIOS, coerce, read_toml, resolve_preset_path

@@ -1,5 +1,4 @@
 import os
-import signal
 from pathlib import Path
 
 import pytest

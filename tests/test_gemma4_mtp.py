@@ -1,12 +1,9 @@
 """gemma4-mtp on CPU: TP math on gloo, the mode difference, guard verdicts through the runner."""
-import dataclasses
-import os
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from repro.config import load_preset, validate
+from repro.config import load_preset
 from repro.dist import TP, free_port, init_tp, shutdown
 from repro.isolate import run_trial
 from repro.outcome import Outcome

@@ -10,8 +10,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from conftest import REPO, alive, group_alive
 from repro.isolate import GRACE_S, run_trial
 from repro.outcome import Outcome
