@@ -9,35 +9,17 @@ Usage: PYTHONPATH=$PWD python3 benchmarks/replay.py [--json PATH]
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 
 import torch
 
+from common import emit
 from repro.config import load_preset, validate
 from repro.dist import TP
 from repro.guard import CaptureGuard
 from repro.scenarios.gemma4_mtp import Gemma4Drafter, Proposer
 
 REPEATS = 200
-
-
-def timed(fn, repeats=REPEATS) -> float:
-    """Median microseconds per call over `repeats` calls, CUDA-event timed, after warm-up."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000)
-    samples.sort()
-    return samples[len(samples) // 2]
 
 
 def wall(fn, repeats=REPEATS) -> float:
@@ -126,11 +108,7 @@ def main() -> None:
             r["guard_overhead"] = r["replay_us"] / off["replay_us"] - 1
         if "eager_us" in r:
             r["graph_speedup"] = r["eager_us"] / r["replay_us"]
-    text = json.dumps(doc, indent=2)
-    sys.stdout.write(text + "\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
+    emit(doc, args.json)
 
 
 if __name__ == "__main__":

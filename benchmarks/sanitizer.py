@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 import tempfile
 
+from common import emit
 from repro import doctor
 from repro.isolate import run_trial
 from repro.runner import plan
@@ -59,10 +60,7 @@ def main() -> None:
         for wrapper in ([], MEMCHECK):
             rows.append(one(a.scenario, a.preset, af, a.steps, a.tp, wrapper, a.deadline))
             sys.stderr.write(json.dumps(rows[-1]) + "\n")
-    text = json.dumps(rows, indent=2)
-    sys.stdout.write(text + "\n")
-    if a.json:
-        Path(a.json).write_text(text)
+    emit(rows, a.json)
 
 
 if __name__ == "__main__":

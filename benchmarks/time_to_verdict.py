@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import emit
+
 PHASES = ("start", "init", "build", "capture", "reload", "replays", "total")
 
 
@@ -55,10 +57,7 @@ def main() -> None:
     if cur:
         groups.append(cur)
     doc = {" ".join(g): summarize([run_once(g) for _ in range(a.runs)]) for g in groups}
-    text = json.dumps(doc, indent=2)
-    sys.stdout.write(text + "\n")
-    if a.json:
-        Path(a.json).write_text(text)
+    emit(doc, a.json)
 
 
 if __name__ == "__main__":
