@@ -21,7 +21,8 @@ from repro.runner import Planned, RunResult, plan, run_planned
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
-EXIT_CODES = """Exit codes:
+EXIT_CODES = """\b
+Exit codes:
   0    every trial met its expectation (unfixed -> reproduced, fixed -> CLEAN; see --expect)
   1    some trial did not meet its expectation
   2    usage or config error (one line on stderr)
