@@ -92,3 +92,18 @@ def test_selftest_json_stdout_is_only_json(tmp_path, no_gpu):
     doc = json.loads(result.stdout)                  # nothing but JSON on stdout
     assert doc["schema"] == "repro.report/1"
     assert doc["trials"][0]["outcome"] == "CLEAN"
+
+
+def test_vllm_audit_cli_states_and_require(tmp_path):
+    from fixtures_audit import make_wheel, source_files, write_tree
+    # 0.28-like: #43909 and #50074 present, #57954 absent.
+    tree = write_tree(tmp_path / "src", source_files(refresh="none"), version="0.28.0")
+    result = invoke("vllm-audit", "--path", str(tree), "--json", "-")
+    assert result.exit_code == 0, result.stderr
+    states = {c["fix_id"]: c["state"] for c in json.loads(result.stdout)["checks"]}
+    assert states == {"43909": "present", "50074": "present", "57954": "absent"}
+    wheel = make_wheel(tmp_path / "vllm-0.28.0-py3-none-any.whl", source_files(refresh="none"), "0.28.0")
+    assert invoke("vllm-audit", "--wheel", str(wheel), "--require", "50074").exit_code == 0
+    failed = invoke("vllm-audit", "--wheel", str(wheel), "--require", "57954")
+    assert failed.exit_code == 1 and "57954" in failed.stderr
+    assert "99999" in one_line_error(invoke("vllm-audit", "--wheel", str(wheel), "--require", "99999"))
