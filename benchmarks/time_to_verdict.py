@@ -17,7 +17,7 @@ from pathlib import Path
 
 from common import emit
 
-PHASES = ("start", "init", "build", "capture", "reload", "replays", "total")
+PHASES = ("start", "import", "init", "build", "capture", "reload", "replays", "total")
 
 
 def run_once(args: list[str]) -> dict:
@@ -28,12 +28,14 @@ def run_once(args: list[str]) -> dict:
                                "--artifacts", tmp], capture_output=True, text=True)
         wall = time.perf_counter() - t0
         trial = json.loads(out.read_text())["trials"][0]
-    return {"exit": proc.returncode, "wall": wall, "outcome": trial["outcome"], **trial["timings"]}
+    # harness: the CLI's own time outside the trial (interpreter, imports, planning, report).
+    return {"exit": proc.returncode, "wall": wall, "outcome": trial["outcome"], **trial["timings"],
+            "harness": wall - trial["timings"]["total"]}
 
 
 def summarize(samples: list[dict]) -> dict:
     row = {"outcomes": sorted({s["outcome"] for s in samples}), "exits": sorted({s["exit"] for s in samples})}
-    for key in ("wall", *PHASES):
+    for key in ("wall", "harness", *PHASES):
         values = [s[key] for s in samples if key in s]
         if values:
             row[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}

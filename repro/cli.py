@@ -131,14 +131,15 @@ def exit_code(result: RunResult, allow_unsupported: bool = False) -> int:
 
 
 def execute(planned: list[Planned], artifacts: Path, json_path: str | None, junit: Path | None,
-            html: Path | None, summary_only: bool = False, allow_unsupported: bool = False) -> int:
+            html: Path | None, summary_only: bool = False, allow_unsupported: bool = False,
+            jobs: int = 1) -> int:
     console = stderr_console()
     with report.Progress(console) as progress:
         result = run_planned(
             planned, artifacts,
             on_start=lambda tid, p: progress.add(tid, tid, p.cfg.run.steps),
             on_tick=lambda tid, n: progress.update(tid, n, "running"),
-            on_done=lambda t: progress.finish(t.id, t.outcome))
+            on_done=lambda t: progress.finish(t.id, t.outcome), jobs=jobs)
     if summary_only:
         report.render_summary(result.report, console)
         console.print(report.summary_line(result.report))
@@ -217,16 +218,19 @@ def matrix(
     allow_unsupported: Annotated[bool, typer.Option("--allow-unsupported", help="UNSUPPORTED trials do not fail the run (they never pass).")] = False,
     json_path: JsonOpt = None, junit: JunitOpt = None, html: HtmlOpt = None,
     artifacts: ArtifactsOpt = Path("artifacts"),
+    jobs: Annotated[int, typer.Option("--jobs", "-j", help="Trials run at once. Each trial still gets its own processes; concurrent trials share the GPUs (TP=1 trials are spread over them), so per-trial timings are not those of a --jobs 1 run.")] = 1,
 ) -> int:
     """CI smoke check: every scenario x mode with its expected outcome; exit 0 only if all hold."""
     from repro.matrix import load_matrix
     try:
+        if jobs < 1:
+            raise ConfigError(f"--jobs {jobs}: must be >= 1 (1 runs the trials one after another)")
         _, planned = load_matrix(config, doctor.gpu_count())
     except ConfigError as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_USAGE
     return execute(planned, artifacts, json_path, junit, html, summary_only=True,
-                   allow_unsupported=allow_unsupported)
+                   allow_unsupported=allow_unsupported, jobs=jobs)
 
 
 @app.command("doctor")

@@ -1,29 +1,15 @@
-"""Tensor-parallel plumbing: process group (NCCL on GPU, gloo on CPU), free port, gathers.
+"""Tensor-parallel plumbing in the workers: process group (NCCL on GPU, gloo on CPU), gathers.
 
 At world size 1 there is no process group and the helpers are identities, so scenario code
 reads the same at every TP size.
 """
 from __future__ import annotations
 
-import socket
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-# Child processes inherit these; NVLink multicast must stay off on shared hosts.
-MULTICAST_OFF = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -225,6 +225,9 @@ class CaptureGuard:
         self._births: dict[int, _Birth] = {}
         self._births_since_prune = 0
         self._mechanism = MECHANISM
+        # graph label (or None: all) -> weak refs of its slots not yet reported freed; the
+        # liveness check walks this tuple only. Cleared whenever the slots or their states change.
+        self._live_refs: dict[str | None, tuple[StorageWeakRef | None, ...]] = {}
 
     # -- public API -------------------------------------------------------------------------
 
@@ -265,8 +268,11 @@ class CaptureGuard:
             yield
             return
         rec = _Recording(label=graph, capturing=cuda_capturing())
-        with _OpObserver(functools.partial(self._observe, rec)):
-            yield
+        try:
+            with _OpObserver(functools.partial(self._observe, rec)):
+                yield
+        finally:
+            self._live_refs.clear()
 
     @contextlib.contextmanager
     def capture(self, graph: torch.cuda.CUDAGraph, label: str, pool=None, stream=None,
@@ -293,7 +299,7 @@ class CaptureGuard:
                tensor before an illegal memory access): run it before every replay, and a
                deep check after anything that may rebind (a weight reload).
         """
-        if self.mode == "off":
+        if self.mode == "off" or (not deep and self._all_alive(graph)):
             return []
         findings = []
         for slot in self._slots.values():
@@ -306,6 +312,7 @@ class CaptureGuard:
                 continue
             slot.reported.add(status.status)
             findings.append(self._finding(slot, status, when))
+            self._live_refs.clear()
         if findings and self.mode == "raise":
             raise StaleCaptureError(findings[0].message, findings)
         return findings
@@ -404,6 +411,18 @@ class CaptureGuard:
         self._births_since_prune = 0
 
     # -- checking ---------------------------------------------------------------------------
+
+    def _all_alive(self, graph: str | None) -> bool:
+        """The per-replay fast path: one C call per storage, no allocation, no name lookups."""
+        refs = self._live_refs.get(graph)
+        if refs is None:
+            refs = self._live_refs[graph] = tuple(
+                s.ref for s in self._slots.values()
+                if (graph is None or graph in s.graphs) and "freed" not in s.reported)
+        for ref in refs:
+            if ref is None or ref.expired():
+                return False
+        return True
 
     def _liveness(self, slot: Slot) -> _Status:
         if slot.ref is None or slot.ref.expired():

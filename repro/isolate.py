@@ -11,15 +11,16 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from repro.config import TrialConfig, default_expectation
-from repro.dist import MULTICAST_OFF, free_port
 from repro.outcome import (FirstFailure, Outcome, RankExit, TrialRecord, finding_from_dict,
                            manifest_from_dict, parse_expectation, step_from_dict, worst)
 from repro.worker import TrialSpec, log_path, records_path
@@ -42,6 +43,20 @@ ERROR_PATTERNS = [
         r"Invalid __global__ (read|write)", re.I)),
 ]
 
+
+# Children inherit these; NVLink multicast must stay off on shared hosts. This module is the
+# parent's and must not import torch (seconds of start-up before the first rank is spawned).
+MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 # A rank that died of these died because a peer went away first: collateral, not the cause.
 PEER_LOSS = re.compile(
@@ -84,8 +99,8 @@ class RankRecords:
         return [e for e in self.events if e["event"] == kind]
 
 
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, **(extra or {})}
     for key, value in MULTICAST_OFF.items():
         env.setdefault(key, value)
     env["PYTHONUNBUFFERED"] = "1"
@@ -94,9 +109,10 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def spawn_ranks(spec: TrialSpec, spec_path: Path, wrapper: list[str]) -> list[Rank]:
+def spawn_ranks(spec: TrialSpec, spec_path: Path, wrapper: list[str],
+                extra_env: dict[str, str] | None = None) -> list[Rank]:
     ranks: list[Rank] = []
-    env = child_env()
+    env = child_env(extra_env)
     try:
         for r in range(spec.world_size):
             log = open(log_path(spec.out_dir, r), "wb")
@@ -135,7 +151,9 @@ def kill_group(ranks: list[Rank]) -> None:
 
 
 def wait_group(ranks: list[Rank], deadline_s: float, spawned_at: float,
-               on_tick: Callable[[], None] | None = None) -> Waited:
+               on_tick: Callable[[], None] | None = None, stop: threading.Event | None = None) -> Waited:
+    """Poll until every rank exited, one died (plus GRACE_S), the deadline, or an interrupt:
+    Ctrl-C in this thread, or `stop` set by the thread that got it (concurrent trials)."""
     waited = Waited(spawned_at=spawned_at, ended_at=spawned_at)
     first_death_at = None
     try:
@@ -152,6 +170,9 @@ def wait_group(ranks: list[Rank], deadline_s: float, spawned_at: float,
                 break
             if now - spawned_at > deadline_s:
                 waited.hung = True
+                break
+            if stop is not None and stop.is_set():
+                waited.interrupted = True
                 break
             if on_tick:
                 on_tick()
@@ -350,8 +371,10 @@ def unsupported_record(trial_id: str, cfg: TrialConfig, reason: str) -> TrialRec
 
 def run_trial(cfg: TrialConfig, device: str, out_root: Path, trial_id: str,
               fault: dict[str, Any] | None = None, wrapper: list[str] | None = None,
-              on_tick: Callable[[str, int], None] | None = None) -> TrialRecord:
-    """Spawn, watch, kill, classify. Raises Interrupted (with the partial record) on Ctrl-C."""
+              on_tick: Callable[[str, int], None] | None = None, env: dict[str, str] | None = None,
+              stop: threading.Event | None = None) -> TrialRecord:
+    """Spawn, watch, kill, classify. Raises Interrupted (with the partial record) on Ctrl-C
+    or once `stop` is set. env: extra variables for the ranks (the runner's GPU lanes)."""
     out_dir = out_root / trial_id
     out_dir.mkdir(parents=True, exist_ok=True)
     world = cfg.run.tp
@@ -360,14 +383,14 @@ def run_trial(cfg: TrialConfig, device: str, out_root: Path, trial_id: str,
     spec_path = out_dir / "spec.json"
     spec.save(spec_path)
     spawned_at = time.monotonic()
-    ranks = spawn_ranks(spec, spec_path, wrapper or [])
+    ranks = spawn_ranks(spec, spec_path, wrapper or [], env)
     rank0 = records_path(out_dir, 0)
 
     def tick() -> None:
         if on_tick and rank0.exists():
             on_tick(trial_id, rank0.read_text(errors="replace").count('"event": "step"'))
 
-    waited = wait_group(ranks, cfg.run.deadline_s, spawned_at, tick)
+    waited = wait_group(ranks, cfg.run.deadline_s, spawned_at, tick, stop)
     recs = read_records(str(out_dir), world)
     exits = [rank_exit(r, rr, str(out_dir)) for r, rr in zip(ranks, recs)]
     trial = build_record(trial_id, cfg, device, recs, exits, waited, str(out_dir))

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import datetime as dt
 import shlex
-from concurrent.futures import ThreadPoolExecutor
+import os
+import queue
 import sys
-from dataclasses import dataclass, field
+import threading
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,7 +33,6 @@ class Planned:
 class RunResult:
     report: Report
     interrupted: bool = False
-    records: list[TrialRecord] = field(default_factory=list)
 
 
 def resolve_device(requested: str, tp: int, gpus: int) -> tuple[str | None, str]:
@@ -73,39 +75,95 @@ def trial_id(index: int, cfg: TrialConfig) -> str:
     return "-".join(parts)
 
 
+def gpu_lanes(gpus: int, env: dict[str, str]) -> list[str]:
+    """The devices a child may see, as CUDA_VISIBLE_DEVICES tokens (indices or UUIDs)."""
+    spec = env.get("CUDA_VISIBLE_DEVICES")
+    tokens = [t.strip() for t in spec.split(",")] if spec is not None else [str(i) for i in range(gpus)]
+    return tokens[:gpus]
+
+
+def lane_env(slot: int, lanes: list[str]) -> dict[str, str] | None:
+    """Concurrent slot k sees the GPUs rotated by k, so TP=1 trials spread over every GPU."""
+    k = slot % len(lanes) if lanes else 0
+    if k == 0:
+        return None                               # identity: leave the environment as it is
+    return {"CUDA_VISIBLE_DEVICES": ",".join(lanes[k:] + lanes[:k])}
+
+
 def run_planned(planned: list[Planned], out_root: Path, on_start: Callable[[str, Planned], None] | None = None,
                 on_tick: Callable[[str, int], None] | None = None,
                 on_done: Callable[[TrialRecord], None] | None = None,
-                wrapper: list[str] | None = None) -> RunResult:
+                wrapper: list[str] | None = None, jobs: int = 1) -> RunResult:
+    """Run every planned trial, `jobs` at a time; the report keeps the plan's order."""
     stamp = dt.datetime.now(dt.timezone.utc)
     run_dir = out_root / stamp.strftime("%Y%m%d-%H%M%S-%f")
     # The inventory imports torch (seconds); take it while the first trial's ranks start.
     with ThreadPoolExecutor(max_workers=1) as pool:
         env = pool.submit(environment)
-        result = run_all(planned, run_dir, on_start, on_tick, on_done, wrapper)
+        lanes = gpu_lanes(doctor.gpu_count(), dict(os.environ)) if jobs > 1 else []
+        result = run_all(planned, run_dir, Hooks(on_start, on_tick, on_done), wrapper, jobs, lanes)
         result.report.environment = env.result()
     result.report.command = shlex.join(sys.argv)
     result.report.created = stamp.isoformat(timespec="seconds")
     return result
 
 
-def run_all(planned: list[Planned], run_dir: Path, on_start, on_tick, on_done,
-            wrapper: list[str] | None) -> RunResult:
-    report = Report(environment={}, trials=[])
-    for i, p in enumerate(planned):
-        tid = trial_id(i, p.cfg)
-        if on_start:
-            on_start(tid, p)
-        if p.device is None:
-            trial = unsupported_record(tid, p.cfg, p.reason)
-        else:
+@dataclass
+class Hooks:
+    on_start: Callable[[str, Planned], None] | None = None
+    on_tick: Callable[[str, int], None] | None = None
+    on_done: Callable[[TrialRecord], None] | None = None
+
+
+def run_one(i: int, p: Planned, run_dir: Path, hooks: Hooks, wrapper: list[str] | None,
+            slots: queue.SimpleQueue, lanes: list[str], stop: threading.Event) -> TrialRecord | None:
+    """One trial on a pool thread. The thread lives until its trial's ranks are reaped, which
+    matters: PR_SET_PDEATHSIG fires when the *thread* that spawned a worker exits."""
+    if stop.is_set():
+        return None                                   # Ctrl-C before this trial started
+    tid = trial_id(i, p.cfg)
+    if hooks.on_start:
+        hooks.on_start(tid, p)
+    if p.device is None:
+        trial = unsupported_record(tid, p.cfg, p.reason)
+    else:
+        slot = slots.get()
+        try:
+            trial = run_trial(p.cfg, p.device, run_dir, tid, fault=p.fault, wrapper=wrapper,
+                              on_tick=hooks.on_tick, env=lane_env(slot, lanes), stop=stop)
+        finally:
+            slots.put(slot)
+    if hooks.on_done:
+        hooks.on_done(trial)
+    return trial
+
+
+def run_all(planned: list[Planned], run_dir: Path, hooks: Hooks, wrapper: list[str] | None,
+            jobs: int, lanes: list[str]) -> RunResult:
+    stop = threading.Event()
+    slots: queue.SimpleQueue = queue.SimpleQueue()
+    for k in range(max(1, jobs)):
+        slots.put(k)
+    records: list[TrialRecord | None] = [None] * len(planned)
+    interrupted = False
+    with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="trial") as pool:
+        futures = {pool.submit(run_one, i, p, run_dir, hooks, wrapper, slots, lanes, stop): i
+                   for i, p in enumerate(planned)}
+        pending = set(futures)
+        while pending:
             try:
-                trial = run_trial(p.cfg, p.device, run_dir, tid, fault=p.fault, wrapper=wrapper, on_tick=on_tick)
-            except Interrupted as e:
-                report.trials.append(e.trial)
-                report.interrupted = True
-                return RunResult(report=report, interrupted=True)
-        report.trials.append(trial)
-        if on_done:
-            on_done(trial)
-    return RunResult(report=report)
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            except KeyboardInterrupt:
+                # Ctrl-C reaches this thread only (the ranks run in their own process groups):
+                # tell every running trial to kill its group and hand back what it recorded.
+                stop.set()
+                interrupted = True
+                continue
+            for f in done:
+                try:
+                    records[futures[f]] = f.result()
+                except Interrupted as e:
+                    records[futures[f]] = e.trial
+                    interrupted = True
+    report = Report(environment={}, trials=[t for t in records if t is not None], interrupted=interrupted)
+    return RunResult(report=report, interrupted=interrupted)

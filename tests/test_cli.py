@@ -1,10 +1,14 @@
 """The CLI through Typer's CliRunner: usage errors are one line + exit 2, env errors exit 3."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
 
 import repro.doctor
+from conftest import REPO
 from repro.cli import app
 
 runner = CliRunner()
@@ -50,6 +54,8 @@ def test_scenario_help_lists_exit_codes():
     (["nvfp4-reload", "--tp", "2"], "No such option"),
     (["gemma4-mtp", "--expect", "works", "--device", "cpu"], "expectation 'works'"),
     (["matrix", "--config", "/nope.toml"], "does not exist"),
+    (["matrix", "--jobs", "0"], "--jobs 0: must be >= 1"),
+    (["matrix", "--jobs", "many"], "Invalid value for '--jobs'"),
     (["selftest", "--inject-fault", "melt@0:0", "--device", "cpu"], "kind 'melt'"),
     (["vllm-audit", "--path", "/nonexistent-dir"], "/nonexistent-dir"),
 ])
@@ -107,3 +113,15 @@ def test_vllm_audit_cli_states_and_require(tmp_path):
     failed = invoke("vllm-audit", "--wheel", str(wheel), "--require", "57954")
     assert failed.exit_code == 1 and "57954" in failed.stderr
     assert "99999" in one_line_error(invoke("vllm-audit", "--wheel", str(wheel), "--require", "99999"))
+
+
+def test_parent_never_imports_torch_before_spawning():
+    """The CLI, planning and the trial runner stay torch-free: a CUDA torch import takes seconds,
+    and every one of them would come before the first rank starts (time to verdict)."""
+    code = ("import sys, repro.cli, repro.runner, repro.isolate, repro.matrix\n"
+            "from repro.runner import plan\n"
+            "plan('gemma4-mtp', None, {'device': 'cpu', 'tp': 2}, [], 0)\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.stdout.strip() == "[]"

@@ -4,7 +4,8 @@ import torch
 import torch.multiprocessing as mp
 
 from repro.config import load_preset
-from repro.dist import TP, free_port, init_tp, shutdown
+from repro.dist import TP, init_tp, shutdown
+from repro.isolate import free_port
 from repro.isolate import run_trial
 from repro.outcome import Outcome
 from repro.runner import plan

@@ -21,7 +21,8 @@ def run_matrix(name, gpus, tmp_path):
     if doctor.gpu_count() < gpus:
         pytest.skip(f"needs {gpus} CUDA GPUs")
     _, planned = load_matrix(name, doctor.gpu_count())
-    result = run_planned(planned, tmp_path)
+    # Four trials at a time, as `repro matrix --jobs 4` runs them: the tables must not depend on it.
+    result = run_planned(planned, tmp_path, jobs=4)
     out = os.environ.get("REPRO_REPORT_DIR")
     if out:
         report.write_json(result.report, Path(out) / f"matrix-{name}.json")

@@ -532,3 +532,21 @@ def test_check_limited_to_one_graph():
     del a, b
     assert [f.graph for f in guard.check("x", graph="B")] == ["B"]
     assert [f.graph for f in guard.check("x")] == ["A"]       # B's slot was already reported
+
+
+def test_liveness_fast_path_sees_deaths_after_a_clean_check_and_new_recordings():
+    """The per-replay path caches each graph's weak refs: a clean check must not hide a later
+    death, a later recording must extend what it watches, and a freed slot is reported once."""
+    guard = CaptureGuard(mode="warn")
+    a, b = torch.ones(4), torch.ones(4)
+    with guard.recording("G"):
+        a * 2
+    assert guard.check("r0", graph="G", deep=False) == []      # fills the cache for G
+    with guard.recording("G"):                                  # a second capture into G
+        b * 2
+    del b
+    assert [f.status for f in guard.check("r1", graph="G", deep=False)] == ["freed"]
+    assert guard.check("r2", graph="G", deep=False) == []       # reported once, cache rebuilt
+    del a
+    assert [f.status for f in guard.check("r3", graph="G", deep=False)] == ["freed"]
+    assert guard.check("r4", graph="G", deep=False) == []
