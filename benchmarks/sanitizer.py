@@ -15,20 +15,31 @@ import json
 import re
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from common import emit
 from repro import doctor
-from repro.isolate import read_records, run_trial
+from repro.isolate import Interrupted, read_records, run_trial
+from repro.worker import log_path
 from repro.runner import plan
 
-MEMCHECK = ["compute-sanitizer", "--tool", "memcheck", "--print-limit", "5", "--show-backtrace", "no"]
-MEMCHECK_ERROR = re.compile(r"Invalid __global__|Program hit|ERROR SUMMARY: [1-9]")
+# API errors (NCCL probes kernels it has no image for) are noise here: only memory errors count.
+MEMCHECK = ["compute-sanitizer", "--tool", "memcheck", "--report-api-errors", "no", "--print-limit", "10",
+            "--show-backtrace", "no"]
+MEMORY_ERROR = re.compile(r"Invalid __(global|shared|local)__ (read|write)|is out of bounds|is misaligned")
 
 
-def memcheck_lines(tail: str) -> list[str]:
-    return [l.strip() for l in tail.splitlines() if re.search(r"Invalid __global__|ERROR SUMMARY|Program hit", l)]
+def first_memory_error(out_dir: Path, world: int) -> list[str] | None:
+    """Memcheck's first memory-error block (the error, its kernel, thread, address), if any."""
+    for r in range(world):
+        path = log_path(out_dir, r)
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        for i, line in enumerate(lines):
+            if MEMORY_ERROR.search(line):
+                return [l.strip() for l in lines[i:i + 5]]
+    return None
 
 
 def first_finding_at(out_dir: Path, world: int) -> float | None:
@@ -38,22 +49,39 @@ def first_finding_at(out_dir: Path, world: int) -> float | None:
 
 def one(scenario: str, preset: str | None, after_free: str, steps: int, tp: int, memcheck: bool,
         deadline: float) -> dict:
+    """One trial; a memcheck trial is stopped as soon as memcheck has reported a memory error
+    (its diagnosis is then complete: memcheck goes on slowly through every later bad access)."""
     run = {"mode": "unfixed", "after_free": after_free, "steps": steps, "deadline_s": deadline,
            "guard": "off" if memcheck else "warn"}
     if scenario == "gemma4-mtp":
         run["tp"] = tp
     p = plan(scenario, preset, run, [], doctor.gpu_count())
+    world = p.cfg.run.tp
+    stop = threading.Event()
+    seen: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        out_dir = Path(tmp) / "s"
         t_spawn, t0 = time.time(), time.perf_counter()
-        trial = run_trial(p.cfg, p.device, Path(tmp), "s", wrapper=MEMCHECK if memcheck else None)
+
+        def watch(_trial_id: str, _steps: int) -> None:
+            if memcheck and "report" not in seen:
+                report = first_memory_error(out_dir, world)
+                if report:
+                    seen.update(report=report, at=time.perf_counter() - t0)
+                    stop.set()
+        try:
+            trial = run_trial(p.cfg, p.device, Path(tmp), "s", wrapper=MEMCHECK if memcheck else None,
+                              on_tick=watch, stop=stop)
+        except Interrupted as e:
+            trial = e.trial
         wall = time.perf_counter() - t0
-        found_at = first_finding_at(Path(tmp) / "s", p.cfg.run.tp)
-    tails = "\n".join(r.stderr_tail for r in trial.ranks)
+        found_at = first_finding_at(out_dir, world)
+        report = seen.get("report") or first_memory_error(out_dir, world)
     row = {"scenario": scenario, "after_free": after_free, "tool": "memcheck" if memcheck else "guard",
            "outcome": trial.outcome.value, "wall_s": wall}
     if memcheck:
-        lines = memcheck_lines(tails)
-        row.update(detected=any(MEMCHECK_ERROR.search(l) for l in lines), diagnosis_s=wall, report=lines[:4])
+        row.update(detected=report is not None, diagnosis_s=seen.get("at", wall if report else None),
+                   stopped_early="at" in seen, report=report)
     else:
         row.update(detected=found_at is not None, diagnosis_s=None if found_at is None else found_at - t_spawn,
                    finding=trial.guard_findings[0].slot if trial.guard_findings else None)
