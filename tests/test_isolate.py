@@ -168,3 +168,37 @@ def test_real_cuda_messages_classify():
     assert classify_error(ASSERT_2_11) == Outcome.DEVICE_ASSERT
     assert classify_error("RuntimeError: shapes do not match") == Outcome.CRASH
     assert classify_error("repro.guard.StaleCaptureError: graph ...") == Outcome.STALE_CAPTURE
+
+
+def test_bytecode_cache_only_where_torch_has_none(tmp_path):
+    from repro.isolate import with_bytecode_cache
+    src = tmp_path / "torch" / "__init__.py"
+    src.parent.mkdir()
+    src.write_text("")
+    env = {"HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONDONTWRITEBYTECODE": "1"}
+    # No compiled torch: workers get our own cache, and may write to it.
+    got = with_bytecode_cache(env, str(src))
+    assert got["PYTHONPYCACHEPREFIX"] == str(tmp_path / "cache" / "repro" / "pycache")
+    assert "PYTHONDONTWRITEBYTECODE" not in got and env["PYTHONDONTWRITEBYTECODE"] == "1"
+    # A prefix the user chose is theirs; no torch at all: nothing to do.
+    assert with_bytecode_cache({**env, "PYTHONPYCACHEPREFIX": "/mine"}, str(src))["PYTHONPYCACHEPREFIX"] == "/mine"
+    assert with_bytecode_cache(env, None) == env
+    # The install's own bytecode exists: the environment is left as it is.
+    import py_compile
+    py_compile.compile(str(src))
+    assert with_bytecode_cache(env, str(src)) == env
+
+
+def test_workers_write_their_bytecode_cache_where_told(tmp_path, monkeypatch):
+    """End to end: with an uncompiled torch, a worker writes bytecode under our cache, even
+    where the user's environment forbids writing bytecode next to the sources."""
+    import repro.isolate
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("")
+    monkeypatch.setattr(repro.isolate, "torch_origin", lambda: str(tmp_path / "torch" / "__init__.py"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    env = repro.isolate.child_env()
+    subprocess.run([sys.executable, "-c", "import repro.config"], env=env, check=True)
+    assert list((tmp_path / "cache" / "repro" / "pycache").rglob("config*.pyc"))

@@ -485,3 +485,16 @@ def test_dequantize_into_real_shape_memory():
     assert extra < out.numel() * out.element_size() // 4, extra
     q = NVFP4Weight(packed[:2], scale[:2], alpha[:2])
     assert torch.equal(out[:2], dequantize(q))
+
+
+@pytest.mark.parametrize("shape, target", [
+    ((), (4, 3)), ((3,), (4, 3)), ((1, 3), (4, 3)), ((4, 1), (4, 3)), ((4, 3), (4, 3)),
+    ((2,), (4, 3)), ((5, 4, 3), (4, 3)), ((4, 3), (3,)), ((1,), ()), ((), ()),
+])
+def test_broadcasts_to_agrees_with_torch(shape, target):
+    from repro.nvfp4 import broadcasts_to
+    try:
+        expected = torch.broadcast_shapes(shape, target) == torch.Size(target)
+    except RuntimeError:
+        expected = False
+    assert broadcasts_to(shape, target) == expected
