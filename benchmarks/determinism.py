@@ -82,6 +82,9 @@ def main() -> None:
         r = trial.config["run"]
         line = {"scenario": trial.scenario, "mode": trial.mode, "after_free": r["after_free"], "seed": r["seed"],
                 "outcome": trial.outcome.value, "total_s": trial.timings.get("total")}
+        if trial.first_failure:                    # keep the cause: the trial's files are temporary
+            line["detail"] = trial.first_failure.detail
+            line["errors"] = [r.error or r.stderr_tail[-400:] for r in trial.ranks if not r.killed_by_harness]
         sys.stderr.write(f"[{len(done)}/{len(planned)}] {json.dumps(line)}\n")
         if log:
             log.write(json.dumps(line) + "\n")

@@ -33,8 +33,7 @@ def main() -> None:
     run = {"tp": 1} if a.scenario == "gemma4-mtp" else {}
     p = plan(a.scenario, None, run, [f"run.{kv}" for kv in a.run], doctor.gpu_count())
     with tempfile.TemporaryDirectory() as tmp:
-        spec = TrialSpec(trial_id="profile", config=p.cfg.to_dict(), device=p.device, world_size=1,
-                         port=0, out_dir=tmp)
+        spec = TrialSpec(trial_id="profile", config=p.cfg.to_dict(), device=p.device, world_size=1, out_dir=tmp)
         prof = cProfile.Profile()
         t0 = time.perf_counter()
         prof.enable()

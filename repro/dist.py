@@ -5,8 +5,11 @@ reads the same at every TP size.
 """
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,14 +26,40 @@ class TP:
         return self.world_size > 1
 
 
-def init_tp(rank: int, world_size: int, port: int, device: torch.device, timeout_s: float) -> TP:
+def open_store(rank: int, world_size: int, rendezvous: Path, timeout: timedelta) -> dist.TCPStore:
+    """The ranks' TCPStore. Rank 0 binds port 0 (the kernel picks a free port and it is bound
+    at once) and publishes the port in the rendezvous file; the others wait for the file.
+
+    Not a port chosen by the parent: between choosing and binding (a worker's whole start-up)
+    another process can take it; with many trials at once, one occasionally did.
+    """
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        if not store.port:
+            raise RuntimeError("TCPStore did not report the port it bound (port 0 unsupported by this torch?)")
+        tmp = rendezvous.with_name(rendezvous.name + ".tmp")
+        tmp.write_text(str(store.port))
+        tmp.replace(rendezvous)                   # atomic: readers never see a partial number
+        return store
+    end = time.monotonic() + timeout.total_seconds()
+    while not rendezvous.exists():
+        if time.monotonic() > end:
+            raise TimeoutError(f"rank {rank}: rank 0 published no store port in {rendezvous} "
+                               f"within {timeout.total_seconds():g} s")
+        time.sleep(0.01)
+    return dist.TCPStore("127.0.0.1", int(rendezvous.read_text()), world_size, is_master=False, timeout=timeout)
+
+
+def init_tp(rank: int, world_size: int, rendezvous: Path, device: torch.device, timeout_s: float) -> TP:
+    """rendezvous: a file path shared by the trial's ranks (absent until rank 0 writes it)."""
     if world_size == 1:
         return TP(rank=0, world_size=1, backend=None)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    from datetime import timedelta
+    timeout = timedelta(seconds=timeout_s)
+    store = open_store(rank, world_size, rendezvous, timeout)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s), **kwargs)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     return TP(rank=rank, world_size=world_size, backend=backend)
 
 

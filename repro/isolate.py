@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -53,11 +52,6 @@ MULTICAST_OFF = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 # A rank that died of these died because a peer went away first: collateral, not the cause.
 PEER_LOSS = re.compile(
@@ -408,7 +402,7 @@ def run_trial(cfg: TrialConfig, device: str, out_root: Path, trial_id: str,
     out_dir.mkdir(parents=True, exist_ok=True)
     world = cfg.run.tp
     spec = TrialSpec(trial_id=trial_id, config=cfg.to_dict(), device=device, world_size=world,
-                     port=free_port() if world > 1 else 0, out_dir=str(out_dir), fault=fault)
+                     out_dir=str(out_dir), fault=fault)
     spec_path = out_dir / "spec.json"
     spec.save(spec_path)
     spawned_at = time.monotonic()

@@ -31,7 +31,6 @@ class TrialSpec:
     config: dict[str, Any]            # TrialConfig.to_dict()
     device: str                       # "cuda" | "cpu"
     world_size: int
-    port: int
     out_dir: str
     fault: dict[str, Any] | None = None   # test hook: {"kind", "rank", "step"}
 
@@ -45,6 +44,11 @@ class TrialSpec:
 
 def records_path(out_dir: str | Path, rank: int) -> Path:
     return Path(out_dir) / f"rank{rank}.jsonl"
+
+
+def rendezvous_path(out_dir: str | Path) -> Path:
+    """Where rank 0 publishes its store port for the other ranks."""
+    return Path(out_dir) / "store_port"
 
 
 def log_path(out_dir: str | Path, rank: int) -> Path:
@@ -181,7 +185,7 @@ def build_context(spec: TrialSpec, rank: int, sink: RecordSink) -> WorkerContext
     start = time.perf_counter()
     # Collectives must outlast the trial deadline: a hang is the harness's verdict, not a
     # collective timeout that looks like a crash.
-    tp = dist.init_tp(rank, spec.world_size, spec.port, device, timeout_s=cfg.run.deadline_s + 600)
+    tp = dist.init_tp(rank, spec.world_size, rendezvous_path(spec.out_dir), device, timeout_s=cfg.run.deadline_s + 600)
     sink.emit("phase", name="init", seconds=time.perf_counter() - start)
     ctx = WorkerContext(spec=spec, cfg=cfg, rank=rank, device=device, tp=tp, sink=sink,
                         guard=guard.CaptureGuard(mode=cfg.run.guard, rank=rank), history=history,

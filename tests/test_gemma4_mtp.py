@@ -5,7 +5,6 @@ import torch.multiprocessing as mp
 
 from repro.config import load_preset
 from repro.dist import TP, init_tp, shutdown
-from repro.isolate import free_port
 from repro.isolate import run_trial
 from repro.outcome import Outcome
 from repro.runner import plan
@@ -30,9 +29,9 @@ def test_tp1_full_weight_is_a_view_of_the_live_parameter():
     assert d._stable_full_lm_head_weight is None  # TP=1 never caches, in any mode
 
 
-def _tp_worker(rank, world, port, queue):
+def _tp_worker(rank, world, rendezvous, queue):
     torch.set_grad_enabled(False)                 # as in the harness's workers
-    tp = init_tp(rank, world, port, CPU, timeout_s=60)
+    tp = init_tp(rank, world, rendezvous, CPU, timeout_s=60)
     try:
         out = {}
         for mode in ("unfixed", "fixed"):
@@ -54,20 +53,16 @@ def _tp_worker(rank, world, port, queue):
         shutdown(tp)
 
 
-def run_tp(world):
+def run_tp(world, rendezvous):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_tp_worker, args=(r, world, free_port_for(world), queue)) for r in range(world)]
+    procs = [ctx.Process(target=_tp_worker, args=(r, world, rendezvous, queue)) for r in range(world)]
     return procs, queue
 
 
-def free_port_for(world, _cache={}):
-    return _cache.setdefault(world, free_port())
-
-
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_tp_gather_equals_full_weight_and_tokens_match_tp1(world):
-    procs, queue = run_tp(world)
+def test_tp_gather_equals_full_weight_and_tokens_match_tp1(world, tmp_path):
+    procs, queue = run_tp(world, tmp_path / "store_port")
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=120) for _ in procs)
@@ -118,3 +113,21 @@ def test_cpu_verdicts(tmp_path, run, expected):
         m = [m for m in t.manifests if m.rank == 0][0]
         assert m.when == "after drafter reload"
         assert (m.freed > 0) == (expected == Outcome.STALE_CAPTURE)
+
+
+def test_rank_waits_for_rank0_store_port_and_says_where(tmp_path):
+    from datetime import timedelta
+    from repro.dist import open_store
+    with pytest.raises(TimeoutError, match="rank 1: rank 0 published no store port in .*store_port"):
+        open_store(1, 2, tmp_path / "store_port", timedelta(seconds=0.2))
+
+
+def test_rank0_binds_its_own_port_and_publishes_it(tmp_path):
+    from datetime import timedelta
+    from repro.dist import open_store
+    master = open_store(0, 2, tmp_path / "store_port", timedelta(seconds=5))
+    port = int((tmp_path / "store_port").read_text())
+    assert port == master.port and port > 0
+    client = open_store(1, 2, tmp_path / "store_port", timedelta(seconds=5))
+    client.set("k", "v")
+    assert master.get("k") == b"v"

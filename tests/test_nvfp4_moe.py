@@ -59,7 +59,7 @@ def drive(tmp_path: Path, mode: str, identity: bool = False, steps: int = 3,
         cfg.model = dims
     out = tmp_path / f"{mode}-{'identity' if identity else 'changed'}"
     out.mkdir()
-    spec = TrialSpec(trial_id="t", config=cfg.to_dict(), device="cpu", world_size=1, port=0,
+    spec = TrialSpec(trial_id="t", config=cfg.to_dict(), device="cpu", world_size=1,
                      out_dir=str(out))
     sink = RecordSink(out / "rank0.jsonl", 0)
     ctx = WorkerContext(spec=spec, cfg=cfg, rank=0, device=CPU, tp=None, sink=sink,
