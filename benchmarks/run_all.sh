@@ -43,7 +43,7 @@ for part in "${parts[@]}"; do
       timeout 240 python3 benchmarks/sanitizer.py --scenario nvfp4-reload --steps 1 --deadline 100 \
           --json "$out/sanitizer-nvfp4.json" > /dev/null 2>> "$log" ;;
     determinism)
-      timeout 480 python3 benchmarks/determinism.py --n 20 --jobs 12 --json "$out/determinism.json" \
+      timeout 540 python3 benchmarks/determinism.py --n 20 --jobs 16 --json "$out/determinism.json" \
           --log "$out/determinism.jsonl" 2>&1 | tail -3 | tee -a "$log" ;;
     tests|unit-gpu)
       # unit-gpu: all but the matrix tables, which the matrix part runs through the CLI
