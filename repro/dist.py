@@ -31,7 +31,7 @@ def open_store(rank: int, world_size: int, rendezvous: Path, timeout: timedelta)
     at once) and publishes the port in the rendezvous file; the others wait for the file.
 
     Not a port chosen by the parent: between choosing and binding (a worker's whole start-up)
-    another process can take it; with many trials at once, one occasionally did.
+    another process can take it, a real window with many trials starting NCCL at once.
     """
     if rank == 0:
         store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout,

@@ -23,7 +23,7 @@ from typing import Any, Callable
 from repro.config import TrialConfig, default_expectation
 from repro.outcome import (FirstFailure, Outcome, RankExit, TrialRecord, finding_from_dict,
                            manifest_from_dict, parse_expectation, step_from_dict, worst)
-from repro.worker import TrialSpec, log_path, records_path
+from repro.worker import TrialSpec, log_path, records_path, rendezvous_path
 
 POLL_S = 0.05
 # After the first rank dies, peers get this long to record their own error before the kill.
@@ -405,6 +405,7 @@ def run_trial(cfg: TrialConfig, device: str, out_root: Path, trial_id: str,
                      out_dir=str(out_dir), fault=fault)
     spec_path = out_dir / "spec.json"
     spec.save(spec_path)
+    rendezvous_path(out_dir).unlink(missing_ok=True)     # a reused directory's old port is stale
     spawned_at = time.monotonic()
     ranks = spawn_ranks(spec, spec_path, wrapper or [], env)
     rank0 = records_path(out_dir, 0)
