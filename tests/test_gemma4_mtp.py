@@ -29,7 +29,7 @@ def test_tp1_full_weight_is_a_view_of_the_live_parameter():
     assert d._stable_full_lm_head_weight is None  # TP=1 never caches, in any mode
 
 
-def _tp_worker(rank, world, rendezvous, queue):
+def _tp_worker(rank, world, rendezvous, queue, received):
     torch.set_grad_enabled(False)                 # as in the harness's workers
     tp = init_tp(rank, world, rendezvous, CPU, timeout_s=60)
     try:
@@ -49,23 +49,26 @@ def _tp_worker(rank, world, rendezvous, queue):
         h = torch.randn(8, DIMS.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
         out["tokens"] = Oracle(d.masked_embedding, out["unfixed"]["full"]).top_tokens(h, 8)
         queue.put((rank, out))
+        # Tensors travel as shared memory the parent maps on unpickling: stay alive until it has.
+        received.wait(timeout=120)
     finally:
         shutdown(tp)
 
 
 def run_tp(world, rendezvous):
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_tp_worker, args=(r, world, rendezvous, queue)) for r in range(world)]
-    return procs, queue
+    queue, received = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_tp_worker, args=(r, world, rendezvous, queue, received)) for r in range(world)]
+    return procs, queue, received
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_tp_gather_equals_full_weight_and_tokens_match_tp1(world, tmp_path):
-    procs, queue = run_tp(world, tmp_path / "store_port")
+    procs, queue, received = run_tp(world, tmp_path / "store_port")
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=120) for _ in procs)
+    received.set()
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
