@@ -5,10 +5,11 @@ Human output goes to stderr (rich); machine output (`--json -`) to stdout.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 from rich.console import Console
@@ -18,6 +19,7 @@ from repro import doctor, report
 from repro.config import ConfigError
 from repro.outcome import Outcome, Report, to_jsonable
 from repro.runner import Planned, RunResult, plan, run_planned
+from repro.scenarios import SCENARIOS, ScenarioSpec
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -165,49 +167,53 @@ def run_scenario(scenario: str, config: str | None, run: dict[str, Any], sets: l
     return execute([p], artifacts, json_path, junit, html)
 
 
-@app.command("gemma4-mtp", epilog=EXIT_CODES)
-def gemma4_mtp(
-    config: ConfigOpt = None,
-    mode: Annotated[Optional[str], typer.Option("--mode", help="unfixed: gathered lm_head in a local (before vLLM #43909); fixed: cached on the module (#43909); reload-safe: cache refreshed in place on reload.")] = None,
-    tp: TpOpt = None, steps: StepsOpt = None, seed: SeedOpt = None, after_free: AfterFreeOpt = None,
-    guard: GuardOpt = None, device: DeviceOpt = None, deadline: DeadlineOpt = None,
-    forensics: ForensicsOpt = None,
-    reload_drafter: Annotated[Optional[bool], typer.Option("--reload-drafter/--no-reload-drafter", help="Reload drafter weights after capture and keep replaying (RL-style lifecycle).")] = None,
-    expect: ExpectOpt = None, set_: SetOpt = None, json_path: JsonOpt = None, junit: JunitOpt = None,
-    html: HtmlOpt = None, artifacts: ArtifactsOpt = Path("artifacts"), print_config: PrintConfigOpt = False,
-    inject_fault: FaultOpt = None,
-) -> int:
-    """Gemma 4 MTP drafter greedy sampling under per-batch-size centroid CUDA graphs (vLLM #43909)."""
-    run = dict(mode=mode, tp=tp, steps=steps, seed=seed, after_free=after_free, guard=guard, device=device,
-               deadline_s=deadline, forensics=forensics, reload_drafter=reload_drafter, expect=expect)
-    return run_scenario("gemma4-mtp", config, run, set_, json_path, junit, html, artifacts, print_config, inject_fault)
+def scenario_command(spec: ScenarioSpec) -> Callable[..., int]:
+    """The command of one scenario: the shared options, --mode and the scenario's own run keys.
+
+    Typer reads a command's options from its signature, so the signature is built from the
+    registry entry: a new scenario gets its command without code here.
+    """
+    mode = Annotated[Optional[str], typer.Option("--mode", help=spec.mode_help())]
+    options: list[tuple[str, Any, Any]] = [("config", ConfigOpt, None), ("mode", mode, None)]
+    if spec.tensor_parallel:
+        options.append(("tp", TpOpt, None))
+    options += [("steps", StepsOpt, None), ("seed", SeedOpt, None), ("after_free", AfterFreeOpt, None),
+                ("guard", GuardOpt, None), ("device", DeviceOpt, None), ("deadline", DeadlineOpt, None),
+                ("forensics", ForensicsOpt, None)]
+    options += [(k.name, Annotated[Optional[bool], typer.Option(k.flag, help=k.help)], None) for k in spec.run_keys]
+    options += [("expect", ExpectOpt, None), ("set_", SetOpt, None), ("json_path", JsonOpt, None),
+                ("junit", JunitOpt, None), ("html", HtmlOpt, None), ("artifacts", ArtifactsOpt, Path("artifacts")),
+                ("print_config", PrintConfigOpt, False), ("inject_fault", FaultOpt, None)]
+
+    def command(**kw: Any) -> int:
+        run = dict(mode=kw["mode"], tp=kw.get("tp"), steps=kw["steps"], seed=kw["seed"],
+                   after_free=kw["after_free"], guard=kw["guard"], device=kw["device"],
+                   deadline_s=kw["deadline"], forensics=kw["forensics"], expect=kw["expect"],
+                   **{k: kw[k] for k in spec.run_key_names})
+        if not spec.tensor_parallel:
+            del run["tp"]
+        return run_scenario(spec.name, kw["config"], run, kw["set_"], kw["json_path"], kw["junit"], kw["html"],
+                            kw["artifacts"], kw["print_config"], kw["inject_fault"])
+
+    command.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=ann, default=default)
+         for name, ann, default in options], return_annotation=int)
+    command.__name__ = spec.name.replace("-", "_")
+    command.__doc__ = spec.help
+    return command
 
 
-@app.command("nvfp4-reload", epilog=EXIT_CODES)
-def nvfp4_reload(
-    config: ConfigOpt = None,
-    mode: Annotated[Optional[str], typer.Option("--mode", help="unfixed: kernel rebuilt every reload (before #50074); kernel-reuse: built once (#50074); fixed: built once + alphas refreshed (#50074 + #57954).")] = None,
-    steps: StepsOpt = None, seed: SeedOpt = None, after_free: AfterFreeOpt = None,
-    guard: GuardOpt = None, device: DeviceOpt = None, deadline: DeadlineOpt = None,
-    forensics: ForensicsOpt = None,
-    identity_reload: Annotated[Optional[bool], typer.Option("--identity-reload/--changing-reload", help="Reload the same weights every step (hides #57954).")] = None,
-    expect: ExpectOpt = None, set_: SetOpt = None, json_path: JsonOpt = None, junit: JunitOpt = None,
-    html: HtmlOpt = None, artifacts: ArtifactsOpt = Path("artifacts"), print_config: PrintConfigOpt = False,
-    inject_fault: FaultOpt = None,
-) -> int:
-    """NVFP4 MoE layer under a captured graph, reloaded with new BF16 weights (vLLM #50074, #57954)."""
-    run = dict(mode=mode, steps=steps, seed=seed, after_free=after_free, guard=guard, device=device,
-               deadline_s=deadline, forensics=forensics, identity_reload=identity_reload, expect=expect)
-    return run_scenario("nvfp4-reload", config, run, set_, json_path, junit, html, artifacts, print_config, inject_fault)
+for _spec in SCENARIOS.values():
+    if _spec.command:
+        app.command(_spec.name, epilog=EXIT_CODES)(scenario_command(_spec))
 
 
-@app.command("selftest", epilog=EXIT_CODES)
+@app.command("selftest", epilog=EXIT_CODES, help=SCENARIOS["selftest"].help)
 def selftest(
     tp: TpOpt = None, steps: StepsOpt = None, device: DeviceOpt = None, deadline: DeadlineOpt = None,
     json_path: JsonOpt = None, junit: JunitOpt = None, artifacts: ArtifactsOpt = Path("artifacts"),
     inject_fault: FaultOpt = None,
 ) -> int:
-    """Check the harness itself: ranks all-gather every step; no graphs, no bug."""
     run = dict(tp=tp, steps=steps, device=device, deadline_s=deadline)
     return run_scenario("selftest", None, run, [], json_path, junit, None, artifacts, False, inject_fault)
 

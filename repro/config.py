@@ -10,9 +10,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# The scenario facts live in the registry; re-exported here for config's readers.
+from repro.scenarios import (SCENARIO_RUN_KEYS, SCENARIOS, Gemma4Dims, MoeDims, ScenarioSpec,  # noqa: F401
+                             SelftestDims)
 
 CONFIG_DIR = Path(os.environ.get("REPRO_CONFIGS", Path(__file__).resolve().parent.parent / "configs"))
 
@@ -23,35 +27,6 @@ DEVICES = ("auto", "cuda", "cpu")
 
 class ConfigError(ValueError):
     """A bad config or flag: one line, exit code 2."""
-
-
-@dataclass
-class Gemma4Dims:
-    """Gemma 4 assistant (MTP drafter) dimensions; see configs/gemma4-e2b.toml for sources."""
-    vocab_size: int = 262144
-    hidden_size: int = 256            # draft hidden; the centroid head and lm_head act on it
-    backbone_hidden_size: int = 1536  # recorded for the report; the drafter head does not use it
-    num_centroids: int = 2048
-    centroid_top_k: int = 32
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
-    dtype: str = "bfloat16"
-
-
-@dataclass
-class MoeDims:
-    """One MoE layer (router + experts) in the shape of a real model."""
-    num_experts: int = 128
-    hidden_size: int = 2048
-    intermediate_size: int = 768
-    top_k: int = 8
-    tokens: int = 64                  # tokens per replay (decode batch)
-    dtype: str = "bfloat16"
-
-
-@dataclass
-class SelftestDims:
-    """The harness self-test has no model; one field so presets stay uniform."""
-    dtype: str = "float32"
 
 
 @dataclass
@@ -68,34 +43,6 @@ class RunConfig:
     reload_drafter: bool = False      # gemma4-mtp: reload drafter weights after capture
     identity_reload: bool = False     # nvfp4-reload: reload the same weights every step
     expect: str = ""                  # "" -> unfixed: reproduced, otherwise clean
-
-
-@dataclass
-class ScenarioSpec:
-    name: str
-    modes: tuple[str, ...]
-    default_after_free: str
-    dims: type
-    default_preset: str               # real dims, used on CUDA
-    cpu_preset: str                   # tiny dims, used when no GPU is present and none was named
-    run_keys: tuple[str, ...]         # scenario-only [run] keys
-
-
-SCENARIOS: dict[str, ScenarioSpec] = {
-    "gemma4-mtp": ScenarioSpec(
-        name="gemma4-mtp", modes=("unfixed", "fixed", "reload-safe"), default_after_free="release",
-        dims=Gemma4Dims, default_preset="gemma4-e2b", cpu_preset="gemma4-tiny",
-        run_keys=("reload_drafter",)),
-    "nvfp4-reload": ScenarioSpec(
-        name="nvfp4-reload", modes=("unfixed", "kernel-reuse", "fixed"), default_after_free="poison",
-        dims=MoeDims, default_preset="qwen3-30b-a3b-moe", cpu_preset="moe-tiny",
-        run_keys=("identity_reload",)),
-    "selftest": ScenarioSpec(
-        name="selftest", modes=("clean",), default_after_free="keep", dims=SelftestDims,
-        default_preset="selftest", cpu_preset="selftest", run_keys=()),
-}
-
-SCENARIO_RUN_KEYS = {k for s in SCENARIOS.values() for k in s.run_keys}
 
 
 @dataclass
@@ -236,8 +183,10 @@ def validate(cfg: TrialConfig) -> TrialConfig:
     """Semantic checks; fills scenario defaults (after_free). Returns the resolved config."""
     spec = SCENARIOS[cfg.scenario]
     r, m, w = cfg.run, cfg.model, cfg.preset
-    check(r.mode in spec.modes, w, f"mode = {r.mode!r} is not one of {', '.join(spec.modes)} for {spec.name}")
+    check(r.mode in spec.mode_names, w,
+          f"mode = {r.mode!r} is not one of {', '.join(spec.mode_names)} for {spec.name}")
     check(r.tp >= 1, w, f"tp = {r.tp} must be >= 1")
+    check(spec.tensor_parallel or r.tp == 1, w, f"tp = {r.tp}: {spec.name} runs one rank; use tp = 1")
     check(r.steps >= 1, w, f"steps = {r.steps} must be >= 1")
     check(r.seed >= 0, w, f"seed = {r.seed} must be >= 0")
     check(r.deadline_s > 0, w, f"deadline_s = {r.deadline_s} must be > 0 seconds")
@@ -246,9 +195,9 @@ def validate(cfg: TrialConfig) -> TrialConfig:
     if r.after_free == "":
         r.after_free = spec.default_after_free
     check(r.after_free in AFTER_FREE, w, f"after_free = {r.after_free!r} is not one of {', '.join(AFTER_FREE)}")
-    for key in SCENARIO_RUN_KEYS - set(spec.run_keys):
+    for key in sorted(SCENARIO_RUN_KEYS - set(spec.run_key_names)):
         check(not getattr(r, key), w, f"{key} does not apply to {spec.name} (it belongs to "
-              + ", ".join(s.name for s in SCENARIOS.values() if key in s.run_keys) + ")")
+              + ", ".join(s.name for s in SCENARIOS.values() if key in s.run_key_names) + ")")
     check(m.dtype in ("bfloat16", "float16", "float32"), w, f"model.dtype = {m.dtype!r} is not bfloat16, float16 or float32")
     if isinstance(m, Gemma4Dims):
         validate_gemma4(m, r, w)
@@ -284,7 +233,6 @@ def validate_moe(m: MoeDims, r: RunConfig, w: str) -> None:
         check(getattr(m, key) % 16 == 0, w,
               f"model.{key} = {getattr(m, key)} is not a multiple of 16 (the NVFP4 block size along K)")
     check(m.top_k <= m.num_experts, w, f"model.top_k = {m.top_k} exceeds model.num_experts = {m.num_experts}")
-    check(r.tp == 1, w, f"tp = {r.tp}: nvfp4-reload runs one rank (expert parallelism is not modelled); use tp = 1")
 
 
 def default_expectation(cfg: TrialConfig) -> str:

@@ -197,9 +197,7 @@ def after_free(trial: TrialRecord) -> str:
 def lifecycle_flags(trial: TrialRecord) -> list[str]:
     """Scenario lifecycle switches that are on (reload_drafter, identity_reload, ...)."""
     run = run_config(trial)
-    flags = [str(run["lifecycle"])] if run.get("lifecycle") else []
-    flags += [key for key in sorted(SCENARIO_RUN_KEYS) if run.get(key) is True]
-    return flags
+    return [key for key in sorted(SCENARIO_RUN_KEYS) if run.get(key) is True]
 
 
 def config_params(trial: TrialRecord) -> dict[str, str | None]:

@@ -68,10 +68,7 @@ def environment() -> dict[str, Any]:
 def trial_id(index: int, cfg: TrialConfig) -> str:
     r = cfg.run
     parts = [f"{index:02d}", cfg.scenario, r.mode, f"tp{r.tp}", r.after_free]
-    if r.reload_drafter:
-        parts.append("reload")
-    if r.identity_reload:
-        parts.append("identity")
+    parts += [k.tag for k in SCENARIOS[cfg.scenario].run_keys if getattr(r, k.name)]
     return "-".join(parts)
 
 

@@ -35,6 +35,19 @@ SCHEDULE = [1, 2, 3, 5, 8, 13, 21, 34, 55, 64, 4, 16, 32, 7]
 PAD_TO = 64  # vocab-parallel heads pad the vocab to a multiple of 64 * tp
 
 
+@dataclass(frozen=True)
+class Fixes:
+    cache_gathered: bool            # #43909: keep the gathered lm_head on the module at TP > 1
+    refresh_cache_on_reload: bool   # ours: load_weights refreshes the cache in place, never drops it
+
+
+MODES = {
+    "unfixed": Fixes(cache_gathered=False, refresh_cache_on_reload=False),
+    "fixed": Fixes(cache_gathered=True, refresh_cache_on_reload=False),
+    "reload-safe": Fixes(cache_gathered=True, refresh_cache_on_reload=True),
+}
+
+
 def graph_label(size: int) -> str:
     return f"centroids bs={size}"
 
@@ -80,7 +93,7 @@ class Gemma4Drafter(nn.Module):
 
     def __init__(self, dims: Gemma4Dims, tp: TP, mode: str, device: torch.device, seed: int):
         super().__init__()
-        self.tp, self.mode, self.vocab_size = tp, mode, dims.vocab_size
+        self.tp, self.fixes, self.vocab_size = tp, MODES[mode], dims.vocab_size
         self.dtype = getattr(torch, dims.dtype)
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
@@ -99,7 +112,7 @@ class Gemma4Drafter(nn.Module):
         if self.tp.active:
             weight = all_gather_dim0(weight, self.tp)                        # [V_pad, H]: a NEW tensor
         weight = weight[: self.vocab_size]
-        if self.tp.active and self.mode != "unfixed":                        # fix (#43909)
+        if self.tp.active and self.fixes.cache_gathered:                     # fix (#43909)
             weight = weight.contiguous()                                     # fix (#43909)
             self._stable_full_lm_head_weight = weight                        # fix (#43909)
         return weight
@@ -109,7 +122,7 @@ class Gemma4Drafter(nn.Module):
         cached = self._stable_full_lm_head_weight
         with torch.no_grad():
             self.lm_head.weight.copy_(lm_head_shard)
-            if self.mode == "reload-safe" and cached is not None:
+            if self.fixes.refresh_cache_on_reload and cached is not None:
                 # Refresh the storage the graphs captured instead of dropping it.
                 cached.copy_(all_gather_dim0(self.lm_head.weight, self.tp)[: self.vocab_size])
                 return
