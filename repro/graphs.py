@@ -58,26 +58,30 @@ class Captured:
     graph: Any                        # torch.cuda.CUDAGraph | None
     inputs: tuple[torch.Tensor, ...]  # static inputs, written before each replay
     output: Any                       # static outputs (tensor or tuple), read after replay
+    on_replay: Callable[[str], None] | None = None   # told before each real replay starts
 
     def replay(self) -> Any:
         if self.graph is None:
             return None
+        if self.on_replay is not None:
+            self.on_replay(self.label)   # on disk before a replay that may kill the process
         self.graph.replay()
         return self.output
 
 
 def capture(fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...], label: str, guard: Any,
-            pool: Any = None, warmup: int = 2) -> Captured:
+            pool: Any = None, warmup: int = 2, on_replay: Callable[[str], None] | None = None) -> Captured:
     """Warm up on a side stream, then capture fn(*inputs) under the guard's recording.
 
     On CPU the same function runs once under the guard (a dry run): the guard records the
     tensors a graph would have baked in, which is what its verdict needs.
+    on_replay(label) runs before every real replay (the worker records that replays ran).
     """
     device = inputs[0].device
     if device.type != "cuda":
         with guard.recording(label):
             out = fn(*inputs)
-        return Captured(label=label, graph=None, inputs=inputs, output=out)
+        return Captured(label=label, graph=None, inputs=inputs, output=out, on_replay=on_replay)
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -87,7 +91,7 @@ def capture(fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...], label: str
     graph = torch.cuda.CUDAGraph()
     with guard.capture(graph, label, pool=pool):
         out = fn(*inputs)
-    return Captured(label=label, graph=graph, inputs=inputs, output=out)
+    return Captured(label=label, graph=graph, inputs=inputs, output=out, on_replay=on_replay)
 
 
 @dataclass

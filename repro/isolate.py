@@ -357,9 +357,10 @@ def unique(items: list[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def replayed_graphs(device: str, steps: list, recs: list[RankRecords]) -> bool:
-    """On CUDA every step that began replays a graph, also the one that crashed mid-replay."""
-    return any(s.replayed for s in steps) or (device == "cuda" and any(r.of("begin") for r in recs))
+def replayed_graphs(steps: list, recs: list[RankRecords]) -> bool:
+    """A replay ran: a step says its output came from one, or a rank marked one it started
+    (the replay that crashes never gets its step record). Never inferred from the device."""
+    return any(s.replayed for s in steps) or any(r.of("replay") for r in recs)
 
 
 def build_record(trial_id: str, cfg: TrialConfig, device: str, recs: list[RankRecords],
@@ -376,11 +377,12 @@ def build_record(trial_id: str, cfg: TrialConfig, device: str, recs: list[RankRe
     return TrialRecord(
         id=trial_id, scenario=cfg.scenario, mode=cfg.run.mode, config=cfg.to_dict(), outcome=outcome,
         expected=expected, met=outcome in expected and not waited.interrupted,
-        graph_replayed=replayed_graphs(device, steps, recs), first_failure=first, steps=steps,
+        graph_replayed=replayed_graphs(steps, recs), first_failure=first, steps=steps,
         guard_findings=[finding_from_dict(e) for r in recs for e in r.of("finding")],
         manifests=[manifest_from_dict(e) for r in recs for e in r.of("manifest")],
         timings=phase_timings(recs, waited), ranks=exits,
-        notes=unique([e["text"] for r in recs for e in r.of("note")]), artifacts=artifacts, details=details)
+        notes=unique([e["text"] for r in recs for e in r.of("note")]), artifacts=artifacts, details=details,
+        device=device)
 
 
 def unsupported_record(trial_id: str, cfg: TrialConfig, reason: str) -> TrialRecord:

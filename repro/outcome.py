@@ -148,7 +148,7 @@ class TrialRecord:
     outcome: Outcome
     expected: list[Outcome]
     met: bool
-    graph_replayed: bool
+    graph_replayed: bool                     # a CUDA graph replay ran (step records, replay markers)
     first_failure: FirstFailure | None = None
     steps: list[StepRecord] = field(default_factory=list)
     guard_findings: list[Finding] = field(default_factory=list)
@@ -158,6 +158,7 @@ class TrialRecord:
     notes: list[str] = field(default_factory=list)
     artifacts: dict[str, str] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)   # after-free result, guard mechanism, ...
+    device: str = ""                                        # "cpu" | "cuda" where the ranks ran; "" not run
 
 
 @dataclass

@@ -105,6 +105,7 @@ class WorkerContext:
     history: Any                       # repro.forensics.MemoryHistory
     memory: Any                        # repro.graphs.HarnessMemory
     timings: dict[str, float] = field(default_factory=dict)
+    replayed: set[str] = field(default_factory=set)    # graphs whose first replay is recorded
 
     @property
     def on_gpu(self) -> bool:
@@ -134,6 +135,13 @@ class WorkerContext:
 
     def step(self, record: StepRecord) -> None:
         self.sink.emit("step", **dataclasses.asdict(record))
+
+    def replaying(self, graph: str) -> None:
+        """A captured graph is about to replay: the record says replays ran even when this one
+        crashes before its step is recorded. Once per graph keeps the records small."""
+        if graph not in self.replayed:
+            self.replayed.add(graph)
+            self.sink.emit("replay", graph=graph)
 
     def check_guard(self, when: str, graph: str | None = None, deep: bool = True) -> list[Finding]:
         """Guard check before a replay; findings are written before the replay can crash."""
@@ -216,7 +224,7 @@ def run_rank(spec: TrialSpec, rank: int) -> int:
         with torch.no_grad():           # inference engines never build autograd graphs
             load_scenario(ctx.cfg.scenario).run(ctx)
         dump_forensics(ctx)
-        sink.emit("done", graph_replayed=ctx.on_gpu, timings=ctx.timings)
+        sink.emit("done", timings=ctx.timings)
         from repro import dist
         dist.shutdown(ctx.tp)
         return 0

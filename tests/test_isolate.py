@@ -202,3 +202,37 @@ def test_workers_write_their_bytecode_cache_where_told(tmp_path, monkeypatch):
     env = repro.isolate.child_env()
     subprocess.run([sys.executable, "-c", "import repro.config"], env=env, check=True)
     assert list((tmp_path / "cache" / "repro" / "pycache").rglob("config*.pyc"))
+
+
+def test_graph_replayed_comes_from_replays_not_the_device():
+    from repro.isolate import RankRecords, replayed_graphs
+    from repro.outcome import StepRecord
+    began = RankRecords([{"event": "begin", "step": 0}])
+    # Steps that began, even on CUDA, are no replay (selftest has no graph at all).
+    assert not replayed_graphs([StepRecord(step=0, rank=0, batch=4, replayed=False)], [began])
+    assert replayed_graphs([StepRecord(step=0, rank=0, batch=4, replayed=True)], [began])
+    # The replay that crashed has no step record; its marker was written before it started.
+    assert replayed_graphs([], [RankRecords([*began.events, {"event": "replay", "graph": "g"}])])
+
+
+def test_captured_marks_each_real_replay_before_it_starts():
+    from repro.graphs import Captured
+    order = []
+
+    class Graph:
+        def replay(self):
+            order.append("replay")
+
+    Captured("g", Graph(), (), "out", on_replay=lambda label: order.append(f"marked {label}")).replay()
+    assert order == ["marked g", "replay"]
+    # On CPU there is no graph: no replay, so no marker.
+    assert Captured("g", None, (), None, on_replay=order.append).replay() is None and len(order) == 2
+
+
+def test_cpu_trial_records_no_replay(tmp_path):
+    p = plan("gemma4-mtp", None, {"tp": 1, "steps": 1, "device": "cpu", "mode": "fixed"}, [], gpus=0)
+    trial = run_trial(p.cfg, "cpu", tmp_path, "t")
+    assert trial.outcome == Outcome.CLEAN and trial.device == "cpu"
+    assert not trial.graph_replayed
+    events = [json.loads(line)["event"] for line in (tmp_path / "t" / "rank0.jsonl").read_text().splitlines()]
+    assert "replay" not in events and "step" in events

@@ -143,8 +143,10 @@ def make_lm_head_shard(dims: Gemma4Dims, tp: TP, device: torch.device, seed: int
 class Proposer:
     """The slice of Gemma4Proposer: one raw CUDA graph per batch size around get_top_tokens."""
 
-    def __init__(self, drafter: Gemma4Drafter, batch_sizes: list[int], guard, device: torch.device):
+    def __init__(self, drafter: Gemma4Drafter, batch_sizes: list[int], guard, device: torch.device,
+                 on_replay=None):
         self.drafter, self.batch_sizes, self.guard, self.device = drafter, batch_sizes, guard, device
+        self.on_replay = on_replay       # the harness records that a replay ran
         self.graphs: dict[int, Captured] = {}
 
     def setup_centroid_graphs(self) -> None:
@@ -153,7 +155,8 @@ class Proposer:
         for size in self.batch_sizes:
             static_input = torch.zeros(size, masked.hidden_size, dtype=self.drafter.dtype, device=self.device)
             self.graphs[size] = capture(lambda x: masked.get_top_tokens(x, lm_head_weight), (static_input,),
-                                        label=graph_label(size), guard=self.guard, warmup=3)
+                                        label=graph_label(size), guard=self.guard, warmup=3,
+                                        on_replay=self.on_replay)
         # lm_head_weight dies here; the graphs keep its address.
 
     def greedy_sample(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -206,7 +209,7 @@ def run(ctx) -> None:
     run_cfg = ctx.cfg.run
     with ctx.phase("build"):
         drafter = Gemma4Drafter(dims, ctx.tp, run_cfg.mode, ctx.device, run_cfg.seed)
-        proposer = Proposer(drafter, dims.batch_sizes, ctx.guard, ctx.device)
+        proposer = Proposer(drafter, dims.batch_sizes, ctx.guard, ctx.device, on_replay=ctx.replaying)
     ctx.guard.watch("drafter", drafter)
     ctx.guard.watch("proposer", proposer)
     with ctx.phase("capture"), ctx.guard.tracking():
@@ -224,8 +227,10 @@ def run(ctx) -> None:
                gathered_lm_head_bytes=drafter.vocab_padded * dims.hidden_size * drafter.dtype.itemsize
                if ctx.tp.active else 0)
     if not ctx.on_gpu:
-        ctx.note("CPU run: no CUDA graph was captured or replayed; the eager path stood in and the "
-                 "verdict comes from the stale-capture guard")
+        # Only what is true of every CPU trial: the verdict's source depends on the outcome,
+        # and the report says it per trial.
+        ctx.note("CPU run: no CUDA graph was captured or replayed; the eager path stood in for the "
+                 "centroid graphs")
     schedule = [t for t in SCHEDULE if t <= max(dims.batch_sizes)]
     for step in range(run_cfg.steps):
         ctx.begin_step(step)

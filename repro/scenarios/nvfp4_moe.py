@@ -499,7 +499,7 @@ def build_and_capture(ctx: Any) -> Trial:
                quant_build=quant_stats(layer))
     static_x = torch.zeros(dims.tokens, dims.hidden_size, dtype=dtype, device=device)   # [T, D]
     with ctx.phase("capture"):
-        captured = capture(layer, (static_x,), "moe forward", ctx.guard)
+        captured = capture(layer, (static_x,), "moe forward", ctx.guard, on_replay=ctx.replaying)
     return Trial(layer=layer, captured=captured, static_x=static_x)
 
 
