@@ -8,11 +8,15 @@ import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 from rich.console import Console
 
+from repro import files
 from repro import report as rp
+from repro.report import view
+from repro.report.fmt import fmt_bytes, fmt_ptr
 from repro.outcome import (
     Finding, FirstFailure, Manifest, Outcome, RankExit, Report, StepRecord, TrialRecord,
     parse_expectation, report_from_dict, to_jsonable,
@@ -139,12 +143,12 @@ def test_describe_has_one_distinct_sentence_per_outcome_and_places_the_failure()
 @pytest.mark.parametrize("n, text", [(None, "-"), (512, "512 B"), (1536, "1.5 KiB"),
                                      (134217728, "128 MiB"), (3 * 1024**3, "3 GiB")])
 def test_fmt_bytes(n, text):
-    assert rp.fmt_bytes(n) == text
+    assert fmt_bytes(n) == text
 
 
 def test_fmt_ptr():
-    assert rp.fmt_ptr(LM_HEAD_PTR) == "0x7f2a40000000"
-    assert rp.fmt_ptr(None) == "-"
+    assert fmt_ptr(LM_HEAD_PTR) == "0x7f2a40000000"
+    assert fmt_ptr(None) == "-"
 
 
 def test_report_module_does_not_import_torch():
@@ -208,8 +212,8 @@ def test_rank_exits_only_for_process_level_failures():
 def test_long_step_list_is_capped_with_a_hidden_rows_note():
     text = trial_text(mismatch_trial())
     rows = [line for line in text.splitlines() if "reload " in line and "(changed)" in line]
-    assert len(rows) == rp.MAX_STEP_ROWS
-    assert f"{50 - rp.MAX_STEP_ROWS} rows hidden" in text
+    assert len(rows) == view.MAX_STEP_ROWS
+    assert f"{50 - view.MAX_STEP_ROWS} rows hidden" in text
     assert "first failing step 5 on rank 0" in text
     assert "reload 2 (changed)" in text   # context before the first failure is kept
 
@@ -236,9 +240,9 @@ def test_narrow_console_keeps_outcomes_whole_and_lines_short():
 def test_step_selection_fills_the_cap_after_a_lone_failure():
     steps = [StepRecord(step=i, rank=0, batch=1, replayed=True, nonfinite=1 if i == 40 else 0, numel=8)
              for i in range(100)]
-    shown = rp.select_steps(steps)
-    assert len(shown) == rp.MAX_STEP_ROWS
-    assert shown[0] == 40 - rp.CONTEXT_STEP_ROWS and 40 in shown
+    shown = view.select_steps(steps)
+    assert len(shown) == view.MAX_STEP_ROWS
+    assert shown[0] == 40 - view.CONTEXT_STEP_ROWS and 40 in shown
 
 
 def test_manifests_and_timings_order():
@@ -391,11 +395,11 @@ def test_atomic_write_replaces_and_leaves_no_temp_files(tmp_path):
 
 
 def test_write_text_atomic_creates_parents_and_honours_umask(tmp_path):
-    target = rp.write_text_atomic(tmp_path / "a" / "b" / "env.json", "{}\n")
+    target = files.write_text_atomic(tmp_path / "a" / "b" / "env.json", "{}\n")
     assert target.read_text() == "{}\n"
     old = os.umask(0o022)
     try:
-        mode = rp.write_text_atomic(tmp_path / "perm.txt", "x").stat().st_mode & 0o777
+        mode = files.write_text_atomic(tmp_path / "perm.txt", "x").stat().st_mode & 0o777
     finally:
         os.umask(old)
     assert mode == 0o644   # not mkstemp's 0o600: CI must be able to read the artifact
@@ -408,7 +412,7 @@ def test_failed_atomic_write_keeps_the_old_file(tmp_path, monkeypatch):
     def broken_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(rp.os, "replace", broken_replace)
+    monkeypatch.setattr(files.os, "replace", broken_replace)
     with pytest.raises(OSError):
         rp.write_junit(full_report(), path)
     assert path.read_text() == "old"
@@ -447,3 +451,228 @@ def test_progress_on_a_terminal_uses_the_live_display():
     assert "NONFINITE" in out
     assert "nvfp4-reload [unfixed]" in out
     assert "\x1b[" in out   # a live display, not plain lines
+
+
+# ---- truthful lines (each true of the trial it describes) -----------------------------------
+
+
+def cpu_run(outcome: Outcome, **run) -> TrialRecord:
+    """A trial that ran on CPU: the eager path stood in, the dry-run capture was timed."""
+    steps = [StepRecord(step=0, rank=0, batch=8, replayed=False, numel=64, compared=64,
+                        mismatches=9 if outcome is Outcome.MISMATCH else 0, seconds=0.01, label="reload 0")]
+    failure = None if outcome is Outcome.CLEAN else FirstFailure(outcome, 0, 0, "what went wrong")
+    return TrialRecord(
+        id=f"cpu-{outcome.value}", scenario="nvfp4-reload", mode="kernel-reuse",
+        config=config("nvfp4-reload", "kernel-reuse", after_free="poison", **run), outcome=outcome,
+        expected=[outcome], met=True, graph_replayed=False, first_failure=failure, steps=steps,
+        timings={"capture": 0.5, "total": 2.0}, device="cpu")
+
+
+def verdict_box(trial: TrialRecord) -> str:
+    text = trial_text(trial)
+    return text[: text.index("╰")]
+
+
+@pytest.mark.parametrize("outcome", [Outcome.MISMATCH, Outcome.NONFINITE, Outcome.HANG, Outcome.CRASH])
+def test_cpu_note_only_when_the_guard_decided(outcome):
+    box = verdict_box(cpu_run(outcome))
+    assert "comes from the stale-capture guard" not in box
+    assert "the replay" not in box                       # nothing was replayed
+    if outcome in (Outcome.MISMATCH, Outcome.NONFINITE):
+        assert "comparing the eager output with the reference" in box
+
+
+def test_cpu_note_stays_for_a_guard_verdict_and_not_for_an_interrupted_run():
+    assert "comes from the stale-capture guard" in verdict_box(cpu_run(Outcome.STALE_CAPTURE))
+    interrupted = cpu_run(Outcome.CRASH)
+    interrupted.first_failure = FirstFailure(Outcome.CRASH, None, None, "interrupted by the user (Ctrl-C)")
+    assert "No CUDA graph was replayed" not in verdict_box(interrupted)
+
+
+def test_clean_on_cpu_claims_no_replay():
+    box = verdict_box(cpu_run(Outcome.CLEAN))
+    assert "Every replay ran" not in box
+    assert "Every step ran" in box
+    assert "guard found no captured tensor freed or moved" in box
+
+
+def test_clean_on_cpu_with_the_guard_off_says_nothing_could_be_detected():
+    box = verdict_box(cpu_run(Outcome.CLEAN, guard="off"))
+    assert "guard was off: a stale capture could not have been detected" in box
+    assert "guard found no" not in box
+
+
+def test_forensics_on_cpu_is_reported_as_ignored():
+    assert "--forensics was ignored" in verdict_box(cpu_run(Outcome.STALE_CAPTURE, forensics=True))
+    gpu = illegal_address_trial()
+    gpu.config["run"]["forensics"] = True
+    gpu.device = "cuda"
+    assert "--forensics was ignored" not in trial_text(gpu)
+
+
+def test_a_trial_without_graphs_never_claims_a_replay_on_any_device():
+    trial = cpu_run(Outcome.CLEAN)
+    trial.device, trial.timings = "cuda", {"total": 1.0}      # selftest on a GPU: no capture at all
+    text = trial_text(trial)
+    assert "Every replay ran" not in text and "No CUDA graph was replayed" not in text
+
+
+def test_summary_line_says_when_trials_ran_on_cpu():
+    cpu = Report(environment={}, trials=[cpu_run(Outcome.CLEAN), cpu_run(Outcome.STALE_CAPTURE)])
+    assert rp.summary_line(cpu) == "2/2 trials met their expectation; CPU run: no CUDA graph was replayed"
+    gpu = clean_trial()
+    gpu.device = "cuda"
+    mixed = Report(environment={}, trials=[gpu, cpu_run(Outcome.CLEAN)])
+    assert "1 on CPU (no CUDA graph replayed there)" in rp.summary_line(mixed)
+    assert "CPU" not in rp.summary_line(Report(environment={}, trials=[gpu]))
+
+
+# ---- 80 columns -----------------------------------------------------------------------------
+
+
+def numbers_in(text: str) -> list[str]:
+    return re.findall(r"\d+(?:\.\d+)?(?:/\d+)?", text)
+
+
+def test_steps_table_at_80_columns_keeps_every_header_and_number_whole():
+    trial = mismatch_trial()
+    for s in trial.steps:                              # every foldable column varies: nothing folds
+        s.batch, s.tolerance, s.replayed = 64 + s.step, 0.05 + s.step / 1000, s.step % 2 == 0
+        s.label = f"reload {s.step} (changed weights, scale {s.step})"
+        s.seconds = 123.456
+    text = trial_text(trial, width=80)
+    table = text[text.index("Steps (50)"):text.index("timings:")]
+    assert max(len(line.rstrip()) for line in table.splitlines()) <= 80
+    assert "…" not in table.replace("… ", "")          # only the hidden-rows marker
+    header = " ".join(table.splitlines()[1:3])
+    left_out = text[text.index("columns left out at 80 characters:"):].splitlines()[0]
+    for name, words in (("step", ["step"]), ("rank", ["rank"]), ("label", ["label"]), ("batch", ["batch"]),
+                        ("replayed", ["replayed"]), ("nonfinite/numel", ["nonfinite", "/numel"]),
+                        ("mismatches/compared", ["mismatches", "/compared"]), ("max abs err", ["max abs", "err"]),
+                        ("rel err", ["rel err"]), ("tolerance", ["tolerance"]), ("ms", [" ms"])):
+        # Each column is shown with its whole header, or named as left out: never half shown.
+        assert all(w in header for w in words) or f" {name}" in left_out.replace(",", " "), name
+    assert "mismatches" in header and "step" in header       # the facts that make the verdict stay
+    rows = [line.split() for line in table.splitlines() if re.match(r"\s+\d+\s+0\s", line)]
+    assert [r[0] for r in rows][:2] == ["2", "3"] and any("9010/131072" in r for r in rows)
+
+
+def test_artifact_paths_are_never_broken_mid_name():
+    trial = clean_trial()
+    run_dir = "/var/tmp/repro-artifacts/20260101-120000-123456/03-gemma4-mtp-reload-safe-tp2-release-reload"
+    trial.artifacts = {"rank 0 records": f"{run_dir}/rank0.jsonl", "rank 1 records": f"{run_dir}/rank1.jsonl"}
+    text = trial_text(trial, width=80)
+    assert f"{run_dir}/" in text.splitlines()[next(i for i, l in enumerate(text.splitlines()) if "artifacts in" in l)]
+    assert "rank 0 records: rank0.jsonl" in text and "rank 1 records: rank1.jsonl" in text
+
+
+def test_timings_wrap_between_items_not_inside_one():
+    trial = illegal_address_trial()
+    trial.timings = {k: 12.345 for k in ("start", "import", "init", "build", "capture", "reload", "replays",
+                                         "oracle", "total", "custom_phase_one", "custom_phase_two")}
+    text = trial_text(trial, width=80)
+    lines = text[text.index("timings:"):].splitlines()[:3]
+    for line in lines:
+        assert len(line) <= 80
+        assert not line.rstrip().endswith("12.35") and not line.lstrip().startswith("s ")
+
+
+# ---- HTML -----------------------------------------------------------------------------------
+
+
+def gemma_reuse_trial() -> TrialRecord:
+    """Garbage draft tokens after the lm_head's memory was reused: mismatches differ per graph."""
+    sizes = {1: 0, 2: 1, 4: 3, 8: 6}
+    steps = [StepRecord(step=i, rank=r, batch=bs, replayed=True, numel=bs, compared=bs, mismatches=bad,
+                        seconds=0.001, label=f"graph bs={bs}")
+             for i, (bs, bad) in enumerate(sizes.items()) for r in range(2)]
+    trial = illegal_address_trial()
+    trial.outcome, trial.steps, trial.ranks = Outcome.MISMATCH, steps, []
+    trial.first_failure = FirstFailure(Outcome.MISMATCH, 0, 1, "graph bs=2: 1/2 differ from the reference")
+    return trial
+
+
+def reload_error_trial() -> TrialRecord:
+    trial = mismatch_trial()
+    for s in trial.steps:
+        s.extra = {"max_scaled_err": 0.01 if s.step < 5 else 1.8}
+    trial.steps[7].extra["max_scaled_err"] = "NaN"         # read back from strict JSON
+    return trial
+
+
+def html_page(tmp_path, report: Report) -> str:
+    path = tmp_path / "out" / "report.html"
+    rp.write_html(report, path)
+    return path.read_text()
+
+
+def test_html_environment_is_a_readable_table(tmp_path):
+    env = {"summary": "no GPU", "host": {"hostname": "vm", "cpu_count": 2}, "driver": None, "gpus": [],
+           "torch": {"version": "2.13.0+cpu", "cuda": None, "cuda_built": False}, "env": {}}
+    page = html_page(tmp_path, Report(environment=env, trials=[clean_trial()]))
+    section = page[page.index("<h2>Environment</h2>"):page.index("<h2>Summary</h2>")]
+    for raw in ("{", "null", "[]", "&#34;"):
+        assert raw not in section, raw
+    assert "<th>host hostname</th><td>vm</td>" in section
+    assert "<th>torch cuda_built</th><td>no</td>" in section
+    assert "<th>gpus</th><td>none</td>" in section
+
+
+def test_html_findings_show_their_fields_under_their_labels(tmp_path):
+    page = html_page(tmp_path, Report(environment={}, trials=[illegal_address_trial()]))
+    finding = page[page.index('<div class="finding">'):]
+    finding = finding[:finding.index("</div>")]
+    rows = dict(re.findall(r"<tr><th>([^<]*)</th><td[^>]*>(.*?)</td></tr>", finding))
+    assert "0x7f2a40000000" in rows["address"]
+    assert "128 MiB" in rows["tensor"]
+    assert "get_full_lm_head_weight" in rows["created at"]
+    assert "setup_centroids_cuda_graphs" in rows["freed at"]
+    assert "gemma4_mtp.py:88 get_full_lm_head_weight" in rows["alloc stack"]
+
+
+def test_html_artifacts_are_links_relative_to_the_page(tmp_path):
+    trial = clean_trial()
+    trial.artifacts = {"rank 0 records": str(tmp_path / "runs" / "t 1" / "rank0.jsonl")}
+    page = html_page(tmp_path, Report(environment={}, trials=[trial]))
+    assert '<a class="mono" href="../runs/t%201/rank0.jsonl">' in page
+
+
+def test_html_charts_per_reload_error_and_per_graph_mismatches(tmp_path):
+    page = html_page(tmp_path, Report(environment={}, trials=[reload_error_trial(), gemma_reuse_trial()]))
+    nvfp4, gemma = page.split('<section id="trial-1">')
+    assert nvfp4.count("<svg") == 1 and "Error per reload" in nvfp4
+    assert "<polyline" in nvfp4 and "tolerance 0.05" in nvfp4
+    assert nvfp4.count('<circle class="dot') == 50
+    assert ">NaN</text>" in nvfp4 and "reload 7: not finite" in nvfp4    # drawn and labelled, not dropped
+    assert gemma.count("<svg") == 1 and "per graph (batch size)" in gemma
+    bars = re.findall(r'<rect class="s0"[^>]*height="([\d.]+)"><title>graph graph bs=(\d+): ([\d.]+)</title>', gemma)
+    assert [(bs, share) for _, bs, share in bars] == [("1", "0"), ("2", "0.5"), ("4", "0.75"), ("8", "0.75")]
+    heights = [float(h) for h, _, _ in bars]
+    assert heights[0] == 0 < heights[1] < heights[2] == heights[3]
+    assert "<script" not in page and "javascript:" not in page
+
+
+def test_html_has_no_chart_where_a_table_says_it_all(tmp_path):
+    page = html_page(tmp_path, Report(environment={}, trials=[clean_trial(), cpu_trial()]))
+    assert "<svg" not in page
+
+
+def test_html_is_rendered_by_an_autoescaping_template(tmp_path):
+    trial = illegal_address_trial()
+    trial.notes = ['<img src=x onerror="alert(1)">']
+    trial.artifacts = {"<b>x</b>": "a\"b/<c>.jsonl"}
+    page = html_page(tmp_path, Report(environment={"summary": "<i>env</i>"}, trials=[trial]))
+    assert "<img" not in page and "<b>x</b>" not in page and "<i>env</i>" not in page
+    assert "&lt;img src=x onerror=&#34;alert(1)&#34;&gt;" in page
+
+
+def test_template_is_package_data():
+    import importlib.resources
+    import tomllib
+    from fnmatch import fnmatch
+    template = importlib.resources.files("repro.report") / "templates" / "report.html"
+    assert template.is_file()
+    data = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    patterns = data["tool"]["setuptools"]["package-data"]["repro"]
+    assert any(fnmatch("report/templates/report.html", p) for p in patterns)
+    assert any(d.startswith("jinja2") for d in data["project"]["dependencies"])

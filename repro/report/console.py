@@ -1,0 +1,286 @@
+"""The report on a terminal or in a log: rich panels and tables drawn from the view model.
+
+Record data is always wrapped in rich Text, never interpolated into markup: a stderr line such
+as "[rank0]: ..." must print as written, not be eaten as a style tag. Tables fit the console's
+width (80 columns in pipes and CI logs) by leaving out the least useful columns, never by
+cutting numbers or headers; paths are printed whole.
+"""
+from __future__ import annotations
+
+import io
+import os
+
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.padding import Padding
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from repro.outcome import Outcome, Report, TrialRecord
+from repro.report.fmt import fmt_seconds
+from repro.report.view import (
+    BAD, DIM, NOTE, OK, SKIP, WARN, Artifact, Cell, Column, RunView, TableView, TrialView, outcome_tone,
+    run_view, trial_view,
+)
+
+STYLES = {OK: "bold green", WARN: "bold yellow", SKIP: "bold magenta", BAD: "bold red", NOTE: "bold yellow",
+          DIM: "dim", "": ""}
+# Below this width the eight summary columns cannot all be read; one entry per trial reads better.
+SUMMARY_TABLE_MIN_WIDTH = 100
+
+
+def outcome_style(outcome: Outcome) -> str:
+    """rich style: green CLEAN, yellow STALE_CAPTURE, magenta UNSUPPORTED, red for the rest."""
+    return STYLES[outcome_tone(outcome)]
+
+
+def text(c: Cell) -> Text:
+    return Text(c.text, style=STYLES.get(c.tone, ""))
+
+
+# ---- a trial --------------------------------------------------------------------------------
+
+
+def verdict_panel(tv: TrialView) -> Panel:
+    style = STYLES[tv.tone]
+    head = Text.assemble((tv.outcome, style), "   ", text(tv.verdict))
+    head.append(f" (expected {tv.expected})", "dim")
+    lines: list[RenderableType] = [head, Text(tv.meaning)]
+    if tv.first_failure:
+        lines.append(Text.assemble(("first failure: ", "bold"), tv.first_failure))
+    lines += [Text(line, style=STYLES[NOTE]) for line in tv.basis]
+    subtitle = f"trial {tv.id}" + (f" · {fmt_seconds(tv.seconds)}" if tv.seconds else "")
+    return Panel(Group(*lines), title=Text(tv.title, style="bold"), title_align="left",
+                 subtitle=Text(subtitle, style="dim"), subtitle_align="right", border_style=style.split()[-1],
+                 box=box.ROUNDED)
+
+
+def facts_grid(facts, indent: int = 0) -> RenderableType:
+    """label / value lines; a wrapped value stays under its own column."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim", no_wrap=True)
+    grid.add_column(overflow="fold")
+    for f in facts:
+        grid.add_row(f.label, Text(f.value, style=STYLES.get(f.tone, "")))
+    return Padding(grid, (0, 0, 0, indent)) if indent else grid
+
+
+def findings_block(tv: TrialView) -> list[RenderableType]:
+    """Per dead storage: a headline, then its facts in a hanging-indent grid."""
+    title = Text(f"Guard findings ({tv.findings_total}", style="bold")
+    groups = len(tv.findings) + tv.hidden_finding_groups
+    title.append(f" across {groups} storages)" if groups > 1 else ")")
+    out: list[RenderableType] = [title]
+    for fv in tv.findings:
+        headline = Text.assemble((fv.status.upper(), STYLES[fv.tone]), " ", (fv.slot, "bold"), f"  rank {fv.rank}")
+        out.append(Padding(headline, (0, 0, 0, 2)))     # a wrapped slot name hangs under itself
+        out.append(facts_grid(fv.facts, indent=4))
+    if tv.hidden_finding_groups:
+        out.append(Text(f"  {tv.hidden_finding_groups} more storages hidden (all are in --json)", style="dim"))
+    return out
+
+
+WRAP_MIN = 16   # free text narrower than this wraps every word onto its own line
+
+
+def wrap_min(c: Column, tv: TableView) -> int:
+    longest = max([len(r.cells[c.key].text) for r in tv.rows if not r.gap] + [len(c.header)])
+    return min(WRAP_MIN, longest)
+
+
+def rich_table(tv: TableView, columns: list[Column]) -> Table:
+    title = Text(tv.title, style="bold")
+    for header, value in tv.folded:
+        if value != "-":
+            title.append(f" · {header} {value}", style="dim")
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAVY, show_edge=False)
+    for c in columns:
+        # Numbers and headers never wrap or shrink; free text folds into what is left.
+        if c.wrap:
+            table.add_column(c.short_header, overflow="fold", min_width=wrap_min(c, tv))
+        else:
+            table.add_column(c.short_header, justify="right" if c.numeric else "left", no_wrap=True)
+    gap_key = next((c.key for c in columns if c.wrap), columns[0].key)
+    for row in tv.rows:
+        if row.gap:
+            cells = {c.key: Text("") for c in columns}
+            cells[columns[0].key] = Text("…", style="dim")
+            cells[gap_key] = Text(f"{row.gap} rows hidden", style="dim")
+            table.add_row(*cells.values())
+            continue
+        table.add_row(*(text(row.cells[c.key]) for c in columns))
+    return table
+
+
+def needed_width(tv: TableView, columns: list[Column]) -> int:
+    """Characters the table needs without cutting anything: whole numbers and headers, free
+    text at its minimum; each column is padded by one space a side and divided by one."""
+    widths = []
+    for c in columns:
+        if c.wrap:
+            widths.append(wrap_min(c, tv))
+            continue
+        cells = [len(r.cells[c.key].text) for r in tv.rows if not r.gap]
+        widths.append(max([len(line) for line in c.short_header.splitlines()] + cells))
+    return sum(w + 2 for w in widths) + len(widths) - 1
+
+
+def fitted_table(tv: TableView, width: int) -> tuple[Table, list[str]]:
+    """The table with the most columns that fits `width`; the headers left out."""
+    columns, dropped = list(tv.columns), []
+    while needed_width(tv, columns) > width:
+        droppable = [c for c in columns if c.drop]
+        if not droppable:
+            break
+        victim = max(droppable, key=lambda c: c.drop)
+        columns.remove(victim)
+        dropped.append(victim.header)
+    return rich_table(tv, columns), dropped
+
+
+def table_block(tv: TableView, console: Console) -> list[RenderableType]:
+    table, dropped = fitted_table(tv, console.width)
+    out: list[RenderableType] = [table]
+    if dropped:
+        out.append(Text(f"columns left out at {console.width} characters: {', '.join(dropped)} "
+                        "(all in --json and --html)", style="dim"))
+    if tv.hidden:
+        shown = len([r for r in tv.rows if not r.gap])
+        out.append(Text(f"showing {shown} of {len(tv.all_rows)} rows, {tv.hidden} rows hidden; {tv.summary}",
+                        style="dim"))
+    return out
+
+
+def packed(label: str, items: list[str], width: int, sep: str = " · ") -> Text:
+    """'label: a · b · c' wrapped between items, never inside one ('1.09 s' stays whole)."""
+    lines, line = [], label
+    for item in items:
+        joined = item if line == label else sep + item
+        if line != label and len(line) + len(joined.rstrip()) > width:
+            lines.append(line.rstrip())
+            line = "  " + item
+        else:
+            line += joined
+    lines.append(line)
+    out = Text("\n".join(lines))
+    out.stylize("bold", 0, len(label.rstrip()))
+    return out
+
+
+def artifact_lines(artifacts: list[Artifact]) -> list[Text]:
+    """Grouped by directory, each path on a line of its own: never broken inside a name."""
+    by_dir: dict[str, list[Artifact]] = {}
+    for a in artifacts:
+        by_dir.setdefault(os.path.dirname(a.path), []).append(a)
+    out = []
+    for directory, items in by_dir.items():
+        out.append(Text.assemble(("artifacts in ", "bold"), (directory + os.sep if directory else ".", "cyan")))
+        out += [Text.assemble(f"  {a.name}: ", (os.path.basename(a.path), "cyan")) for a in items]
+    return out
+
+
+def rank_block(tv: TrialView, console: Console) -> list[RenderableType]:
+    out = table_block(tv.ranks, console)
+    for rank, stderr in tv.stderr_tails:
+        out.append(Panel(Text(stderr), title=Text(f"rank {rank} stderr (last lines)"), title_align="left",
+                         border_style="dim", box=box.SQUARE))
+    return out
+
+
+def print_trial(tv: TrialView, console: Console) -> None:
+    """The verdict, then in the order a reader asks: why, then how, then detail."""
+    console.print(verdict_panel(tv))
+    if tv.facts:
+        console.print(facts_grid(tv.facts))
+    parts: list[RenderableType] = []
+    if tv.findings_total:
+        parts += findings_block(tv)
+    if tv.manifests:
+        parts += table_block(tv.manifests, console)
+    if tv.steps:
+        parts += table_block(tv.steps, console)
+    for part in parts:
+        console.print(part)
+    if tv.timings:
+        console.print(packed("timings: ", [f"{k} {v}" for k, v in tv.timings], console.width))
+    for note in tv.notes:
+        console.print(Text.assemble(("note: ", "bold"), note))
+    for line in artifact_lines(tv.artifacts):
+        # soft_wrap: a path longer than the console runs on rather than breaking mid-name.
+        console.print(line, soft_wrap=True)
+    if tv.show_ranks:
+        for part in rank_block(tv, console):
+            console.print(part)
+
+
+def render_trial(trial: TrialRecord, console: Console) -> None:
+    print_trial(trial_view(0, trial), console)
+
+
+# ---- a run ----------------------------------------------------------------------------------
+
+
+def summary_table(rv: RunView) -> Table:
+    table = Table(title=Text("Summary", style="bold"), title_justify="left", box=box.SIMPLE_HEAVY,
+                  show_edge=False)
+    for c in rv.summary_columns:
+        if c.wrap:
+            table.add_column(c.header, overflow="fold", min_width=16)
+        else:
+            table.add_column(c.header, no_wrap=True, justify="right" if c.numeric else "left")
+    for tv in rv.trials:
+        table.add_row(*(text(c.get(tv)) for c in rv.summary_columns))
+    return table
+
+
+def summary_grid(rv: RunView) -> Table:
+    """The narrow-console summary: one entry per trial, continuation lines hang under the text."""
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)
+    grid.add_column(overflow="fold")
+    for tv in rv.trials:
+        line = Text.assemble((f"{tv.scenario} {tv.mode}", "bold"), f" {tv.config}: ",
+                             (tv.outcome, STYLES[tv.tone]), (f" (expected {tv.expected})", "dim"))
+        if tv.seconds is not None:
+            line.append(f" {tv.seconds_text} s", "dim")
+        if tv.first_failure_short != "-":
+            line.append("\n" + tv.first_failure_short)
+        mark = tv.met_mark
+        grid.add_row(Text("–" if mark.tone == SKIP else mark.text, style=STYLES[mark.tone]), line)
+    return grid
+
+
+def print_summary(rv: RunView, console: Console) -> None:
+    if console.width >= SUMMARY_TABLE_MIN_WIDTH:
+        console.print(summary_table(rv))
+        return
+    console.print(Text("Summary", style="bold"))
+    console.print(summary_grid(rv))
+
+
+def render_summary(report: Report, console: Console) -> None:
+    print_summary(run_view(report), console)
+
+
+def render_report(report: Report, console: Console) -> None:
+    rv = run_view(report)
+    if rv.environment:
+        console.print(Text.assemble(("environment: ", "bold"), rv.environment))
+    if rv.command:
+        console.print(Text.assemble(("command: ", "bold"), rv.command), style="dim")
+    for tv in rv.trials:
+        console.print()
+        print_trial(tv, console)
+    if len(rv.trials) > 1:
+        console.print()
+        print_summary(rv, console)
+    console.print(Text(rv.summary, style=STYLES[OK if rv.all_met else BAD]))
+
+
+def report_to_text(report: Report, width: int = 120) -> str:
+    console = Console(record=True, width=width, file=io.StringIO(), color_system=None, force_terminal=False)
+    render_report(report, console)
+    return console.export_text(styles=False)
+
+

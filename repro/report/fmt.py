@@ -1,0 +1,88 @@
+"""Text formatting shared by every renderer: numbers, bytes, addresses, captured process output."""
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable
+
+from repro.outcome import REPRODUCED, Outcome
+
+ANSI_ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
+TAIL_LINES = 12
+
+
+def fmt_bytes(n: int | None) -> str:
+    """Binary units, as allocators count: 134217728 -> '128 MiB'."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    if unit == "B":
+        return f"{int(n)} B"
+    return f"{value:.1f}".rstrip("0").rstrip(".") + f" {unit}"
+
+
+def fmt_ptr(p: int | None) -> str:
+    return "-" if p is None else f"0x{int(p):x}"
+
+
+def fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def fmt_float(x: Any) -> str:
+    """Errors and tolerances; strings stand for NaN/Inf read back from strict JSON."""
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    return f"{x:.3g}"
+
+
+def fmt_expected(expected: Iterable[Outcome]) -> str:
+    allowed = {Outcome(e) for e in expected}
+    if not allowed:
+        return "-"
+    if allowed == set(REPRODUCED):
+        return "reproduced"
+    if allowed == {Outcome.CLEAN}:
+        return "CLEAN"
+    if set(REPRODUCED) < allowed:
+        rest = sorted((o.value for o in allowed - set(REPRODUCED)))
+        return "|".join(["reproduced", *rest])
+    return "|".join(o.value for o in sorted(allowed, key=lambda o: list(Outcome).index(o)))
+
+
+def fmt_value(value: Any) -> str:
+    """Any JSON value as a reader wants it: no 'null', '[]' or braces."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return fmt_float(value)
+    if isinstance(value, (list, tuple)):
+        return ", ".join(fmt_value(v) for v in value) if value else "none"
+    if isinstance(value, dict):
+        parts = [f"{k} {fmt_value(v)}" for k, v in value.items() if v not in (None, [], {}, "")]
+        return " · ".join(parts) if parts else "none"
+    return plain(str(value))
+
+
+def plain(text: str) -> str:
+    """Strip ANSI colour codes and control characters from captured process output."""
+    text = ANSI_ESCAPE.sub("", text or "").replace("\r\n", "\n").replace("\r", "\n")
+    return "".join(c for c in text if c in "\n\t" or ord(c) >= 32)
+
+
+def tail(text: str, lines: int = TAIL_LINES) -> str:
+    kept = plain(text).rstrip("\n").splitlines()
+    return "\n".join(kept[-lines:])
+
+
+def unique(values: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(v for v in values if v))

@@ -1,0 +1,35 @@
+"""The HTML report: one self-contained page (inline CSS and SVG, no script, no external file).
+
+Rendered by a jinja2 template with autoescaping on, so every piece of record data (slot names,
+stderr tails, paths) is escaped by the engine, not by hand.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jinja2
+
+from repro.files import write_text_atomic
+from repro.outcome import Report
+from repro.report.charts import layout, trial_charts
+from repro.report.view import run_view
+
+TEMPLATE = "report.html"
+
+
+def environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.PackageLoader("repro.report", "templates"),
+                             autoescape=True, undefined=jinja2.StrictUndefined,
+                             trim_blocks=True, lstrip_blocks=True)
+    env.globals["charts"] = lambda tv: [layout(c) for c in trial_charts(tv.record)]
+    return env
+
+
+def report_html(report: Report, link_base: Path | None = None) -> str:
+    """link_base: the directory the page will live in, so artifact links are relative to it."""
+    return environment().get_template(TEMPLATE).render(run=run_view(report, link_base))
+
+
+def write_html(report: Report, path: str | os.PathLike) -> None:
+    write_text_atomic(path, report_html(report, Path(path).parent))

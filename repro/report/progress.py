@@ -1,0 +1,101 @@
+"""The live view of running trials (stderr in the CLI, so results on stdout stay clean).
+
+On a terminal it is a rich progress display; otherwise (CI logs, pipes) each event is one
+plain line with no control codes, so logs stay greppable and nothing is redrawn.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape as escape_markup
+from rich.progress import BarColumn, MofNCompleteColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichProgress
+from rich.text import Text
+
+from repro.outcome import Outcome
+from repro.report.console import outcome_style
+from repro.report.fmt import fmt_seconds, plain
+
+
+class Progress:
+    """Started, step counts and finished outcome per trial, from the runner's reader threads."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.live = console.is_terminal and not console.is_dumb_terminal
+        self.tasks: dict[str, Any] = {}          # trial_id -> rich task id (live mode)
+        self.totals: dict[str, int | None] = {}
+        self.started: dict[str, float] = {}
+        self.last: dict[str, tuple[int, str]] = {}  # plain mode: skip repeats of the same event
+        self.lock = threading.Lock()              # runners report from reader threads
+        self.bar = RichProgress(
+            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
+            console=console, transient=False) if self.live else None
+
+    def __enter__(self) -> "Progress":
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def emit(self, trial_id: str, text: Text) -> None:
+        line = Text(f"[{trial_id}] ", style="dim")
+        line.append_text(text)
+        # soft_wrap: one event stays one line however narrow the log viewer thinks it is.
+        self.console.print(line, soft_wrap=True, highlight=False)
+
+    def add(self, trial_id: str, label: str, total_steps: int | None) -> None:
+        with self.lock:
+            self.totals[trial_id] = total_steps
+            self.started[trial_id] = time.monotonic()
+            if self.bar is not None:
+                self.tasks[trial_id] = self.bar.add_task(escape_markup(label), total=total_steps,
+                                                         status="starting")
+                return
+        steps = f" ({total_steps} steps)" if total_steps else ""
+        self.emit(trial_id, Text(f"started {label}{steps}"))
+
+    def update(self, trial_id: str, steps_done: int, status_text: str = "") -> None:
+        with self.lock:
+            if trial_id not in self.started:
+                self.started[trial_id] = time.monotonic()
+                self.totals[trial_id] = None
+                if self.bar is not None:
+                    self.tasks[trial_id] = self.bar.add_task(escape_markup(trial_id), total=None, status="")
+            if self.bar is not None:
+                # The columns read markup; caller text is escaped so "[rank0]" prints as written.
+                self.bar.update(self.tasks[trial_id], completed=steps_done,
+                                status=escape_markup(plain(status_text)))
+                return
+            if self.last.get(trial_id) == (steps_done, status_text):
+                return
+            self.last[trial_id] = (steps_done, status_text)
+        total = self.totals.get(trial_id)
+        count = f"{steps_done}/{total}" if total else f"{steps_done}"
+        self.emit(trial_id, Text(f"step {count}" + (f" {plain(status_text)}" if status_text else "")))
+
+    def finish(self, trial_id: str, outcome: Outcome, detail: str = "") -> None:
+        outcome = Outcome(outcome)
+        with self.lock:
+            elapsed = time.monotonic() - self.started.get(trial_id, time.monotonic())
+            if self.bar is not None:
+                if trial_id not in self.tasks:
+                    self.tasks[trial_id] = self.bar.add_task(escape_markup(trial_id), total=None, status="")
+                task = self.tasks[trial_id]
+                total = self.totals.get(trial_id)
+                status = f"[{outcome_style(outcome)}]{outcome.value}[/] {escape_markup(plain(detail))}".rstrip()
+                # A finished trial stops its spinner and bar; the outcome stays on screen.
+                self.bar.update(task, total=total or 1, completed=total or 1, status=status)
+                self.bar.stop_task(task)
+                return
+        text = Text("finished ")
+        text.append(outcome.value, style=outcome_style(outcome))
+        text.append(f" in {fmt_seconds(elapsed)}" + (f": {plain(detail)}" if detail else ""))
+        self.emit(trial_id, text)
