@@ -1,6 +1,8 @@
 """The `repro` command line: parse, load config, call the runner, render. No scenario logic.
 
-Human output goes to stderr (rich); machine output (`--json -`) to stdout.
+Results (the report, doctor's and the audit's tables) go to stdout; progress, warnings and
+errors to stderr. With `--json -` stdout carries the JSON alone and the human report moves
+to stderr.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typer.core import TyperGroup
 
 from repro import doctor, report
 from repro.config import ConfigError
+from repro.files import write_text_atomic
 from repro.outcome import Outcome, Report, to_jsonable
 from repro.runner import Planned, RunResult, plan, run_planned
 from repro.scenarios import SCENARIOS, ScenarioSpec
@@ -74,6 +77,27 @@ app = typer.Typer(cls=ReproGroup, add_completion=False, no_args_is_help=True,
 
 def stderr_console() -> Console:
     return Console(stderr=True)
+
+
+def results_console(json_path: str | None) -> Console:
+    """stdout, unless `--json -` holds it: then the human report goes to stderr."""
+    return stderr_console() if json_path == "-" else Console()
+
+
+def warn(text: str) -> None:
+    sys.stderr.write(f"repro: warning: {text}\n")
+
+
+def cpu_warnings(planned: list[Planned]) -> list[str]:
+    """Options that cannot act on CPU, said before the run rather than silently ignored."""
+    on_cpu = [p for p in planned if p.device == "cpu"]
+    found = []
+    if any(p.cfg.run.guard == "off" for p in on_cpu):
+        found.append("--guard off on CPU: no CUDA graph is replayed there, so with the guard off a "
+                     "stale capture cannot be detected (use --guard warn, or run on a GPU)")
+    if any(p.cfg.run.forensics for p in on_cpu):
+        found.append("--forensics is ignored on CPU: CUDA memory history exists only on a GPU")
+    return found
 
 
 # Options declared once, reused by every scenario command.
@@ -135,13 +159,15 @@ def exit_code(result: RunResult, allow_unsupported: bool = False) -> int:
 def execute(planned: list[Planned], artifacts: Path, json_path: str | None, junit: Path | None,
             html: Path | None, summary_only: bool = False, allow_unsupported: bool = False,
             jobs: int = 1) -> int:
-    console = stderr_console()
-    with report.Progress(console) as progress:
+    for text in cpu_warnings(planned):
+        warn(text)
+    with report.Progress(stderr_console()) as progress:
         result = run_planned(
             planned, artifacts,
             on_start=lambda tid, p: progress.add(tid, tid, p.cfg.run.steps),
             on_tick=lambda tid, n: progress.update(tid, n, "running"),
             on_done=lambda t: progress.finish(t.id, t.outcome), jobs=jobs)
+    console = results_console(json_path)
     if summary_only:
         report.render_summary(result.report, console)
         console.print(report.summary_line(result.report))
@@ -249,9 +275,9 @@ def doctor_cmd(
     if json_path == "-":
         sys.stdout.write(json.dumps(to_jsonable(env), indent=2) + "\n")
         return EXIT_OK
-    doctor.render(env, stderr_console())
+    doctor.render(env, results_console(json_path))
     if json_path:
-        report.write_text_atomic(Path(json_path), json.dumps(to_jsonable(env), indent=2) + "\n")
+        write_text_atomic(Path(json_path), json.dumps(to_jsonable(env), indent=2) + "\n")
     return EXIT_OK
 
 
@@ -278,9 +304,9 @@ def vllm_audit(
     if json_path == "-":
         sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n")
     else:
-        audit.render(result, stderr_console())
+        audit.render(result, results_console(json_path))
         if json_path:
-            report.write_text_atomic(Path(json_path), json.dumps(result.to_dict(), indent=2) + "\n")
+            write_text_atomic(Path(json_path), json.dumps(result.to_dict(), indent=2) + "\n")
     missing = audit.missing_required(result, require or [])
     if missing:
         sys.stderr.write(f"repro: required fixes not present: {', '.join(missing)}\n")

@@ -1,6 +1,7 @@
 """The CLI through Typer's CliRunner: usage errors are one line + exit 2, env errors exit 3."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -125,3 +126,33 @@ def test_parent_never_imports_torch_before_spawning():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.stdout.strip() == "[]"
+
+
+def test_report_on_stdout_progress_and_warnings_on_stderr(tmp_path, no_gpu):
+    result = invoke("gemma4-mtp", "--mode", "fixed", "--tp", "1", "--steps", "1", "--guard", "off",
+                    "--forensics", "--artifacts", str(tmp_path))
+    assert result.exit_code == 0, result.stderr
+    assert "1/1 trials met their expectation" in result.stdout           # `> report.txt` keeps it
+    assert "gemma4-mtp · fixed · tp=1" in result.stdout
+    report = re.sub(r"[│\s]+", " ", result.stdout)          # lines joined across the panel's wraps
+    assert "guard was off: a stale capture could not have been detected" in report
+    assert "--forensics was ignored" in report
+    assert "trials met their expectation" not in result.stderr
+    assert "started" in result.stderr and "finished CLEAN" in result.stderr   # progress
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("repro: warning:")]
+    assert len(warnings) == 2
+    assert "--guard off on CPU" in warnings[0] and "cannot be detected" in warnings[0]
+    assert "--forensics is ignored on CPU" in warnings[1]
+
+
+def test_json_dash_moves_the_human_report_to_stderr(tmp_path, no_gpu):
+    result = invoke("selftest", "--steps", "1", "--artifacts", str(tmp_path), "--json", "-")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["trials"][0]["device"] == "cpu"
+    assert "1/1 trials met their expectation" in result.stderr
+
+
+def test_doctor_table_goes_to_stdout():
+    result = invoke("doctor")
+    assert result.exit_code == 0
+    assert "torch" in result.stdout and result.stderr == ""
