@@ -90,12 +90,19 @@ class StepRecord:
         return Outcome.CLEAN
 
 
+MECHANISMS = ("guard", "census", "both", "torch")
+
+
 @dataclass
 class Finding:
-    """A captured tensor that the guard found dead or moved."""
+    """A captured storage (guard) or captured block (census) found dead, moved or reused.
+
+    One model for both mechanisms; the fields after `free_stack` are new and default so older
+    JSON still loads (and older readers ignore them).
+    """
     slot: str                       # readable name, e.g. "drafter.<local lm_head_weight>"
     graph: str                      # label of the capture that recorded it
-    status: str                     # "freed" | "rebound"
+    status: str                     # guard: "freed" | "rebound"; census: "freed" | "released" | "reused"
     when: str                       # e.g. "before replay, step 0"
     rank: int
     shape: list[int]
@@ -108,6 +115,11 @@ class Finding:
     message: str = ""
     alloc_stack: list[str] = field(default_factory=list)  # from memory history (CUDA)
     free_stack: list[str] = field(default_factory=list)
+    # Which mechanism saw it: "guard" (dispatcher), "census" (the graph's own parameters),
+    # "both", or "torch" (torch's check_input_liveness, where torch has it).
+    mechanism: str = "guard"
+    census: dict[str, Any] | None = None   # block, kernel, node, param offset, references
+    disagreement: str = ""          # what the other mechanism said, when it differs
 
 
 @dataclass
