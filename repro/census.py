@@ -57,17 +57,34 @@ Limits (also in README.md):
 """
 from __future__ import annotations
 
+import bisect
+import ctypes
+import functools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from repro.outcome import Finding
 
-# Allocator trace kept while censuses are live; without stacks an entry is ~100 bytes.
-TRACE_ENTRIES = 50_000
+# Allocator trace kept while censuses are live. Without stacks an entry is small, but every
+# snapshot copies the whole ring, so it is bounded to keep a check within milliseconds.
+TRACE_ENTRIES = 8192
 WORD = 8                                   # device addresses are 64-bit, naturally aligned
+FREED, RELEASED, REUSED = "freed", "released", "reused"
+FREE_ACTIONS = ("free_requested", "free_completed")
+RELEASE_ACTIONS = ("segment_free", "segment_unmap")
+ALLOC_ACTIONS = ("alloc",)
+INACTIVE_STATES = ("inactive", "active_pending_free", "active_awaiting_free")
+DEFAULT_POOL = (0, 0)
+# User-space virtual addresses on x86-64/aarch64 Linux: a word outside this range is no pointer.
+MIN_ADDR, MAX_ADDR = 1 << 32, 1 << 48
+MAX_PARAMS = 4096                          # a launch's parameter buffer is at most 32 KiB
+MAX_EXTRA_PAIRS = 16
 
 
-@dataclass
+# -- records ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
 class Block:
     """One caching-allocator block, from a snapshot."""
     start: int
@@ -75,6 +92,14 @@ class Block:
     state: str                             # "active_allocated" | "active_awaiting_free" | "inactive"
     pool: tuple[int, int]                  # segment_pool_id; (0, 0) is the default pool
     segment: int                           # start address of its segment
+
+    @property
+    def end(self) -> int:
+        return self.start + self.size
+
+    @property
+    def live(self) -> bool:
+        return self.state not in INACTIVE_STATES
 
 
 @dataclass
@@ -84,9 +109,13 @@ class Reference:
     kind: str                              # "kernel" | "memcpy" | "memset"
     kernel: str                            # kernel name ("" for memcpy/memset)
     where: str                             # "param 3 +8", "extra +1528", "src", "dst"
-    offset: int                            # byte offset in the parameter buffer (or 0)
+    offset: int                            # byte offset in the parameter buffer (0 for memcpy/memset)
     addr: int                              # the word's value
     block: Block
+
+    def describe(self) -> str:
+        what = f"kernel {short_name(self.kernel)}" if self.kind == "kernel" else self.kind
+        return f"node {self.node} {what} {self.where}"
 
 
 @dataclass
@@ -100,35 +129,769 @@ class GraphCensus:
     words: int = 0                         # 8-byte words read from parameters and pointers
     references: list[Reference] = field(default_factory=list)   # outside the graph's own pool
     own_pool: int = 0                      # references into the graph's own pool (safe)
-    outside: int = 0                       # device-looking words outside any block (not findings)
+    outside: int = 0                       # device addresses outside any allocator block
     unreadable: list[str] = field(default_factory=list)         # "node 12 kernel foo: why"
-    foreign_pools: dict[str, int] = field(default_factory=dict) # "graph 'x'" / "pool (1, 2)" -> refs
-    marker: dict[str, Any] | None = None   # last trace entry at census time
-    reported: set[tuple[int, str]] = field(default_factory=set)  # (block start, status) already said
+    foreign_pools: dict[str, int] = field(default_factory=dict) # "pool (1, 2)" -> references
+    marker: dict[str, Any] | None = None   # trace position at census time
+    reported: dict[int, str] = field(default_factory=dict)      # block start -> status said
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     def blocks(self) -> list[Block]:
         """Distinct captured blocks (outside the own pool), by start address."""
-        raise NotImplementedError
+        return sorted({r.block.start: r.block for r in self.references}.values(), key=lambda b: b.start)
+
+    def refs_of(self, block: Block) -> list[Reference]:
+        return [r for r in self.references if r.block.start == block.start]
 
     def summary(self) -> dict[str, Any]:
         """Counts for the trial record (no addresses of every word)."""
-        raise NotImplementedError
+        return {"graph": self.label, "nodes": self.nodes, "kernels": self.kernels,
+                "node_types": dict(self.node_types), "words": self.words,
+                "references": len(self.references), "blocks": len(self.blocks()),
+                "own_pool": self.own_pool, "outside_allocator": self.outside,
+                "unreadable": len(self.unreadable), "foreign_pools": dict(self.foreign_pools),
+                "seconds": round(self.seconds, 6), "notes": list(self.notes)}
 
 
-def census_supported() -> tuple[bool, str]:
-    """(True, "") when a census can be taken here; else (False, what is missing)."""
-    raise NotImplementedError
+@dataclass
+class Fate:
+    """What happened to one captured block since the census."""
+    block: Block
+    status: str                            # FREED | RELEASED | REUSED
+    current: Block | None                  # the block at its address now (None: released)
+    how: str                               # "allocator state" | "allocator trace"
 
 
-def take_census(graph: Any, label: str, pool: Any = None,
-                snapshot: dict[str, Any] | None = None) -> GraphCensus:
-    """Census of a graph captured with CUDAGraph(keep_graph=True); see the module docstring."""
-    raise NotImplementedError
+# -- allocator snapshots (plain dicts in torch's documented format; no torch needed) ----------
+
+def blocks_of(snapshot: dict[str, Any], device: int | None = None) -> list[Block]:
+    """Every block of every segment (of one device when given), sorted by start address.
+
+    torch >= 2.1 gives each block its "address"; older snapshots list blocks in address order
+    from the segment start, so the address is the running sum.
+    """
+    out = []
+    for seg in snapshot.get("segments", []):
+        if device is not None and seg.get("device", device) != device:
+            continue
+        pool = tuple(seg.get("segment_pool_id") or DEFAULT_POOL)
+        addr = seg["address"]
+        for b in seg.get("blocks", []):
+            start = b.get("address", addr)
+            out.append(Block(start=start, size=b["size"], state=b.get("state", "inactive"),
+                             pool=(int(pool[0]), int(pool[1])), segment=seg["address"]))
+            addr = start + b["size"]
+    out.sort(key=lambda b: b.start)
+    return out
+
+
+class BlockIndex:
+    """Address -> block lookup by bisection over one snapshot's blocks."""
+
+    def __init__(self, blocks: list[Block]):
+        self.blocks = blocks
+        self.starts = [b.start for b in blocks]
+
+    @classmethod
+    def of(cls, snapshot: dict[str, Any], device: int | None = None) -> BlockIndex:
+        return cls(blocks_of(snapshot, device))
+
+    def find(self, addr: int) -> Block | None:
+        i = bisect.bisect_right(self.starts, addr) - 1
+        if i >= 0 and addr < self.blocks[i].end:
+            return self.blocks[i]
+        return None
+
+
+def trace_of(snapshot: dict[str, Any], device: int = 0) -> list[dict[str, Any]]:
+    traces = snapshot.get("device_traces") or []
+    return traces[device] if device < len(traces) else []
+
+
+def marker_of(trace: list[dict[str, Any]]) -> dict[str, Any]:
+    """The trace position at census time: its length and its last entry."""
+    last = trace[-1] if trace else None
+    return {"length": len(trace), "last": entry_key(last) if last is not None else None}
+
+
+def entry_key(entry: dict[str, Any]) -> tuple:
+    return (entry.get("action"), entry.get("addr"), entry.get("size"), entry.get("stream"),
+            entry.get("time_us"))
+
+
+def events_since(trace: list[dict[str, Any]], marker: dict[str, Any] | None,
+                 capacity: int | None = None) -> list[dict[str, Any]] | None:
+    """Trace entries recorded after the marker; None when the ring has wrapped past it.
+
+    capacity: the ring's max_entries. A trace shorter than that never dropped an entry, so an
+    empty marker (no entry at census time) means "everything is new".
+    """
+    if marker is None:
+        return None
+    last = marker.get("last")
+    if last is None:
+        if capacity is not None and len(trace) >= capacity:
+            return None
+        return list(trace)
+    # Search backwards: the marker is usually near the end.
+    for i in range(len(trace) - 1, -1, -1):
+        if entry_key(trace[i]) == last:
+            return trace[i + 1:]
+    return None
+
+
+def overlaps(entry: dict[str, Any], block: Block) -> bool:
+    addr = entry.get("addr")
+    return addr is not None and addr < block.end and block.start < addr + entry.get("size", 0)
+
+
+def traced_fate(block: Block, events: list[dict[str, Any]]) -> str | None:
+    """From the events since the census: REUSED (freed, then allocated again), RELEASED or FREED.
+
+    Only a free of an allocation overlapping the block starts its fate; an alloc counts only
+    after such a free (before it, the block was ours), a segment release likewise.
+    """
+    fate = None
+    for e in events:
+        action = e.get("action")
+        if action in FREE_ACTIONS and overlaps(e, block):
+            fate = fate or FREED
+        elif fate is not None and action in RELEASE_ACTIONS and overlaps(e, block):
+            fate = RELEASED
+        elif fate is not None and action in ALLOC_ACTIONS and overlaps(e, block):
+            fate = REUSED
+    return fate
+
+
+def fate_of(block: Block, now: BlockIndex, events: list[dict[str, Any]] | None) -> Fate | None:
+    """The block's fate, from the allocator now and (where it still reaches) the trace.
+
+    The current state decides freed / released; reuse at the same address looks like an
+    untouched block in the state, so for a live block the trace decides. When the trace no
+    longer reaches the census (events is None), a changed block layout still proves reuse.
+    """
+    current = now.find(block.start)
+    if current is None:
+        return Fate(block, RELEASED, None, "allocator state")
+    if not current.live:
+        return Fate(block, FREED, current, "allocator state")
+    if not block.live:
+        return Fate(block, REUSED, current, "allocator state")   # captured while free; taken since
+    if events is not None:
+        traced = traced_fate(block, events)
+        if traced is not None:
+            return Fate(block, REUSED, current, "allocator trace")
+        return None
+    if (current.start, current.size, current.pool) != (block.start, block.size, block.pool):
+        return Fate(block, REUSED, current, "allocator state")
+    return None
+
+
+# -- matching words to blocks -------------------------------------------------------------------
+
+def aligned_words(buf: bytes, base: int) -> list[tuple[int, int]]:
+    """(offset, value) of every 8-byte word of buf that is 8-byte aligned in the parameter
+    buffer; base is buf's offset in that buffer."""
+    first = -base % WORD
+    return [(base + i, int.from_bytes(buf[i:i + WORD], "little"))
+            for i in range(first, len(buf) - WORD + 1, WORD)]
+
+
+def plausible_address(value: int) -> bool:
+    return MIN_ADDR <= value < MAX_ADDR
+
+
+@dataclass
+class Matcher:
+    """Sorts captured words into references, own-pool references and outside addresses."""
+    index: BlockIndex
+    own_pool: tuple[int, int] | None
+    pool_names: dict[tuple[int, int], str]
+    is_device_address: Any = None          # callable(int) -> bool, or None: count nothing outside
+
+    def add(self, census: GraphCensus, node: int, kind: str, kernel: str, where: str,
+            offset: int, value: int) -> None:
+        census.words += 1
+        if not plausible_address(value):
+            return
+        block = self.index.find(value)
+        if block is None:
+            if self.is_device_address is not None and self.is_device_address(value):
+                census.outside += 1
+            return
+        if self.own_pool is not None and block.pool == self.own_pool:
+            census.own_pool += 1
+            return
+        if block.pool != DEFAULT_POOL:
+            name = self.pool_names.get(block.pool, f"pool {block.pool}")
+            census.foreign_pools[name] = census.foreign_pools.get(name, 0) + 1
+        census.references.append(Reference(node=node, kind=kind, kernel=kernel, where=where,
+                                           offset=offset, addr=value, block=block))
+
+
+def short_name(name: str, limit: int = 96) -> str:
+    return name if len(name) <= limit else name[: limit - 3] + "..."
+
+
+# -- findings ---------------------------------------------------------------------------------
+
+def census_finding(label: str, fate: Fate, refs: list[Reference], when: str, rank: int,
+                   trace_note: str = "") -> Finding:
+    """A census finding: kernel + parameter + block; the guard's name is added by merge."""
+    block, first = fate.block, refs[0]
+    name = f"<block {block.start:#x} read by {first.describe()}>"
+    detail = {
+        "block_start": block.start, "block_size": block.size, "block_pool": list(block.pool),
+        "status": fate.status, "how": fate.how, "references": len(refs),
+        "kernel": first.kernel, "node": first.node, "where": first.where, "offset": first.offset,
+        "addr": first.addr, "sites": [r.describe() for r in refs[:8]],
+    }
+    if fate.current is not None:
+        detail["now"] = {"start": fate.current.start, "size": fate.current.size,
+                         "state": fate.current.state, "pool": list(fate.current.pool)}
+    return Finding(slot=name, graph=label, status=fate.status, when=when, rank=rank, shape=[],
+                   dtype="", nbytes=block.size, old_ptr=first.addr, new_ptr=None,
+                   message=census_message(label, fate, refs, trace_note), mechanism="census",
+                   census=detail)
+
+
+CENSUS_FIX = {
+    FREED: "The block is cached but free: the next allocation of its size takes it and the replay "
+           "reads that tensor's data. Keep the owner alive for the graph's lifetime or re-capture.",
+    RELEASED: "Its segment went back to the driver: replaying faults with an illegal memory access "
+              "(error 700). Keep the owner alive for the graph's lifetime or re-capture.",
+    REUSED: "Another allocation now lives at that address: the replay reads and writes it. Keep the "
+            "owner alive for the graph's lifetime or re-capture.",
+}
+
+
+def census_message(label: str, fate: Fate, refs: list[Reference], trace_note: str = "") -> str:
+    block = fate.block
+    said = {FREED: "has been freed (cached, inactive)", RELEASED: "has been returned to the driver",
+            REUSED: "was freed and allocated again"}[fate.status]
+    sites = "; ".join(r.describe() for r in refs[:3]) + (f" and {len(refs) - 3} more" if len(refs) > 3 else "")
+    text = (f"graph '{label}' holds {refs[0].addr:#x} in {sites}; the allocator block "
+            f"{block.start:#x} ({block.size} bytes, pool {block.pool}) {said} "
+            f"(seen in the {fate.how}). {CENSUS_FIX[fate.status]}")
+    return text + (f" {trace_note}" if trace_note else "")
+
+
+def census_fates(census: GraphCensus, now: BlockIndex, trace: list[dict[str, Any]],
+                 capacity: int | None) -> tuple[list[Fate], str]:
+    """Fates of the census's blocks not reported yet, and a note when the trace was lost."""
+    events = events_since(trace, census.marker, capacity)
+    note = "" if events is not None or census.marker is None else (
+        "The allocator trace no longer reaches the capture: reuse at the same address cannot be "
+        "seen, only freed and released blocks.")
+    fates = []
+    for block in census.blocks():
+        if block.start in census.reported:
+            continue
+        fate = fate_of(block, now, events)
+        if fate is not None:
+            fates.append(fate)
+    return fates, note
 
 
 def check_census(census: GraphCensus, when: str, snapshot: dict[str, Any] | None = None,
-                 rank: int = 0) -> list[Finding]:
-    """Findings new since the last check of this census; see the module docstring."""
-    raise NotImplementedError
+                 rank: int = 0, device: int | None = None, capacity: int | None = TRACE_ENTRIES) -> list[Finding]:
+    """Findings new since the last check of this census; each block is reported once.
+
+    snapshot: an allocator snapshot taken now (one is taken when None). Own-pool blocks were
+    never references, so they cannot be findings.
+    """
+    if snapshot is None:
+        snapshot, device = take_snapshot()
+    dev = 0 if device is None else device
+    fates, note = census_fates(census, BlockIndex.of(snapshot, device), trace_of(snapshot, dev), capacity)
+    if note and note not in census.notes:
+        census.notes.append(note)
+    findings = []
+    for fate in fates:
+        census.reported[fate.block.start] = fate.status
+        findings.append(census_finding(census.label, fate, census.refs_of(fate.block), when, rank, note))
+    return findings
+
+
+# -- the CUDA driver, through ctypes ------------------------------------------------------------
+
+CU_GRAPH_NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty",
+                       6: "wait_event", 7: "event_record", 8: "ext_semas_signal",
+                       9: "ext_semas_wait", 10: "mem_alloc", 11: "mem_free", 12: "batch_mem_op",
+                       13: "conditional"}
+CUDA_SUCCESS, CUDA_ERROR_INVALID_VALUE = 0, 1
+CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_UNIFIED = 2, 4
+CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
+CU_LAUNCH_PARAM_END, CU_LAUNCH_PARAM_BUFFER_POINTER, CU_LAUNCH_PARAM_BUFFER_SIZE = 0, 1, 2
+
+
+class KernelNodeParams(ctypes.Structure):
+    """CUDA_KERNEL_NODE_PARAMS_v2 (cuda.h, CUDA >= 12.0)."""
+    _fields_ = [("func", ctypes.c_void_p),
+                ("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint),
+                ("kernelParams", ctypes.c_void_p), ("extra", ctypes.c_void_p),
+                ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
+
+
+class Memcpy3D(ctypes.Structure):
+    """CUDA_MEMCPY3D (cuda.h)."""
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcZ", ctypes.c_size_t),
+                ("srcLOD", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int), ("srcHost", ctypes.c_void_p),
+                ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p), ("reserved0", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t), ("srcHeight", ctypes.c_size_t),
+                ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstZ", ctypes.c_size_t),
+                ("dstLOD", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p),
+                ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p), ("reserved1", ctypes.c_void_p),
+                ("dstPitch", ctypes.c_size_t), ("dstHeight", ctypes.c_size_t),
+                ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t), ("Depth", ctypes.c_size_t)]
+
+
+class MemsetParams(ctypes.Structure):
+    """CUDA_MEMSET_NODE_PARAMS (cuda.h)."""
+    _fields_ = [("dst", ctypes.c_uint64), ("pitch", ctypes.c_size_t), ("value", ctypes.c_uint),
+                ("elementSize", ctypes.c_uint), ("width", ctypes.c_size_t), ("height", ctypes.c_size_t)]
+
+
+class DriverError(RuntimeError):
+    pass
+
+
+class Driver:
+    """The few libcuda entry points the census reads a graph with."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        self.get_params = self.optional("cuGraphKernelNodeGetParams_v2", "cuGraphKernelNodeGetParams")
+        self.func_param_info = self.optional("cuFuncGetParamInfo")
+        self.kernel_param_info = self.optional("cuKernelGetParamInfo")
+        self.func_name = self.optional("cuFuncGetName")
+        self.kernel_name = self.optional("cuKernelGetName")
+        self.address_cache: dict[int, bool] = {}
+
+    def optional(self, *names: str) -> Any:
+        for name in names:
+            fn = getattr(self.lib, name, None)
+            if fn is not None:
+                fn.restype = ctypes.c_int
+                return fn
+        return None
+
+    def error_name(self, code: int) -> str:
+        name = ctypes.c_char_p()
+        if self.lib.cuGetErrorName(code, ctypes.byref(name)) == CUDA_SUCCESS and name.value:
+            return name.value.decode()
+        return f"CUresult {code}"
+
+    def call(self, what: str, fn: Any, *args: Any) -> None:
+        code = fn(*args)
+        if code != CUDA_SUCCESS:
+            raise DriverError(f"{what}: {self.error_name(code)}")
+
+    def nodes(self, graph: int) -> list[int]:
+        count = ctypes.c_size_t(0)
+        self.call("cuGraphGetNodes", self.lib.cuGraphGetNodes, ctypes.c_void_p(graph), None, ctypes.byref(count))
+        arr = (ctypes.c_void_p * max(count.value, 1))()
+        self.call("cuGraphGetNodes", self.lib.cuGraphGetNodes, ctypes.c_void_p(graph), arr, ctypes.byref(count))
+        return [arr[i] for i in range(count.value)]
+
+    def node_type(self, node: int) -> str:
+        t = ctypes.c_int(-1)
+        self.call("cuGraphNodeGetType", self.lib.cuGraphNodeGetType, ctypes.c_void_p(node), ctypes.byref(t))
+        return CU_GRAPH_NODE_TYPES.get(t.value, f"type {t.value}")
+
+    def child_graph(self, node: int) -> int:
+        g = ctypes.c_void_p()
+        self.call("cuGraphChildGraphNodeGetGraph", self.lib.cuGraphChildGraphNodeGetGraph,
+                  ctypes.c_void_p(node), ctypes.byref(g))
+        return g.value or 0
+
+    def kernel_params(self, node: int) -> KernelNodeParams:
+        if self.get_params is None:
+            raise DriverError("cuGraphKernelNodeGetParams_v2 is not in this libcuda")
+        p = KernelNodeParams()
+        self.call("cuGraphKernelNodeGetParams_v2", self.get_params, ctypes.c_void_p(node), ctypes.byref(p))
+        return p
+
+    def memcpy_params(self, node: int) -> Memcpy3D:
+        p = Memcpy3D()
+        self.call("cuGraphMemcpyNodeGetParams", self.lib.cuGraphMemcpyNodeGetParams,
+                  ctypes.c_void_p(node), ctypes.byref(p))
+        return p
+
+    def memset_params(self, node: int) -> MemsetParams:
+        p = MemsetParams()
+        self.call("cuGraphMemsetNodeGetParams", self.lib.cuGraphMemsetNodeGetParams,
+                  ctypes.c_void_p(node), ctypes.byref(p))
+        return p
+
+    def name(self, p: KernelNodeParams) -> str:
+        out = ctypes.c_char_p()
+        for fn, handle in ((self.func_name, p.func), (self.kernel_name, p.kern)):
+            if fn is not None and handle and fn(ctypes.byref(out), ctypes.c_void_p(handle)) == CUDA_SUCCESS:
+                return (out.value or b"").decode(errors="replace")
+        return "<unnamed kernel>"
+
+    def param_layout(self, p: KernelNodeParams) -> list[tuple[int, int]]:
+        """[(offset, size)] of each parameter, from the function or the library kernel handle."""
+        for fn, handle, what in ((self.func_param_info, p.func, "cuFuncGetParamInfo"),
+                                 (self.kernel_param_info, p.kern, "cuKernelGetParamInfo")):
+            if fn is None or not handle:
+                continue
+            layout, code = [], CUDA_SUCCESS
+            for i in range(MAX_PARAMS):
+                off, size = ctypes.c_size_t(), ctypes.c_size_t()
+                code = fn(ctypes.c_void_p(handle), ctypes.c_size_t(i), ctypes.byref(off), ctypes.byref(size))
+                if code != CUDA_SUCCESS:
+                    break
+                layout.append((off.value, size.value))
+            if code in (CUDA_SUCCESS, CUDA_ERROR_INVALID_VALUE):
+                return layout   # INVALID_VALUE past the last parameter ends the list
+            raise DriverError(f"{what}: {self.error_name(code)}")
+        raise DriverError("no parameter layout: neither cuFuncGetParamInfo nor cuKernelGetParamInfo "
+                          "applies (driver older than CUDA 12.4, or no function handle)")
+
+    def is_device_address(self, value: int) -> bool:
+        """Whether the driver knows value as a device (or managed) address; cached per 2 MiB page."""
+        page = value >> 21
+        known = self.address_cache.get(page)
+        if known is None:
+            mem = ctypes.c_uint(0)
+            ok = self.lib.cuPointerGetAttribute(ctypes.byref(mem), CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                                ctypes.c_uint64(value)) == CUDA_SUCCESS
+            known = self.address_cache[page] = ok and mem.value in (CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_UNIFIED)
+        return known
+
+
+@functools.lru_cache(maxsize=1)
+def load_driver() -> Driver:
+    """libcuda through ctypes (see the module docstring for why not cuda-bindings)."""
+    for name in ("libcuda.so.1", "libcuda.so"):
+        try:
+            return Driver(ctypes.CDLL(name))
+        except OSError:
+            continue
+    raise DriverError("libcuda.so.1 cannot be loaded (no NVIDIA driver on this machine)")
+
+
+# -- reading a graph ----------------------------------------------------------------------------
+
+def read_kernel(driver: Driver, census: GraphCensus, match: Matcher, index: int, node: int) -> None:
+    p = driver.kernel_params(node)
+    name = driver.name(p)
+    census.kernels += 1
+    if p.kernelParams:
+        try:
+            layout = driver.param_layout(p)
+        except DriverError as e:
+            census.unreadable.append(f"node {index} kernel {short_name(name)}: {e}")
+            return
+        slots = (ctypes.c_void_p * max(len(layout), 1)).from_address(p.kernelParams)
+        for i, (off, size) in enumerate(layout):
+            if not slots[i]:
+                census.unreadable.append(f"node {index} kernel {short_name(name)}: parameter {i} has no value")
+                continue
+            for word_off, value in aligned_words(ctypes.string_at(slots[i], size), off):
+                match.add(census, index, "kernel", name, f"param {i} +{word_off - off}", word_off, value)
+    elif p.extra:
+        buf = read_extra(p.extra)
+        if buf is None:
+            census.unreadable.append(f"node {index} kernel {short_name(name)}: 'extra' holds no "
+                                     "CU_LAUNCH_PARAM_BUFFER_POINTER/SIZE pair")
+            return
+        for word_off, value in aligned_words(buf, 0):
+            match.add(census, index, "kernel", name, f"extra +{word_off}", word_off, value)
+    else:
+        try:
+            layout = driver.param_layout(p)
+        except DriverError:
+            layout = []
+        if layout:
+            census.unreadable.append(f"node {index} kernel {short_name(name)}: {len(layout)} parameters "
+                                     "but neither kernelParams nor extra")
+
+
+def read_extra(extra: int) -> bytes | None:
+    """The parameter buffer of a launch that passed CU_LAUNCH_PARAM_BUFFER_POINTER/SIZE."""
+    pairs = (ctypes.c_void_p * (2 * MAX_EXTRA_PAIRS)).from_address(extra)
+    ptr = size_ptr = None
+    for i in range(0, 2 * MAX_EXTRA_PAIRS, 2):
+        key = pairs[i] or CU_LAUNCH_PARAM_END
+        if key == CU_LAUNCH_PARAM_END:
+            break
+        if key == CU_LAUNCH_PARAM_BUFFER_POINTER:
+            ptr = pairs[i + 1]
+        elif key == CU_LAUNCH_PARAM_BUFFER_SIZE:
+            size_ptr = pairs[i + 1]
+    if not ptr or not size_ptr:
+        return None
+    size = ctypes.c_size_t.from_address(size_ptr).value
+    return ctypes.string_at(ptr, size)
+
+
+def memcpy_address(base: int, x: int, y: int, z: int, pitch: int, height: int) -> int:
+    return base + x + y * pitch + z * pitch * height
+
+
+def read_memcpy(driver: Driver, census: GraphCensus, match: Matcher, index: int, node: int) -> None:
+    p = driver.memcpy_params(node)
+    if p.srcMemoryType in (CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_UNIFIED):
+        match.add(census, index, "memcpy", "", "src", 0, memcpy_address(
+            p.srcDevice, p.srcXInBytes, p.srcY, p.srcZ, p.srcPitch, p.srcHeight))
+    if p.dstMemoryType in (CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_UNIFIED):
+        match.add(census, index, "memcpy", "", "dst", 0, memcpy_address(
+            p.dstDevice, p.dstXInBytes, p.dstY, p.dstZ, p.dstPitch, p.dstHeight))
+
+
+def read_memset(driver: Driver, census: GraphCensus, match: Matcher, index: int, node: int) -> None:
+    match.add(census, index, "memset", "", "dst", 0, driver.memset_params(node).dst)
+
+
+READERS = {"kernel": read_kernel, "memcpy": read_memcpy, "memset": read_memset}
+
+
+def read_graph(driver: Driver, census: GraphCensus, match: Matcher, graph: int, depth: int = 0) -> None:
+    """Every node of the graph, child graphs flattened into the same node numbering."""
+    for node in driver.nodes(graph):
+        index = census.nodes
+        census.nodes += 1
+        try:
+            kind = driver.node_type(node)
+            census.node_types[kind] = census.node_types.get(kind, 0) + 1
+            if kind == "graph" and depth < 8:
+                read_graph(driver, census, match, driver.child_graph(node), depth + 1)
+            elif kind in READERS:
+                READERS[kind](driver, census, match, index, node)
+        except DriverError as e:
+            census.unreadable.append(f"node {index}: {e}")
+
+
+# -- torch side (lazy) --------------------------------------------------------------------------
+
+def census_supported() -> tuple[bool, str]:
+    """(True, "") when a census can be taken here; else (False, what is missing)."""
+    try:
+        import torch
+    except ImportError as e:
+        return False, f"torch is not importable: {e}"
+    if not torch.cuda.is_available():
+        return False, f"CUDA is not available (torch {torch.__version__})"
+    if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph"):
+        return False, f"torch {torch.__version__} has no CUDAGraph(keep_graph=True).raw_cuda_graph()"
+    try:
+        driver = load_driver()
+    except DriverError as e:
+        return False, str(e)
+    if driver.get_params is None:
+        return False, "this libcuda has no cuGraphKernelNodeGetParams_v2 (driver older than CUDA 12.0)"
+    return True, ""
+
+
+def start_trace(max_entries: int = TRACE_ENTRIES) -> None:
+    """Record the allocator's alloc/free trace without stacks (cheap); process-wide.
+
+    Do not call when memory history with stacks is already recording (repro --forensics): that
+    recording serves the census as well, and this call would replace its settings.
+    """
+    import torch
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                             max_entries=max_entries)
+
+
+def take_snapshot() -> tuple[dict[str, Any], int]:
+    """(allocator snapshot of the current device, that device's index)."""
+    import torch
+    device = torch.cuda.current_device()
+    return torch.cuda.memory._snapshot(device), device
+
+
+def pool_id(pool: Any) -> tuple[int, int] | None:
+    if pool is None:
+        return None
+    try:
+        a, b = pool
+        return int(a), int(b)
+    except (TypeError, ValueError):
+        return None
+
+
+def take_census(graph: Any, label: str, pool: Any = None, snapshot: dict[str, Any] | None = None,
+                pool_names: dict[tuple[int, int], str] | None = None,
+                device: int | None = None, traced: bool = True) -> GraphCensus:
+    """Census of a graph captured with CUDAGraph(keep_graph=True); see the module docstring.
+
+    traced: the allocator trace is recording (``start_trace()`` or memory history); without it
+    the checks see freed and released blocks but not reuse at the same address.
+    Raises DriverError when the graph cannot be read at all (then nothing can be said about it);
+    single nodes that cannot be read are listed in ``unreadable``.
+    """
+    start = time.perf_counter()
+    driver = load_driver()
+    try:
+        raw = graph.raw_cuda_graph()
+    except RuntimeError as e:
+        raise DriverError(f"graph '{label}' has no raw CUDA graph ({e}); create it with "
+                          "torch.cuda.CUDAGraph(keep_graph=True)") from None
+    if snapshot is None:
+        snapshot, device = take_snapshot()
+    own = pool_id(pool if pool is not None else graph.pool())
+    census = GraphCensus(label=label, pool=own)
+    match = Matcher(BlockIndex.of(snapshot, device), own, pool_names or {}, driver.is_device_address)
+    read_graph(driver, census, match, raw)
+    if traced:
+        census.marker = marker_of(trace_of(snapshot, 0 if device is None else device))
+    else:
+        census.notes.append("no allocator trace: reuse at the same address cannot be seen")
+    census.seconds = time.perf_counter() - start
+    return census
+
+
+# -- one process's censuses, and the one finding model -------------------------------------------
+
+@dataclass
+class GuardSlot:
+    """What the merge needs of a guard slot (repro.guard.Slot has these attributes)."""
+    name: str
+    storage_ptr: int
+    storage_nbytes: int
+    reported: set[str] = field(default_factory=set)
+
+
+class CensusBook:
+    """The censuses of one process, checked together against one snapshot per check point.
+
+    trace: "start" records the allocator trace here (``start_trace``); "external" means the
+    caller already records memory history (with stacks); "none" checks state only.
+    """
+
+    def __init__(self, rank: int = 0, trace: str = "start", capacity: int = TRACE_ENTRIES):
+        self.rank = rank
+        self.capacity = capacity if trace == "start" else None
+        self.traced = trace != "none"
+        self.censuses: dict[str, GraphCensus] = {}
+        self.checked: set[str] = set()             # labels checked at least once
+        self.errors: list[str] = []
+        self.said: dict[int, str] = {}             # block start -> status, across graphs
+        if trace == "start":
+            start_trace(capacity)
+
+    def add(self, graph: Any, label: str, pool: Any = None) -> GraphCensus | None:
+        """Census right after capture; a graph that cannot be read is noted, not raised."""
+        names = {c.pool: f"graph '{c.label}'" for c in self.censuses.values() if c.pool is not None}
+        try:
+            census = take_census(graph, label, pool, pool_names=names, traced=self.traced)
+        except DriverError as e:
+            self.errors.append(f"graph '{label}': {e}")
+            return None
+        self.censuses[label] = census
+        return census
+
+    def summary(self) -> list[dict[str, Any]]:
+        return [c.summary() for c in self.censuses.values()]
+
+    def check(self, when: str, graph: str | None = None) -> list[Finding]:
+        """One finding per captured block and status, listing every graph that holds it."""
+        chosen = [c for label, c in self.censuses.items() if graph is None or label == graph]
+        if not chosen:
+            return []
+        snapshot, device = take_snapshot()
+        self.checked.update(c.label for c in chosen)
+        return self.findings_from(chosen, snapshot, device, when)
+
+    def findings_from(self, chosen: list[GraphCensus], snapshot: dict[str, Any], device: int | None,
+                      when: str) -> list[Finding]:
+        now = BlockIndex.of(snapshot, device)
+        trace = trace_of(snapshot, 0 if device is None else device)
+        by_block: dict[int, tuple[Fate, list[tuple[GraphCensus, list[Reference]]], str]] = {}
+        for census in chosen:
+            fates, note = census_fates(census, now, trace, self.capacity)
+            if note and note not in census.notes:
+                census.notes.append(note)
+            for fate in fates:
+                census.reported[fate.block.start] = fate.status
+                entry = by_block.setdefault(fate.block.start, (fate, [], note))
+                entry[1].append((census, census.refs_of(fate.block)))
+        findings = []
+        for start, (fate, holders, note) in sorted(by_block.items()):
+            if self.said.get(start) == fate.status:
+                continue   # another graph's check already said it
+            self.said[start] = fate.status
+            refs = [r for _, rs in holders for r in rs]
+            labels = ", ".join(c.label for c, _ in holders)
+            finding = census_finding(holders[0][0].label, fate, refs, when, self.rank, note)
+            finding.graph = labels
+            finding.census["graphs"] = [c.label for c, _ in holders]
+            findings.append(finding)
+        return findings
+
+    def dead_blocks(self, when: str) -> tuple[list[Finding], list[tuple[int, int]]]:
+        """Findings of a full check, and the regions to fill for the after-free knob.
+
+        A region is the free block that now holds a freed captured block (neighbouring free
+        blocks coalesce, so it may be larger); released and reused blocks cannot be landed on.
+        """
+        if not self.censuses:
+            return [], []
+        snapshot, device = take_snapshot()
+        self.checked.update(self.censuses)
+        findings = self.findings_from(list(self.censuses.values()), snapshot, device, when)
+        now = BlockIndex.of(snapshot, device)
+        regions: dict[int, int] = {}
+        for census in self.censuses.values():
+            for block in census.blocks():
+                current = now.find(block.start)
+                if current is not None and not current.live and census.reported.get(block.start) == FREED:
+                    regions[current.start] = current.size
+        return findings, sorted(regions.items())
+
+    def references_in(self, start: int, end: int) -> list[tuple[str, Reference]]:
+        return [(c.label, r) for c in self.censuses.values() for r in c.references
+                if start <= r.addr < end or (r.block.start < end and start < r.block.end)]
+
+
+def merge_findings(guard: list[Finding], census: list[Finding], slots: list[Any], guard_on: bool,
+                   book: CensusBook | None) -> list[Finding]:
+    """One list from both mechanisms; a storage both saw becomes one finding ("both").
+
+    slots: the guard's recorded storages (name, storage_ptr, storage_nbytes, reported), so a
+    census finding in a storage the guard knows carries its readable name. Where one mechanism
+    saw something the other did not, ``disagreement`` says what the other one said.
+    """
+    out, used = [], set()
+    for c in census:
+        start, end = c.census["block_start"], c.census["block_start"] + c.census["block_size"]
+        g = next((i for i, g in enumerate(guard) if i not in used and g.old_ptr < end and start < g.old_ptr + max(g.nbytes, 1)), None)
+        if g is not None:
+            used.add(g)
+            merged = guard[g]
+            merged.mechanism, merged.census = "both", c.census
+            out.append(merged)
+            continue
+        if guard_on:
+            slot = next((s for s in slots if s.storage_ptr < end and start < s.storage_ptr + max(s.storage_nbytes, 1)), None)
+            if slot is None:
+                c.disagreement = "the guard did not see this storage (it never passed the dispatcher)"
+            elif slot.reported:
+                c.slot, c.mechanism = slot.name, "both"   # the guard said it at an earlier check
+                c.census["guard_reported"] = sorted(slot.reported)
+            else:
+                c.slot = slot.name
+                c.disagreement = f"the guard recorded this storage as {slot.name} and sees it alive"
+        out.append(c)
+    for i, g in enumerate(guard):
+        if i in used:
+            continue
+        if book is not None and book.censuses:
+            refs = book.references_in(g.old_ptr, g.old_ptr + max(g.nbytes, 1))
+            if not refs:
+                g.disagreement = "the census found no captured address in this storage"
+            elif g.status == "rebound":
+                g.disagreement = "the census sees the captured block still allocated (a rebinding is visible only to the guard)"
+            else:
+                said = {book.said.get(r.block.start) for _, r in refs} - {None}
+                g.disagreement = (f"the census reported this block earlier ({', '.join(sorted(said))})" if said
+                                  else "the census sees the captured block still allocated")
+        out.append(g)
+    return out

@@ -4,15 +4,22 @@ What happens to freed memory between capture (or reload) and replay decides how 
 stale-capture bug shows (BACKGROUND.md §1). `apply_after_free` makes that a reported,
 deterministic choice:
 
-  keep     nothing is done; the freed block stays cached and untouched -> replays read stale
-           but plausible data: the bug is latent (only the guard sees it)
-  release  gc + empty_cache: segments that became empty go back to the driver -> CUDA error 700
-  reuse    new tensors take the freed blocks and fill them with plausible values of their dtype
-           (random floats, out-of-range integers) -> wrong output, or device asserts on indices
-  poison   new tensors take the freed blocks and fill them with 0xFF bytes (NaN in float
-           formats) -> non-finite output
+  keep     nothing is written; the freed blocks stay cached and untouched -> replays read stale
+           but plausible data: the bug is latent (the guard and the census still report it)
+  release  gc.collect() + torch.cuda.empty_cache(): segments that became empty go back to the
+           driver -> CUDA error 700 on the replay that reads them
+  reuse    byte tensors take the free regions holding freed captured blocks and are filled as a
+           bf16 activation or KV-cache tensor would leave them: N(0, 0.05) bf16 values, whatever
+           dtype the graph reads them as -> wrong but finite floats; integer index tensors read
+           those bytes as huge values (out of range -> device-side assert); fp8 scales can
+           read NaN bytes
+  poison   byte tensors take the same regions and are filled with 0xFF bytes (NaN in bf16/fp16/
+           fp32 and e4m3, -1 in signed integers) -> non-finite output
 
-The harness's own allocations (oracle, inputs) go to a separate memory pool, so only the knob
+Which blocks are "freed captured blocks" comes from the graph census (repro/census.py): the
+addresses the captured kernels really hold, matched to the allocator. It never comes from the
+stale-capture guard, so `--guard off` leaves every knob value doing the same thing. The
+harness's own allocations (oracle, inputs) go to a separate memory pool, so only the knob
 decides what lands in the freed blocks.
 """
 from __future__ import annotations
@@ -70,9 +77,12 @@ class Captured:
 
 
 def capture(fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...], label: str, guard: Any,
-            pool: Any = None, warmup: int = 2, on_replay: Callable[[str], None] | None = None) -> Captured:
+            pool: Any = None, warmup: int = 2, on_replay: Callable[[str], None] | None = None,
+            census: Any = None) -> Captured:
     """Warm up on a side stream, then capture fn(*inputs) under the guard's recording.
 
+    census: a repro.census.CensusBook. The graph is then made with keep_graph=True, read right
+    after capture_end and instantiated at once, so the first replay costs what it always did.
     On CPU the same function runs once under the guard (a dry run): the guard records the
     tensors a graph would have baked in, which is what its verdict needs.
     on_replay(label) runs before every real replay (the worker records that replays ran).
@@ -88,9 +98,12 @@ def capture(fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...], label: str
         for _ in range(warmup):
             fn(*inputs)
     torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=True) if census is not None else torch.cuda.CUDAGraph()
     with guard.capture(graph, label, pool=pool):
         out = fn(*inputs)
+    if census is not None:
+        census.add(graph, label, pool)
+        graph.instantiate()
     return Captured(label=label, graph=graph, inputs=inputs, output=out, on_replay=on_replay)
 
 
@@ -98,7 +111,7 @@ def capture(fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...], label: str
 class AfterFree:
     """What the knob did; kept in the trial record. `holders` keeps the fill tensors alive."""
     knob: str
-    blocks: int = 0
+    blocks: int = 0                   # free regions holding freed captured blocks (from the census)
     landed: int = 0
     bytes: int = 0
     released_bytes: int = 0
@@ -107,21 +120,32 @@ class AfterFree:
 
     def summary(self) -> dict[str, Any]:
         return {"knob": self.knob, "blocks": self.blocks, "landed": self.landed,
-                "bytes": self.bytes, "released_bytes": self.released_bytes, "note": self.note}
+                "bytes": self.bytes, "released_bytes": self.released_bytes, "note": self.note,
+                "writes": KNOB_WRITES[self.knob]}
 
 
-def apply_after_free(knob: str, freed: list[tuple[int, int, str]], device: torch.device,
-                     seed: int = 0) -> AfterFree:
+KNOB_WRITES = {
+    "keep": "nothing: freed captured blocks stay cached and untouched",
+    "release": "nothing: gc.collect() + torch.cuda.empty_cache() return empty segments to the driver",
+    "reuse": "N(0, 0.05) bf16 values over each freed captured block (index tensors read them as huge integers)",
+    "poison": "0xFF bytes over each freed captured block (NaN in float formats, -1 in integers)",
+}
+
+
+def apply_after_free(knob: str, regions: list[tuple[int, int]], device: torch.device,
+                     seed: int = 0, census_note: str = "") -> AfterFree:
     """Decide what the freed captured blocks hold before the next replay.
 
-    freed: (address, nbytes, dtype) of captured storages the guard found dead.
+    regions: (address, nbytes) of the free allocator blocks that hold freed captured blocks,
+    from CensusBook.dead_blocks(). census_note: why there are none to target, when the census
+    could not run.
     """
-    result = AfterFree(knob=knob, blocks=len(freed), bytes=sum(n for _, n, _ in freed))
+    result = AfterFree(knob=knob, blocks=len(regions), bytes=sum(n for _, n in regions))
     if device.type != "cuda":
         result.note = "CPU run: host memory is not replayed; the knob has no effect"
         return result
     if knob == "keep":
-        result.note = "freed blocks left cached and untouched"
+        result.note = "freed captured blocks left cached and untouched"
     elif knob == "release":
         before = torch.cuda.memory_reserved(device)
         gc.collect()
@@ -131,21 +155,23 @@ def apply_after_free(knob: str, freed: list[tuple[int, int, str]], device: torch
     else:
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
-        for addr, nbytes, dtype in freed:
+        for addr, nbytes in regions:
             holder = land_on(addr, nbytes, device)
             if holder is None:
                 continue
-            fill(holder, knob, dtype, gen)
+            fill(holder, knob, gen)
             result.holders.append(holder)
             result.landed += 1
-        result.note = f"{result.landed}/{result.blocks} freed captured blocks re-allocated and filled ({knob})"
+        result.note = f"{result.landed}/{result.blocks} free regions holding captured blocks re-allocated and filled ({knob})"
+    if census_note:
+        result.note += f"; {census_note}"
     return result
 
 
 def land_on(addr: int, nbytes: int, device: torch.device) -> torch.Tensor | None:
-    """Allocate byte tensors of the freed block's size until one lands on its address.
+    """Allocate byte tensors of the free block's size until one lands on its address.
 
-    The caching allocator's best fit usually returns the freed block at once; misses are
+    The caching allocator's best fit usually returns the free block at once; misses are
     released again so they do not pile up.
     """
     misses = []
@@ -162,19 +188,11 @@ def land_on(addr: int, nbytes: int, device: torch.device) -> torch.Tensor | None
         del misses
 
 
-def fill(holder: torch.Tensor, knob: str, dtype: str, gen: torch.Generator) -> None:
+def fill(holder: torch.Tensor, knob: str, gen: torch.Generator) -> None:
+    """What another tensor would leave behind; dtype-blind, since the census sees bytes."""
     if knob == "poison":
-        holder.fill_(0xFF)                # NaN in bf16/fp16/fp32; -1 in signed integers
+        holder.fill_(0xFF)
         return
-    torch_dtype = getattr(torch, dtype.replace("torch.", ""), torch.uint8)
-    itemsize = torch.empty((), dtype=torch_dtype).element_size()
-    if holder.numel() % itemsize:
-        torch_dtype, itemsize = torch.uint8, 1
-    view = holder.view(torch_dtype)
-    if torch_dtype.is_floating_point:
-        # Plausible weights: finite, small, wrong.
-        view.copy_(torch.randn(view.shape, generator=gen, device=view.device, dtype=torch.float32) * 0.05)
-    else:
-        # Integers as another tensor's data would leave them: large, out of any index range.
-        high = min(2 ** 30, torch.iinfo(torch_dtype).max)
-        view.copy_(torch.randint(high // 2, high, view.shape, generator=gen, device=view.device))
+    # Plausible activations: finite, small, wrong; an odd byte count keeps its last byte.
+    # In place: a temporary could itself land on another freed captured block.
+    holder[: holder.numel() // 2 * 2].view(torch.bfloat16).normal_(0.0, 0.05, generator=gen)

@@ -104,6 +104,7 @@ class WorkerContext:
     guard: Any                         # repro.guard.CaptureGuard
     history: Any                       # repro.forensics.MemoryHistory
     memory: Any                        # repro.graphs.HarnessMemory
+    census: Any = None                 # repro.census.CensusBook | None (CPU, or unsupported)
     timings: dict[str, float] = field(default_factory=dict)
     replayed: set[str] = field(default_factory=set)    # graphs whose first replay is recorded
 
@@ -144,13 +145,38 @@ class WorkerContext:
             self.sink.emit("replay", graph=graph)
 
     def check_guard(self, when: str, graph: str | None = None, deep: bool = True) -> list[Finding]:
-        """Guard check before a replay; findings are written before the replay can crash."""
-        findings = self.guard.check(when, graph, deep)
+        """Guard check before a replay, plus the census check at the deep points (deep, or the
+        first check of a graph); findings are written before the replay can crash."""
+        guard_findings = self.guard.check(when, graph, deep)
+        census_findings = []
+        if self.census is not None and (deep or graph not in self.census.checked):
+            census_findings = self.census.check(when, graph)
+        return self.emit_findings(guard_findings, census_findings)
+
+    def emit_findings(self, guard_findings: list[Finding], census_findings: list[Finding]) -> list[Finding]:
+        from repro.census import merge_findings
+        findings = merge_findings(guard_findings, census_findings, self.guard.slots if census_findings else [],
+                                  self.guard.mode != "off", self.census)
         if findings:
             self.history.annotate(findings)
             for f in findings:
                 self.sink.emit("finding", **dataclasses.asdict(f))
         return findings
+
+    def after_free(self, when: str) -> Any:
+        """Deep check at `when`, then the after-free knob on the freed captured blocks the
+        census found (never the guard's: the knob must act the same with the guard off)."""
+        from repro.graphs import apply_after_free
+        guard_findings = self.guard.check(when, None, True)
+        findings, regions, note = [], [], ""
+        if self.census is not None:
+            findings, regions = self.census.dead_blocks(when)
+            self.detail(census=self.census.summary(), census_errors=self.census.errors)
+        elif self.on_gpu:
+            note = "no graph census here, so no freed captured block to target"
+        self.emit_findings(guard_findings, findings)
+        r = self.cfg.run
+        return apply_after_free(r.after_free, regions, self.device, r.seed, note)
 
     def manifest(self, when: str) -> None:
         self.sink.emit("manifest", **dataclasses.asdict(self.guard.manifest(when)))
@@ -197,9 +223,25 @@ def build_context(spec: TrialSpec, rank: int, sink: RecordSink) -> WorkerContext
     sink.emit("phase", name="init", seconds=time.perf_counter() - start)
     ctx = WorkerContext(spec=spec, cfg=cfg, rank=rank, device=device, tp=tp, sink=sink,
                         guard=guard.CaptureGuard(mode=cfg.run.guard, rank=rank), history=history,
-                        memory=graphs.HarnessMemory(device))
+                        memory=graphs.HarnessMemory(device), census=open_census(device, rank, history, sink))
     ctx.timings["init"] = time.perf_counter() - start
     return ctx
+
+
+def open_census(device: Any, rank: int, history: Any, sink: RecordSink) -> Any:
+    """The graph census on CUDA where the driver and torch allow it; its reason when not.
+
+    With --forensics the memory history (with stacks) already records the allocator trace the
+    census needs; otherwise the census records one without stacks.
+    """
+    if device.type != "cuda":
+        return None
+    from repro import census
+    ok, reason = census.census_supported()
+    if not ok:
+        sink.emit("note", text=f"graph census unavailable: {reason}")
+        return None
+    return census.CensusBook(rank=rank, trace="external" if history.active else "start")
 
 
 def dump_forensics(ctx: WorkerContext) -> None:

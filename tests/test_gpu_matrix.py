@@ -34,8 +34,12 @@ def key(t):
     return (t.scenario, t.mode, r["tp"], r["after_free"], r["reload_drafter"], r["identity_reload"])
 
 
+# Deep checks that run before the first replay: after set-up (or a reload), then before it.
+FIRST_CHECKS = ("after set-up", "after drafter reload", "after reload 0", "before replay, step 0")
+
+
 def finding_before_first_replay(t, needle):
-    return any(f.when == "before replay, step 0" and needle in f.slot and f.status == "freed"
+    return any(f.when in FIRST_CHECKS and needle in f.slot and f.status == "freed"
                for f in t.guard_findings)
 
 

@@ -93,7 +93,7 @@ def test_unfixed_guard_names_the_freed_kernel_tensors(tmp_path):
     rec = drive(tmp_path, "unfixed")
     findings = rec.of("finding")
     assert {f["slot"] for f in findings} == KERNEL_TENSORS
-    assert all(f["status"] == "freed" and f["when"] == "before replay, step 0" for f in findings)
+    assert all(f["status"] == "freed" and f["when"] == "after reload 0" for f in findings)
     # Eager on CPU runs through the live (new) kernel: correct numbers, the bug is latent.
     assert all(s["mismatches"] == 0 and s["nonfinite"] == 0 and not s["replayed"] for s in rec.steps)
     assert all(s["extra"]["kernel_rebuilt"] for s in rec.steps)

@@ -27,7 +27,7 @@ from torch import nn
 
 from repro.config import Gemma4Dims
 from repro.dist import TP, all_gather_dim0
-from repro.graphs import Captured, apply_after_free, capture
+from repro.graphs import Captured, capture
 from repro.outcome import StepRecord
 
 # Tokens per decode step, cycled; every captured batch size is hit within 14 steps at E2B.
@@ -144,9 +144,10 @@ class Proposer:
     """The slice of Gemma4Proposer: one raw CUDA graph per batch size around get_top_tokens."""
 
     def __init__(self, drafter: Gemma4Drafter, batch_sizes: list[int], guard, device: torch.device,
-                 on_replay=None):
+                 on_replay=None, census=None):
         self.drafter, self.batch_sizes, self.guard, self.device = drafter, batch_sizes, guard, device
         self.on_replay = on_replay       # the harness records that a replay ran
+        self.census = census             # repro.census.CensusBook: reads each captured graph
         self.graphs: dict[int, Captured] = {}
 
     def setup_centroid_graphs(self) -> None:
@@ -156,7 +157,7 @@ class Proposer:
             static_input = torch.zeros(size, masked.hidden_size, dtype=self.drafter.dtype, device=self.device)
             self.graphs[size] = capture(lambda x: masked.get_top_tokens(x, lm_head_weight), (static_input,),
                                         label=graph_label(size), guard=self.guard, warmup=3,
-                                        on_replay=self.on_replay)
+                                        on_replay=self.on_replay, census=self.census)
         # lm_head_weight dies here; the graphs keep its address.
 
     def greedy_sample(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -209,7 +210,8 @@ def run(ctx) -> None:
     run_cfg = ctx.cfg.run
     with ctx.phase("build"):
         drafter = Gemma4Drafter(dims, ctx.tp, run_cfg.mode, ctx.device, run_cfg.seed)
-        proposer = Proposer(drafter, dims.batch_sizes, ctx.guard, ctx.device, on_replay=ctx.replaying)
+        proposer = Proposer(drafter, dims.batch_sizes, ctx.guard, ctx.device, on_replay=ctx.replaying,
+                            census=ctx.census)
     ctx.guard.watch("drafter", drafter)
     ctx.guard.watch("proposer", proposer)
     with ctx.phase("capture"), ctx.guard.tracking():
@@ -218,7 +220,7 @@ def run(ctx) -> None:
         with ctx.phase("reload"):
             drafter.load_weights(make_lm_head_shard(dims, ctx.tp, ctx.device, run_cfg.seed + 1))
         ctx.manifest("after drafter reload")
-    after_free = apply_after_free(run_cfg.after_free, ctx.guard.freed_blocks(), ctx.device, run_cfg.seed)
+    after_free = ctx.after_free("after drafter reload" if run_cfg.reload_drafter else "after set-up")
     with ctx.memory.use():
         oracle = Oracle(drafter.masked_embedding,
                         all_gather_dim0(drafter.lm_head.weight.detach(), ctx.tp)[: dims.vocab_size].clone())

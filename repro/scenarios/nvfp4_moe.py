@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from repro import nvfp4
-from repro.graphs import apply_after_free, capture
+from repro.graphs import capture
 from repro.outcome import StepRecord
 
 # Mismatch tolerance, per element: |y - y_ref| > TOLERANCE * (|y_ref| + rms(y_ref)); the rms
@@ -499,7 +499,8 @@ def build_and_capture(ctx: Any) -> Trial:
                quant_build=quant_stats(layer))
     static_x = torch.zeros(dims.tokens, dims.hidden_size, dtype=dtype, device=device)   # [T, D]
     with ctx.phase("capture"):
-        captured = capture(layer, (static_x,), "moe forward", ctx.guard, on_replay=ctx.replaying)
+        captured = capture(layer, (static_x,), "moe forward", ctx.guard, on_replay=ctx.replaying,
+                           census=ctx.census)
     return Trial(layer=layer, captured=captured, static_x=static_x)
 
 
@@ -536,8 +537,7 @@ def apply_after_free_once(ctx: Any, trial: Trial) -> None:
     """
     if trial.after_free is not None:
         return
-    r = ctx.cfg.run
-    trial.after_free = apply_after_free(r.after_free, ctx.guard.freed_blocks(), ctx.device, r.seed)
+    trial.after_free = ctx.after_free(f"after reload {len(trial.reloads) - 1}")
     ctx.detail(after_free=trial.after_free.summary())
 
 

@@ -1,0 +1,377 @@
+"""Graph census without a GPU: block matching, trace logic, parameter reading, finding merge.
+
+Snapshots are plain dicts in torch's documented `torch.cuda.memory._snapshot()` format
+(segments with blocks, device_traces with alloc/free entries); kernel parameters are real
+ctypes buffers laid out the way the driver hands them back.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import pytest
+
+from repro import census as C
+from repro.outcome import Finding, finding_from_dict
+
+MiB = 1 << 20
+SEG = 0x7F00_0000_0000          # a default-pool segment
+POOL_SEG = 0x7F10_0000_0000     # a graph-private-pool segment
+GRAPH_POOL = (1, 7)
+
+
+def segment(address, blocks, pool=(0, 0), with_addresses=True, device=0):
+    out, addr = [], address
+    for size, state in blocks:
+        b = {"size": size, "requested_size": size, "state": state, "frames": []}
+        if with_addresses:
+            b["address"] = addr
+        out.append(b)
+        addr += size
+    return {"device": device, "address": address, "total_size": addr - address, "stream": 0,
+            "segment_type": "large", "segment_pool_id": pool, "allocated_size": 0,
+            "active_size": 0, "blocks": out}
+
+
+def snapshot(segments, trace=()):
+    return {"segments": list(segments), "device_traces": [list(trace)]}
+
+
+def ev(action, addr, size, t):
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": t, "frames": []}
+
+
+# A 4 MiB default segment: [weight 2 MiB active][local 1 MiB active][free 1 MiB]
+AT_CAPTURE = snapshot([segment(SEG, [(2 * MiB, "active_allocated"), (MiB, "active_allocated"),
+                                     (MiB, "inactive")]),
+                       segment(POOL_SEG, [(MiB, "active_allocated"), (MiB, "inactive")], pool=GRAPH_POOL)],
+                      trace=[ev("alloc", SEG, 2 * MiB, 1), ev("alloc", SEG + 2 * MiB, MiB, 2)])
+LOCAL = SEG + 2 * MiB
+
+
+# ------------------------------------------------------------------ snapshot -> blocks
+
+def test_blocks_take_addresses_from_the_snapshot_or_from_running_sizes():
+    with_addr = C.blocks_of(AT_CAPTURE)
+    without = C.blocks_of(snapshot([segment(SEG, [(2 * MiB, "active_allocated"), (MiB, "active_allocated"),
+                                                  (MiB, "inactive")], with_addresses=False),
+                                    segment(POOL_SEG, [(MiB, "active_allocated"), (MiB, "inactive")],
+                                            pool=GRAPH_POOL, with_addresses=False)]))
+    assert with_addr == without
+    assert [(b.start - SEG, b.size) for b in with_addr[:3]] == [(0, 2 * MiB), (2 * MiB, MiB), (3 * MiB, MiB)]
+    assert with_addr[3].pool == GRAPH_POOL and with_addr[0].pool == (0, 0)
+
+
+def test_block_index_finds_the_block_containing_an_address_and_nothing_outside():
+    index = C.BlockIndex.of(AT_CAPTURE)
+    assert index.find(SEG).start == SEG
+    assert index.find(SEG + 2 * MiB - 1).start == SEG                 # last byte of the weight
+    assert index.find(LOCAL).start == LOCAL                           # first byte of the next block
+    assert index.find(SEG + 4 * MiB) is None                          # one past the segment
+    assert index.find(SEG - 1) is None
+    assert index.find(POOL_SEG + 5).pool == GRAPH_POOL
+
+
+def test_blocks_of_one_device_only():
+    snap = snapshot([segment(SEG, [(MiB, "active_allocated")], device=0),
+                     segment(SEG + 8 * MiB, [(MiB, "active_allocated")], device=1)])
+    assert [b.start for b in C.blocks_of(snap, 1)] == [SEG + 8 * MiB]
+    assert len(C.blocks_of(snap)) == 2
+
+
+# ------------------------------------------------------------------ words -> references
+
+def test_aligned_words_follow_the_parameter_buffer_alignment():
+    buf = bytes(range(24))
+    # A parameter at buffer offset 4: its first aligned word starts 4 bytes in (offset 8).
+    words = C.aligned_words(buf, 4)
+    assert [off for off, _ in words] == [8, 16]
+    assert words[0][1] == int.from_bytes(buf[4:12], "little")
+    assert [off for off, _ in C.aligned_words(buf, 0)] == [0, 8, 16]
+    assert C.aligned_words(b"\x01\x02\x03", 0) == []
+
+
+def matcher(snap=AT_CAPTURE, own=GRAPH_POOL, names=None, outside=None):
+    return C.Matcher(C.BlockIndex.of(snap), own, names or {}, outside)
+
+
+def test_matcher_sorts_words_into_references_own_pool_and_outside():
+    census = C.GraphCensus(label="g", pool=GRAPH_POOL)
+    m = matcher(outside=lambda v: v == 0x7E00_0000_0000)
+    m.add(census, 0, "kernel", "k", "param 0 +0", 0, LOCAL + 64)          # inside the local
+    m.add(census, 0, "kernel", "k", "param 1 +0", 8, POOL_SEG + 16)       # own pool: safe
+    m.add(census, 0, "kernel", "k", "param 2 +0", 16, 0x7E00_0000_0000)   # e.g. an NCCL buffer
+    m.add(census, 0, "kernel", "k", "param 3 +0", 24, 4096)               # an integer, no pointer
+    m.add(census, 1, "memcpy", "", "dst", 0, SEG + 4 * MiB + 8)           # past the segment
+    assert census.words == 5
+    assert [(r.block.start, r.offset) for r in census.references] == [(LOCAL, 0)]
+    assert (census.own_pool, census.outside) == (1, 1)
+    assert census.blocks() == [census.references[0].block]
+
+
+def test_matcher_names_another_graphs_pool():
+    census = C.GraphCensus(label="B", pool=(1, 9))
+    matcher(own=(1, 9), names={GRAPH_POOL: "graph 'A'"}).add(census, 3, "kernel", "gemm", "extra +40", 40, POOL_SEG)
+    assert census.foreign_pools == {"graph 'A'": 1}
+    assert census.references[0].block.pool == GRAPH_POOL
+
+
+# ------------------------------------------------------------------ trace logic
+
+def test_events_since_finds_the_marker_or_says_the_ring_wrapped():
+    trace = [ev("alloc", 1 << 33, 512, t) for t in range(5)]
+    marker = C.marker_of(trace[:3])
+    assert C.events_since(trace, marker) == trace[3:]
+    assert C.events_since(trace[3:], marker) is None                # the marker fell off the ring
+    empty = C.marker_of([])
+    assert C.events_since(trace, empty, capacity=100) == trace      # nothing dropped yet
+    assert C.events_since(trace, empty, capacity=5) is None         # full ring: entries may be lost
+    assert C.events_since(trace, None) is None                      # no trace recorded at census
+
+
+def test_traced_fate_needs_a_free_before_an_alloc_counts_as_reuse():
+    block = C.Block(LOCAL, MiB, "active_allocated", (0, 0), SEG)
+    assert C.traced_fate(block, [ev("alloc", LOCAL, MiB, 3)]) is None          # ours, not reuse
+    assert C.traced_fate(block, [ev("free_requested", LOCAL, MiB, 3)]) == C.FREED
+    assert C.traced_fate(block, [ev("free_completed", LOCAL, MiB, 3),
+                                 ev("alloc", LOCAL + 512, 512, 4)]) == C.REUSED  # part of it taken
+    assert C.traced_fate(block, [ev("free_completed", LOCAL, MiB, 3),
+                                 ev("segment_free", SEG, 4 * MiB, 4)]) == C.RELEASED
+    assert C.traced_fate(block, [ev("free_completed", SEG, 2 * MiB, 3),
+                                 ev("alloc", SEG, 2 * MiB, 4)]) is None         # the neighbour's life
+
+
+def test_fate_reads_state_first_and_the_trace_for_reuse_at_the_same_address():
+    block = C.BlockIndex.of(AT_CAPTURE).find(LOCAL)
+    # Same layout, block active again: only the trace can tell it was freed and taken.
+    same = snapshot(AT_CAPTURE["segments"])
+    now = C.BlockIndex.of(same)
+    reuse = [ev("free_completed", LOCAL, MiB, 3), ev("alloc", LOCAL, MiB, 4)]
+    assert C.fate_of(block, now, []) is None
+    fate = C.fate_of(block, now, reuse)
+    assert (fate.status, fate.how) == (C.REUSED, "allocator trace")
+    assert C.fate_of(block, now, None) is None                      # trace lost, layout unchanged
+    freed = C.BlockIndex.of(snapshot([segment(SEG, [(2 * MiB, "active_allocated"), (2 * MiB, "inactive")])]))
+    assert C.fate_of(block, freed, []).status == C.FREED            # merged with its free neighbour
+    released = C.BlockIndex.of(snapshot([segment(SEG + 64 * MiB, [(MiB, "active_allocated")])]))
+    fate = C.fate_of(block, released, [])
+    assert (fate.status, fate.current) == (C.RELEASED, None)
+    moved = C.BlockIndex.of(snapshot([segment(SEG, [(2 * MiB + 512, "active_allocated"), (2 * MiB - 512, "active_allocated")])]))
+    assert C.fate_of(block, moved, None).status == C.REUSED         # layout changed: proof without trace
+
+
+# ------------------------------------------------------------------ check_census
+
+def census_of_local(label="g"):
+    census = C.GraphCensus(label=label, pool=GRAPH_POOL)
+    m = matcher()
+    m.add(census, 2, "kernel", "gather_kernel", "param 4 +0", 32, LOCAL)
+    m.add(census, 5, "kernel", "gather_kernel", "param 4 +0", 32, LOCAL + 4096)
+    m.add(census, 6, "kernel", "mul_kernel", "param 0 +0", 0, SEG)         # the live weight
+    census.marker = C.marker_of(C.trace_of(AT_CAPTURE))
+    return census
+
+
+def test_check_census_reports_the_freed_local_once_with_its_kernel_and_offset():
+    census = census_of_local()
+    later = snapshot([segment(SEG, [(2 * MiB, "active_allocated"), (2 * MiB, "inactive")])],
+                     trace=AT_CAPTURE["device_traces"][0] + [ev("free_completed", LOCAL, MiB, 9)])
+    findings = C.check_census(census, "after set-up", later, rank=1, device=0)
+    assert len(findings) == 1
+    f = findings[0]
+    assert (f.status, f.mechanism, f.when, f.rank, f.graph) == ("freed", "census", "after set-up", 1, "g")
+    assert f.census["block_start"] == LOCAL and f.census["block_size"] == MiB
+    assert (f.census["kernel"], f.census["node"], f.census["offset"], f.census["references"]) == ("gather_kernel", 2, 32, 2)
+    assert "gather_kernel" in f.message and "param 4" in f.message
+    assert C.check_census(census, "before replay", later, device=0) == []   # said once
+
+
+def test_check_census_sees_reuse_at_the_same_address_only_through_the_trace():
+    census = census_of_local()
+    trace = AT_CAPTURE["device_traces"][0] + [ev("free_completed", LOCAL, MiB, 9), ev("alloc", LOCAL, MiB, 10)]
+    findings = C.check_census(census, "after reload 0", snapshot(AT_CAPTURE["segments"], trace), device=0)
+    assert [(f.status, f.census["how"]) for f in findings] == [("reused", "allocator trace")]
+
+
+def test_check_census_says_when_the_trace_no_longer_reaches_the_capture():
+    census = census_of_local()
+    wrapped = [ev("alloc", 1 << 40, 512, 100 + i) for i in range(3)]
+    assert C.check_census(census, "x", snapshot(AT_CAPTURE["segments"], wrapped), device=0, capacity=3) == []
+    assert any("no longer reaches" in n for n in census.notes)
+
+
+def test_own_pool_blocks_are_never_findings():
+    census = C.GraphCensus(label="g", pool=GRAPH_POOL)
+    matcher().add(census, 0, "kernel", "k", "param 0 +0", 0, POOL_SEG + 8)
+    gone = snapshot([segment(SEG, [(4 * MiB, "inactive")])])           # the pool segment is gone
+    assert C.check_census(census, "x", gone, device=0) == [] and census.own_pool == 1
+
+
+# ------------------------------------------------------------------ CensusBook and merge
+
+def book_with(*labels):
+    book = C.CensusBook(rank=0, trace="none")
+    for label in labels:
+        book.censuses[label] = census_of_local(label)
+    return book
+
+
+FREED_NOW = snapshot([segment(SEG, [(2 * MiB, "active_allocated"), (2 * MiB, "inactive")])])
+
+
+def test_book_reports_a_block_held_by_several_graphs_once_naming_all(monkeypatch):
+    book = book_with("bs=1", "bs=2")
+    monkeypatch.setattr(C, "take_snapshot", lambda: (FREED_NOW, 0))
+    findings, regions = book.dead_blocks("after set-up")
+    assert len(findings) == 1 and findings[0].graph == "bs=1, bs=2"
+    assert findings[0].census["graphs"] == ["bs=1", "bs=2"]
+    assert regions == [(LOCAL, 2 * MiB)]           # the free region that now holds the block
+    assert book.check("before replay, step 0", "bs=2") == []
+    assert book.checked == {"bs=1", "bs=2"}
+
+
+def test_book_gives_no_region_for_released_or_reused_blocks(monkeypatch):
+    book = book_with("g")
+    monkeypatch.setattr(C, "take_snapshot", lambda: (snapshot([segment(SEG, [(2 * MiB, "active_allocated")])]), 0))
+    findings, regions = book.dead_blocks("after set-up")
+    assert [f.status for f in findings] == ["released"] and regions == []
+
+
+def guard_finding(ptr=LOCAL, nbytes=MiB, status="freed"):
+    return Finding(slot="drafter.<local lm_head_weight>", graph="g", status=status, when="after set-up",
+                   rank=0, shape=[4, 4], dtype="bfloat16", nbytes=nbytes, old_ptr=ptr)
+
+
+def census_finding(monkeypatch, book):
+    monkeypatch.setattr(C, "take_snapshot", lambda: (FREED_NOW, 0))
+    return book.check("after set-up")
+
+
+def test_merge_joins_guard_and_census_on_the_same_storage(monkeypatch):
+    book = book_with("g")
+    merged = C.merge_findings([guard_finding()], census_finding(monkeypatch, book), [], True, book)
+    assert len(merged) == 1
+    f = merged[0]
+    assert (f.mechanism, f.slot, f.disagreement) == ("both", "drafter.<local lm_head_weight>", "")
+    assert f.census["kernel"] == "gather_kernel"
+
+
+def test_merge_shows_a_blind_guard_and_names_storages_the_guard_knows(monkeypatch):
+    book = book_with("g")
+    blind = C.merge_findings([], census_finding(monkeypatch, book), [], True, book)
+    assert blind[0].mechanism == "census" and "did not see" in blind[0].disagreement
+    book = book_with("g")
+    slot = C.GuardSlot("moe.moe_kernel.workspace13", LOCAL, MiB)
+    named = C.merge_findings([], census_finding(monkeypatch, book), [slot], True, book)
+    assert named[0].slot == "moe.moe_kernel.workspace13" and "sees it alive" in named[0].disagreement
+    book = book_with("g")
+    slot.reported = {"freed"}
+    earlier = C.merge_findings([], census_finding(monkeypatch, book), [slot], True, book)
+    assert (earlier[0].mechanism, earlier[0].disagreement) == ("both", "")
+    book = book_with("g")
+    off = C.merge_findings([], census_finding(monkeypatch, book), [], False, book)
+    assert off[0].mechanism == "census" and off[0].disagreement == ""
+
+
+def test_merge_shows_what_the_census_says_of_a_guard_only_finding():
+    book = book_with("g")
+    elsewhere = C.merge_findings([guard_finding(ptr=0x7E00_0000_0000)], [], [], True, book)
+    assert elsewhere[0].mechanism == "guard" and "no captured address" in elsewhere[0].disagreement
+    rebound = C.merge_findings([guard_finding(status="rebound")], [], [], True, book)
+    assert "visible only to the guard" in rebound[0].disagreement
+    assert C.merge_findings([guard_finding()], [], [], True, None)[0].disagreement == ""
+
+
+# ------------------------------------------------------------------ reading parameter buffers
+
+class FakeDriver:
+    """kernel_params/name/param_layout as the driver answers them, over real ctypes memory."""
+
+    def __init__(self, params, layout, name="k"):
+        self.params, self.layout, self.kname = params, layout, name
+
+    def kernel_params(self, node):
+        return self.params
+
+    def name(self, p):
+        return self.kname
+
+    def param_layout(self, p):
+        if isinstance(self.layout, Exception):
+            raise self.layout
+        return self.layout
+
+
+def kernel_node(values: list[bytes]):
+    """kernelParams: an array of pointers to each parameter's bytes."""
+    bufs = [ctypes.create_string_buffer(v, len(v)) for v in values]
+    arr = (ctypes.c_void_p * len(bufs))(*[ctypes.addressof(b) for b in bufs])
+    p = C.KernelNodeParams()
+    p.kernelParams = ctypes.addressof(arr)
+    return p, (bufs, arr)
+
+
+def test_read_kernel_finds_a_pointer_inside_a_struct_parameter():
+    # param 0: int32 n (offset 0); param 1: struct {int64 len; float* data; int64 stride} (offset 8)
+    struct = (7).to_bytes(8, "little") + (LOCAL + 256).to_bytes(8, "little") + (1).to_bytes(8, "little")
+    p, keep = kernel_node([(5).to_bytes(4, "little"), struct])
+    census = C.GraphCensus(label="g", pool=GRAPH_POOL)
+    C.read_kernel(FakeDriver(p, [(0, 4), (8, 24)], "struct_kernel"), census, matcher(), 3, 0)
+    assert census.kernels == 1 and census.words == 3
+    [ref] = census.references
+    assert (ref.node, ref.where, ref.offset, ref.kernel) == (3, "param 1 +8", 16, "struct_kernel")
+    del keep
+
+
+def test_read_kernel_reads_the_extra_buffer_as_cublaslt_passes_it():
+    buf = bytearray(64)
+    buf[40:48] = (LOCAL + 8).to_bytes(8, "little")
+    data = ctypes.create_string_buffer(bytes(buf), len(buf))
+    size = ctypes.c_size_t(len(buf))
+    extra = (ctypes.c_void_p * 5)(C.CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(data),
+                                  C.CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size), C.CU_LAUNCH_PARAM_END)
+    p = C.KernelNodeParams()
+    p.extra = ctypes.addressof(extra)
+    census = C.GraphCensus(label="g", pool=None)
+    C.read_kernel(FakeDriver(p, []), census, matcher(own=None), 0, 0)
+    assert [(r.where, r.offset) for r in census.references] == [("extra +40", 40)]
+    assert census.words == 8
+
+
+def test_unreadable_layouts_are_reported_never_guessed():
+    p, keep = kernel_node([(LOCAL).to_bytes(8, "little")])
+    census = C.GraphCensus(label="g", pool=None)
+    C.read_kernel(FakeDriver(p, C.DriverError("cuFuncGetParamInfo: CUDA_ERROR_NOT_SUPPORTED"), "opaque"),
+                  census, matcher(own=None), 4, 0)
+    assert census.references == [] and census.words == 0
+    assert census.unreadable == ["node 4 kernel opaque: cuFuncGetParamInfo: CUDA_ERROR_NOT_SUPPORTED"]
+    bad_extra = (ctypes.c_void_p * 2)(7, C.CU_LAUNCH_PARAM_END)
+    q = C.KernelNodeParams()
+    q.extra = ctypes.addressof(bad_extra)
+    C.read_kernel(FakeDriver(q, []), census, matcher(own=None), 5, 0)
+    assert "no CU_LAUNCH_PARAM_BUFFER_POINTER" in census.unreadable[1]
+    del keep
+
+
+def test_kernel_node_params_struct_has_the_driver_layout():
+    # CUDA_KERNEL_NODE_PARAMS_v2: func, 7 x uint, pad, kernelParams @40, extra @48, kern, ctx
+    assert ctypes.sizeof(C.KernelNodeParams) == 72
+    assert C.KernelNodeParams.kernelParams.offset == 40 and C.KernelNodeParams.extra.offset == 48
+    assert ctypes.sizeof(C.Memcpy3D) == 200 and C.Memcpy3D.dstDevice.offset == 136
+    assert ctypes.sizeof(C.MemsetParams) == 40
+
+
+# ------------------------------------------------------------------ finding model
+
+def test_old_finding_json_still_loads_as_a_guard_finding():
+    old = {k: v for k, v in dataclasses.asdict(guard_finding()).items()
+           if k not in ("mechanism", "census", "disagreement")}
+    f = finding_from_dict(old)
+    assert (f.mechanism, f.census, f.disagreement) == ("guard", None, "")
+
+
+def test_census_is_unsupported_without_cuda_and_says_why():
+    ok, reason = C.census_supported()
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        assert not ok and "CUDA is not available" in reason
