@@ -223,7 +223,7 @@ def test_findings_of_one_storage_in_many_graphs_are_grouped():
     base = trial.guard_findings[0]
     trial.guard_findings = [Finding(**{**base.__dict__, "graph": f"centroids bs={bs}"}) for bs in (1, 2, 4, 8, 16, 32, 64)]
     text = trial_text(trial)
-    assert "Guard findings (7)" in text
+    assert "Findings (7)" in text
     assert text.count(f"FREED {SLOT}") == 1
     assert "in 7 graphs: centroids bs=1, centroids bs=2" in text
 
@@ -274,7 +274,7 @@ def test_render_summary_prints_only_the_table():
     rp.render_summary(full_report(), console)
     text = console.export_text()
     assert "first failure" in text and "MISMATCH" in text
-    assert "environment" not in text and "Guard findings" not in text
+    assert "environment" not in text and "Findings (" not in text
 
 
 # ---- artifacts ------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def facts_grid(facts, indent: int = 0) -> RenderableType:
 
 def findings_block(tv: TrialView) -> list[RenderableType]:
     """Per dead storage: a headline, then its facts in a hanging-indent grid."""
-    title = Text(f"Guard findings ({tv.findings_total}", style="bold")
+    title = Text(f"Findings ({tv.findings_total}", style="bold")
     groups = len(tv.findings) + tv.hidden_finding_groups
     title.append(f" across {groups} storages)" if groups > 1 else ")")
     out: list[RenderableType] = [title]

@@ -290,7 +290,7 @@ def trial_facts(trial: TrialRecord) -> list[Fact]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Guard findings
+# Findings (guard and census)
 
 
 def group_findings(findings: list[Finding]) -> list[list[Finding]]:
@@ -312,12 +312,38 @@ def seen_text(group: list[Finding]) -> str:
 
 
 # Per dead storage, in reading order; a value of None or "" leaves the line out.
+def tensor_text(f: Finding) -> str:
+    """A census finding knows bytes, not a dtype: it names the allocator block instead."""
+    if not f.dtype:
+        return f"allocator block · {fmt_bytes(f.nbytes)}"
+    return f"{list(f.shape)} {f.dtype} · {fmt_bytes(f.nbytes)}"
+
+
+def captured_by_text(f: Finding) -> str | None:
+    if not f.census:
+        return None
+    sites = f.census.get("sites") or [""]
+    return f"{f.census.get('references', 1)} words; first: {sites[0]}"
+
+
+def block_text(f: Finding) -> str | None:
+    c = f.census
+    if not c:
+        return None
+    return (f"{fmt_ptr(c['block_start'])} · {fmt_bytes(c['block_size'])} · pool {tuple(c['block_pool'])} · "
+            f"{c['status']} ({c['how']})")
+
+
 FINDING_FACTS: tuple[tuple[str, Callable[[list[Finding]], Any]], ...] = (
     ("address", lambda g: finding_address(g[0])),
-    ("tensor", lambda g: f"{list(g[0].shape)} {g[0].dtype} · {fmt_bytes(g[0].nbytes)}"),
+    ("tensor", lambda g: tensor_text(g[0])),
+    ("seen by", lambda g: g[0].mechanism),
     ("seen", seen_text),
     ("created at", lambda g: g[0].created_at),
     ("freed at", lambda g: g[0].freed_at),
+    ("captured by", lambda g: captured_by_text(g[0])),
+    ("block", lambda g: block_text(g[0])),
+    ("disagreement", lambda g: g[0].disagreement),
 )
 
 
