@@ -209,10 +209,14 @@ def trace_of(snapshot: dict[str, Any], device: int = 0) -> list[dict[str, Any]]:
     return traces[device] if device < len(traces) else []
 
 
+MARKER_ENTRIES = 4
+
+
 def marker_of(trace: list[dict[str, Any]]) -> dict[str, Any]:
-    """The trace position at census time: its length and its last entry."""
-    last = trace[-1] if trace else None
-    return {"length": len(trace), "last": entry_key(last) if last is not None else None}
+    """The trace position at census time: its last few entries (one alone can repeat exactly
+    when a same-size block is freed and taken again and the trace has no timestamps)."""
+    tail = [entry_key(e) for e in trace[-MARKER_ENTRIES:]]
+    return {"length": len(trace), "last": tail or None}
 
 
 def entry_key(entry: dict[str, Any]) -> tuple:
@@ -235,8 +239,9 @@ def events_since(trace: list[dict[str, Any]], marker: dict[str, Any] | None,
             return None
         return list(trace)
     # Search backwards: the marker is usually near the end.
-    for i in range(len(trace) - 1, -1, -1):
-        if entry_key(trace[i]) == last:
+    n = len(last)
+    for i in range(len(trace) - 1, n - 2, -1):
+        if entry_key(trace[i]) == last[-1] and [entry_key(e) for e in trace[i - n + 1:i + 1]] == last:
             return trace[i + 1:]
     return None
 
