@@ -36,25 +36,27 @@ def first_snapshot_ms() -> float:
     return ms(time.perf_counter() - t0)
 
 
-def check_ms(book: CensusBook, graph: str | None, rounds: int) -> float:
+def check_ms(book: CensusBook, graph: str | None, rounds: int, findings: list) -> float:
+    """Median time of one check; findings (none expected in a fixed set-up) are kept."""
     samples = []
     for _ in range(rounds):
         t0 = time.perf_counter()
-        findings = book.check("bench", graph)
+        findings += book.check("bench", graph)
         samples.append(time.perf_counter() - t0)
-        assert findings == [], [f.message for f in findings]
     return ms(statistics.median(samples))
 
 
 def region_row(name: str, book: CensusBook, first_ms: float, graph: str, rounds: int) -> dict:
     censuses = list(book.censuses.values())
+    findings: list = []
+    one, every = check_ms(book, graph, rounds, findings), check_ms(book, None, rounds, findings)
     return {
         "region": name, "graphs": len(censuses), "first_snapshot_ms": first_ms,
         "census_total_ms": ms(sum(c.seconds for c in censuses)),
         "census_per_graph_ms": [ms(c.seconds) for c in censuses],
         "snapshot_ms_now": first_snapshot_ms(),
-        "check_one_graph_ms": check_ms(book, graph, rounds),
-        "check_all_graphs_ms": check_ms(book, None, rounds),
+        "check_one_graph_ms": one, "check_all_graphs_ms": every,
+        "findings": [f.message for f in findings],
         "censuses": [c.summary() for c in censuses],
         "unreadable_samples": [u for c in censuses for u in c.unreadable][:5],
         "errors": book.errors,

@@ -35,7 +35,15 @@ def row_of(t) -> dict:
             "outcome": t.outcome.value,
             "first_failure": t.first_failure.detail if t.first_failure else "",
             "findings": dict(mechanisms), "after_free_blocks": after_free.get("blocks"),
-            "after_free_landed": after_free.get("landed"), "after_free_note": after_free.get("note", "")}
+            "after_free_landed": after_free.get("landed"), "after_free_note": after_free.get("note", ""),
+            "finding_list": [finding_row(f) for f in t.guard_findings]}
+
+
+def finding_row(f) -> dict:
+    c = f.census or {}
+    return {"mechanism": f.mechanism, "status": f.status, "slot": f.slot, "when": f.when,
+            "block": [c.get("block_start"), c.get("block_size")] if c else None,
+            "site": (c.get("sites") or [""])[0] if c else "", "disagreement": f.disagreement}
 
 
 def table(rows: list[dict]) -> str:

@@ -48,9 +48,12 @@ Limits (also in README.md):
     global memory) are invisible: the census reads parameters, not what they point to;
   * a kernel node whose parameter layout cannot be read (no param info for its function, no
     readable ``extra``) is reported "unreadable" and counted, never guessed;
-  * a word that happens to equal an address inside a block is counted as a reference: integers
-    in parameters can alias (rare for 64-bit device addresses; reported with kernel + offset so
-    it can be judged);
+  * a word that happens to equal an address inside a live block is counted as a reference:
+    integers, and stale host bytes in unused slots of a struct parameter (torch's TensorInfo
+    passes fixed-size size/stride arrays), can alias one; findings name kernel + offset so they
+    can be judged. Words into blocks already free when the census is taken cannot be pointers
+    the graph was given and are only counted (``free_at_capture``): a tensor freed inside the
+    capture block itself is therefore left to the guard;
   * the trace is bounded (``TRACE_ENTRIES``); when it wrapped past a census's marker, reuse at the
     same address can no longer be told from the block never having been freed, and the check
     says so in GraphCensus.notes.
@@ -130,6 +133,7 @@ class GraphCensus:
     references: list[Reference] = field(default_factory=list)   # outside the graph's own pool
     own_pool: int = 0                      # references into the graph's own pool (safe)
     outside: int = 0                       # device addresses outside any allocator block
+    free_at_capture: int = 0               # words into blocks already free at census time
     unreadable: list[str] = field(default_factory=list)         # "node 12 kernel foo: why"
     foreign_pools: dict[str, int] = field(default_factory=dict) # "pool (1, 2)" -> references
     marker: dict[str, Any] | None = None   # trace position at census time
@@ -150,6 +154,7 @@ class GraphCensus:
                 "node_types": dict(self.node_types), "words": self.words,
                 "references": len(self.references), "blocks": len(self.blocks()),
                 "own_pool": self.own_pool, "outside_allocator": self.outside,
+                "free_at_capture": self.free_at_capture,
                 "unreadable": len(self.unreadable), "foreign_pools": dict(self.foreign_pools),
                 "seconds": round(self.seconds, 6), "notes": list(self.notes)}
 
@@ -281,8 +286,6 @@ def fate_of(block: Block, now: BlockIndex, events: list[dict[str, Any]] | None) 
         return Fate(block, RELEASED, None, "allocator state")
     if not current.live:
         return Fate(block, FREED, current, "allocator state")
-    if not block.live:
-        return Fate(block, REUSED, current, "allocator state")   # captured while free; taken since
     if events is not None:
         traced = traced_fate(block, events)
         if traced is not None:
@@ -327,6 +330,12 @@ class Matcher:
             return
         if self.own_pool is not None and block.pool == self.own_pool:
             census.own_pool += 1
+            return
+        if not block.live:
+            # Free before the capture ended: no kernel of this graph can have been given it.
+            # Such words are stale host bytes baked into a struct (unused array slots of
+            # torch's TensorInfo hold them), so they are counted, not checked.
+            census.free_at_capture += 1
             return
         if block.pool != DEFAULT_POOL:
             name = self.pool_names.get(block.pool, f"pool {block.pool}")

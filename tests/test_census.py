@@ -103,9 +103,10 @@ def test_matcher_sorts_words_into_references_own_pool_and_outside():
     m.add(census, 0, "kernel", "k", "param 2 +0", 16, 0x7E00_0000_0000)   # e.g. an NCCL buffer
     m.add(census, 0, "kernel", "k", "param 3 +0", 24, 4096)               # an integer, no pointer
     m.add(census, 1, "memcpy", "", "dst", 0, SEG + 4 * MiB + 8)           # past the segment
-    assert census.words == 5
+    m.add(census, 1, "kernel", "k", "param 4 +88", 88, SEG + 3 * MiB + 64)  # a block free at capture
+    assert census.words == 6
     assert [(r.block.start, r.offset) for r in census.references] == [(LOCAL, 0)]
-    assert (census.own_pool, census.outside) == (1, 1)
+    assert (census.own_pool, census.outside, census.free_at_capture) == (1, 1, 1)
     assert census.blocks() == [census.references[0].block]
 
 
@@ -375,3 +376,28 @@ def test_census_is_unsupported_without_cuda_and_says_why():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         assert not ok and "CUDA is not available" in reason
+
+
+# ------------------------------------------------------------------ a snapshot pair recorded on an H200
+
+def test_recorded_h200_snapshots_give_the_verdicts_seen_on_the_gpu():
+    """Two real allocator snapshots (torch 2.11): `local` freed and its block taken by a new
+    tensor at the same address (only the trace shows it), `local2` freed; `keep` and `x` live."""
+    import json
+    from pathlib import Path
+    data = json.loads((Path(__file__).parent / "data" / "census_snapshot_h200.json").read_text())
+    census = C.GraphCensus(label="probe", pool=tuple(data["own_pool"]))
+    m = C.Matcher(C.BlockIndex.of(data["at_capture"], 0), census.pool, {})
+    for r in data["references"]:
+        m.add(census, r["node"], "kernel", r["kernel"], r["where"], r["offset"], r["addr"])
+    census.marker = C.marker_of(C.trace_of(data["at_capture"], 0))
+    ptr = data["pointers"]
+    assert {r.addr for r in census.references} == {ptr["keep"], ptr["local"], ptr["local2"], ptr["x"]}
+    findings = C.check_census(census, "probe", data["later"], device=0)
+    got = [[f.status, f.census["block_start"], f.census["how"]] for f in findings]
+    assert got == data["findings"]
+    assert got == [["reused", ptr["local"], "allocator trace"], ["freed", ptr["local2"], "allocator state"]]
+    # Without the trace, reuse at the same address is invisible: the state alone looks untouched.
+    census.reported.clear()
+    census.marker = None
+    assert [f.status for f in C.check_census(census, "probe", data["later"], device=0)] == ["freed"]
