@@ -805,6 +805,9 @@ class CensusBook:
     def summary(self) -> list[dict[str, Any]]:
         return [c.summary() for c in self.censuses.values()]
 
+    def summary_line(self) -> str:
+        return summary_line(self.summary(), self.errors)
+
     def check(self, when: str, graph: str | None = None) -> list[Finding]:
         """One finding per captured block and status, listing every graph that holds it."""
         chosen = [c for label, c in self.censuses.items() if graph is None or label == graph]
@@ -863,6 +866,22 @@ class CensusBook:
     def references_in(self, start: int, end: int) -> list[tuple[str, Reference]]:
         return [(c.label, r) for c in self.censuses.values() for r in c.references
                 if start <= r.addr < end or (r.block.start < end and start < r.block.end)]
+
+
+def summary_line(summary: list[dict[str, Any]], errors: list[str]) -> str:
+    """One line: what the census read and what it set aside (those are not findings)."""
+    total = {k: sum(c[k] for c in summary) for k in
+             ("kernels", "references", "own_pool", "outside_allocator", "free_at_capture", "unreadable")}
+    text = (f"graph census: {len(summary)} graphs, {total['kernels']} kernels, {total['references']} captured "
+            f"addresses outside their graph's pool checked; not findings: {total['own_pool']} in the own "
+            f"pool, {total['outside_allocator']} outside the allocator, {total['free_at_capture']} into "
+            f"blocks already free at capture; {total['unreadable']} nodes unreadable")
+    pools = sorted({p for c in summary for p in c["foreign_pools"]})
+    if pools:
+        text += f"; addresses in other pools ({', '.join(pools)}): a dependency on them"
+    if errors:
+        text += f"; not read: {'; '.join(errors)}"
+    return text
 
 
 def merge_findings(guard: list[Finding], census: list[Finding], slots: list[Any], guard_on: bool,

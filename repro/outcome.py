@@ -115,8 +115,9 @@ class Finding:
     message: str = ""
     alloc_stack: list[str] = field(default_factory=list)  # from memory history (CUDA)
     free_stack: list[str] = field(default_factory=list)
-    # Which mechanism saw it: "guard" (dispatcher), "census" (the graph's own parameters),
-    # "both", or "torch" (torch's check_input_liveness, where torch has it).
+    # Which mechanism saw it: "guard" (dispatcher), "census" (the graph's own parameters) or
+    # "both". "torch" is kept for findings taken from torch's own check_input_liveness
+    # (torch >= 2.13); nothing produces it yet.
     mechanism: str = "guard"
     census: dict[str, Any] | None = None   # block, kernel, node, param offset, references
     disagreement: str = ""          # what the other mechanism said, when it differs

@@ -172,11 +172,13 @@ class WorkerContext:
         if self.census is not None:
             findings, regions = self.census.dead_blocks(when)
             self.detail(census=self.census.summary(), census_errors=self.census.errors)
+            self.note(self.census.summary_line())
         elif self.on_gpu:
             note = "no graph census here, so no freed captured block to target"
         self.emit_findings(guard_findings, findings)
         r = self.cfg.run
         return apply_after_free(r.after_free, regions, self.device, r.seed, note)
+
 
     def manifest(self, when: str) -> None:
         self.sink.emit("manifest", **dataclasses.asdict(self.guard.manifest(when)))

@@ -676,3 +676,29 @@ def test_template_is_package_data():
     patterns = data["tool"]["setuptools"]["package-data"]["repro"]
     assert any(fnmatch("report/templates/report.html", p) for p in patterns)
     assert any(d.startswith("jinja2") for d in data["project"]["dependencies"])
+
+
+def test_census_finding_says_which_mechanism_saw_it_and_where_the_guard_disagrees():
+    trial = illegal_address_trial()
+    trial.guard_findings = [Finding(
+        slot="<block 0x7f2a40000000 read by node 3 kernel gatherTopK param 8 +0>", graph="centroids bs=16",
+        status="released", when="after set-up", rank=0, shape=[], dtype="", nbytes=134217728,
+        old_ptr=LM_HEAD_PTR, mechanism="census",
+        census={"block_start": LM_HEAD_PTR, "block_size": 134217728, "block_pool": [0, 0], "status": "released",
+                "how": "allocator state", "references": 2, "sites": ["node 3 kernel gatherTopK param 8 +0"]},
+        disagreement="the guard did not see this storage (it never passed the dispatcher)")]
+    text = trial_text(trial)
+    assert "seen by" in text and "census" in text
+    assert "allocator block · 128 MiB" in text
+    assert "node 3 kernel gatherTopK param 8 +0" in text
+    assert "the guard did not see this storage" in text
+    trial.details = {"census": [{"graph": "centroids bs=16", "references": 4}],
+                     "after_free": {"note": "1/1 free regions re-allocated and filled (poison)",
+                                    "writes": "0xFF bytes over each freed captured block"}}
+    trial.config["run"]["guard"] = "off"
+    text = trial_text(trial)
+    assert "1 graphs read, 4 captured addresses outside their pools checked" in text
+    assert "the graph census still checked" in text and "0xFF bytes over each" in text
+    from repro.report.html import report_html
+    html = report_html(Report(environment={}, trials=[trial]))
+    assert "disagreement" in html and "the guard did not see this storage" in html

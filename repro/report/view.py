@@ -52,8 +52,9 @@ MEANINGS: dict[Outcome, str] = {
     Outcome.NONFINITE: "NaN/Inf in the output{where}: the replay read stale or overwritten memory.",
     Outcome.MISMATCH: "Finite output that differs from the reference{where}: the replay silently "
                       "computed with the wrong values.",
-    Outcome.STALE_CAPTURE: "The guard found a captured tensor freed or moved{where} with no visible "
-                           "symptom yet: the bug is latent and shows once the memory is reused.",
+    Outcome.STALE_CAPTURE: "Captured memory was found freed, moved or reused{where} (by the guard or "
+                           "the graph census) with no visible symptom yet: the bug is latent and shows "
+                           "once the memory is reused.",
     Outcome.HANG: "A rank passed its deadline{where} and the harness killed the process group.",
     Outcome.CRASH: "A rank exited abnormally{where} (signal or uncaught exception); its stderr tail says why.",
     Outcome.UNSUPPORTED: "This environment cannot run the trial (e.g. fewer GPUs than --tp): "
@@ -274,9 +275,28 @@ def ordered_timings(timings: dict[str, float]) -> list[tuple[str, float]]:
 
 
 # Trial-level facts shown under the verdict; a value of None leaves the line out.
+def guard_fact(trial: TrialRecord) -> str | None:
+    if run_config(trial).get("guard") != "off":
+        return None
+    if trial.details.get("census"):
+        return ("off: captured tensors were not checked at the dispatcher; the graph census still "
+                "checked the addresses the graphs hold")
+    return "off: captured tensors were not checked"
+
+
+def census_fact(trial: TrialRecord) -> str | None:
+    census = trial.details.get("census")
+    if not census:
+        return None
+    refs = sum(c.get("references", 0) for c in census)
+    return f"{len(census)} graphs read, {refs} captured addresses outside their pools checked"
+
+
 TRIAL_FACTS: tuple[tuple[str, Callable[[TrialRecord], Any]], ...] = (
     ("after-free", lambda t: (t.details.get("after_free") or {}).get("note")),
-    ("guard", lambda t: "off: captured tensors were not checked" if run_config(t).get("guard") == "off" else None),
+    ("knob writes", lambda t: (t.details.get("after_free") or {}).get("writes")),
+    ("guard", guard_fact),
+    ("census", census_fact),
 )
 
 
