@@ -47,6 +47,7 @@ E4M3_MAX = 448.0                       # largest finite float8_e4m3fn
 GLOBAL_RANGE = E4M3_MAX * E2M1_MAX     # 2688: gs maps amax onto the top of both grids
 E4M3_MIN_SUBNORMAL = 2.0 ** -9         # smallest positive float8_e4m3fn
 E4M3_MIN_NORMAL = 2.0 ** -6            # below this E4M3 is uniformly spaced by 2**-9
+FP32_HALF_SUBNORMAL = 2.0 ** -150      # fp32's largest rounding error below 2**-126
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # magnitude of codes 0..7
 
 # Decision boundaries between consecutive magnitude codes c and c+1 (midpoints), with
@@ -126,18 +127,19 @@ def e2m1_decode(codes: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     return torch.where(negative, -magnitude, magnitude)
 
 
-def _decode_doubled_(nibbles: Tensor) -> Tensor:
-    """2 * value(code) as int8 for uint8 codes 0..15, CONSUMING `nibbles` (reused in place).
+def _decode_doubled_(nibbles: Tensor) -> tuple[Tensor, Tensor]:
+    """(2 * |value(code)|, sign +1/-1), both int8, for uint8 codes 0..15, CONSUMING `nibbles`.
 
     Doubling makes every E2M1 value an integer (0,1,2,3,4,6,8,12), so the decode stays in
     1-byte temporaries: with e = (c>>1)&3, m = c&1 and k = max(e,1)-1,
     2*|value| = ((c&7) - 2k) << k  (significand m or 2+m, times 2**(e-1) for normals).
-    Only elementwise kernels: safe inside CUDA-graph capture.
+    The sign stays apart because an int8 has no -0: code 8 must decode to -0.0, so the
+    caller applies it in floating point. Only elementwise kernels: safe inside capture.
     """
     shift = (nibbles >> 1).bitwise_and_(3).clamp_(min=1).sub_(1)     # k in {0,1,2}
     sign = (nibbles >> 3).view(torch.int8).mul_(-2).add_(1)           # +1 or -1
     doubled = nibbles.bitwise_and_(7).sub_(shift).sub_(shift).bitwise_left_shift_(shift)
-    return doubled.view(torch.int8).mul_(sign)
+    return doubled.view(torch.int8), sign
 
 
 # ----------------------------------------------------------------------------- packing
@@ -385,8 +387,11 @@ def _write_scaled_values(out: Tensor, packed: Tensor, block_scale: Tensor) -> No
         # One nibble plane alive at a time; (2*value) * (s_b/2) is exact and the
         # int8 * float product is written straight into out.
         nibbles = packed_blocks & 0xF if position == 0 else packed_blocks >> 4
-        torch.mul(_decode_doubled_(nibbles), half_scale, out=out_pairs[..., position])
-        del nibbles
+        doubled, sign = _decode_doubled_(nibbles)
+        half = out_pairs[..., position]
+        torch.mul(doubled, half_scale, out=half)
+        half.mul_(sign)             # in float: +0.0 * -1 = -0.0 for code 8, as dequantize gives
+        del nibbles, doubled, sign
 
 
 # ----------------------------------------------------------------------------- error bound
@@ -410,8 +415,19 @@ def quantization_error_bound(q: NVFP4Weight) -> Tensor:
     Hence bound = halfstep(|value|) * s_b * scale_2, where halfstep is 0.25 below 2, 0.5
     below 4, 1.0 at 4, and max(1, 3*2**-9/s_b) at 6 (> 1 only for s_b = 2**-9 or 2*2**-9,
     i.e. blocks ~1e-5 below the slice amax). All-zero blocks get bound 0 (they are exact).
-    It holds up to fp32 rounding: scale_2 = amax/2688 differs from 1/gs and u is rounded,
-    each by a relative ~1e-7, so compare with a relative slack of ~1e-5.
+    (3) fp32 below its normal range. For amax < 2688 * 2**-126 (~3.2e-35) scale_2 itself is
+        an fp32 subnormal, and value * s_b * scale_2 (>= 2**-10 * scale_2) can be one for
+        amax below ~3e-32;
+        there fp32 rounds to a multiple of 2**-149, an ABSOLUTE error of up to 2**-150 per
+        rounding, which no relative slack covers. Two such roundings reach the result:
+        scale_2 vs amax/2688 (the error above is in units of s_b * amax/2688, and the result
+        is |value| * s_b * scale_2) and the final product. So the bound adds
+        ((halfstep + |value|) * s_b + 1) * 2**-150: at most 2688 * 2**-149 ~ 2.6e-42, so
+        negligible wherever fp32 stays normal. The bound is summed in fp64 and rounded up
+        to fp32 (its own fp32 rounding would otherwise eat these terms).
+    Beyond that it holds up to fp32 rounding of normal numbers: scale_2 = amax/2688 differs
+    from 1/gs and u is rounded, each by a relative ~1e-7, so compare with a relative slack of
+    ~1e-5 (and no absolute slack).
     """
     magnitude = e2m1_decode(unpack_fp4(q.packed), torch.float32).abs()   # [..., N, K]
     scale = q.block_scale.to(torch.float32)                               # [..., N, K/16]
@@ -422,8 +438,19 @@ def quantization_error_bound(q: NVFP4Weight) -> Tensor:
     blocks = magnitude.unflatten(-1, (-1, BLOCK_SIZE))
     half_step = torch.where(blocks < 2, 0.25, torch.where(blocks < 4, 0.5, 1.0))
     half_step = torch.where(blocks == E2M1_MAX, top, half_step)
-    bound = half_step * scale[..., None] * q.scale_2.to(torch.float32)[..., None, None, None]
-    return bound.flatten(-2)
+    # In fp64: the (3) terms are below fp32's smallest subnormal (2**-149) for small |value| * s_b.
+    scale_2 = q.scale_2.to(torch.float64)[..., None, None, None]
+    step = half_step.double() * scale[..., None].double()                 # halfstep * s_b
+    scaled = blocks.double() * scale[..., None].double()                  # |value| * s_b, exact
+    bound = step * scale_2 + ((step + scaled) + 1) * FP32_HALF_SUBNORMAL
+    bound = bound.flatten(-2)
+    return _round_up_to_fp32(bound)
+
+
+def _round_up_to_fp32(x: Tensor) -> Tensor:
+    """fp64 -> the smallest fp32 >= x, so a bound stays a bound after the cast."""
+    down = x.to(torch.float32)
+    return torch.where(down.double() < x, torch.nextafter(down, torch.full_like(down, torch.inf)), down)
 
 
 def _check_layout(packed: Tensor, block_scale: Tensor, who: str) -> None:

@@ -41,11 +41,16 @@ def e4m3_byte(t: torch.Tensor) -> list[int]:
     return t.view(torch.uint8).reshape(-1).tolist()
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a float tensor: torch.equal on these also sees -0.0 vs +0.0."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def assert_within_bound(w: torch.Tensor, q: NVFP4Weight) -> None:
     x = w.to(torch.float32)
     err = (x - dequantize(q, torch.float32)).abs()
     bound = quantization_error_bound(q)
-    slack = 1e-5 * (bound + x.abs()) + 1e-30
+    slack = 1e-5 * (bound + x.abs())        # fp32 rounding of normal numbers; no absolute slack
     excess = err - bound - slack
     assert bool((excess <= 0).all()), f"error exceeds bound by up to {excess.max().item():.3g}"
 
@@ -288,6 +293,17 @@ def test_huge_and_tiny_amax(magnitude, dtype):
     assert bool(torch.isfinite(dequantize(q)).all())
 
 
+@pytest.mark.parametrize("magnitude", [1e-40, 1e-36, 1e-44])
+@pytest.mark.parametrize("seed", [44, 0, 7])
+def test_bound_holds_where_scale_2_is_an_fp32_subnormal(magnitude, seed):
+    # amax below ~3.2e-35 makes scale_2 = amax / 2688 an fp32 subnormal: fp32 then rounds
+    # by an absolute 2**-150, which the bound must carry (no absolute slack in the check).
+    w = torch.randn(8, 32, generator=torch.Generator().manual_seed(seed)) * magnitude
+    q = quantize(w)
+    assert q.scale_2.item() < 2.0 ** -126
+    assert_within_bound(w, q)
+
+
 def test_codes_and_scales_invariant_under_power_of_two_scaling():
     gen = torch.Generator().manual_seed(2)
     # Magnitudes in [0.5, 4] stay normal fp32 for every shift below, so scaling is exact.
@@ -398,7 +414,21 @@ def test_dequantize_into_matches_dequantize(dtype, shape, chunk_bytes):
     out = torch.full(shape, math.nan, dtype=dtype)          # stale contents must not leak
     result = dequantize_into(out, q.packed, q.block_scale, q.scale_2, chunk_bytes=chunk_bytes)
     assert result is out
-    assert torch.equal(out, dequantize(q, dtype))
+    assert torch.equal(bits(out), bits(dequantize(q, dtype)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_into_keeps_the_sign_of_negative_zero(dtype):
+    # -0.1 next to 6.0 rounds to code 8 ("-0"); dequantize gives -0.0 there, bit for bit.
+    w = torch.zeros(2, 32)
+    w[:, 0], w[:, 1], w[0, 17] = 6.0, -0.1, 6.0
+    w[1, 17] = -0.1
+    q = quantize(w)
+    assert unpack_fp4(q.packed)[:, 1].tolist() == [8, 8]
+    reference = dequantize(q, dtype)
+    assert bool(torch.signbit(reference[:, 1]).all())
+    out = dequantize_into(torch.empty(2, 32, dtype=dtype), q.packed, q.block_scale, q.scale_2)
+    assert torch.equal(bits(out), bits(reference))
 
 
 def test_dequantize_into_decodes_every_byte():
@@ -409,6 +439,7 @@ def test_dequantize_into_decodes_every_byte():
     expected = [table[b & 0xF] if i % 2 == 0 else table[b >> 4]
                 for b in range(256) for i in range(2)]
     assert out.reshape(-1).tolist() == expected
+    assert torch.signbit(out).reshape(-1).tolist() == [math.copysign(1.0, v) < 0 for v in expected]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
