@@ -537,18 +537,12 @@ def nccl_version(torch: Any) -> str | None:
     return numbers + (f"-{version[3]}" if len(version) > 3 else "")
 
 
-def graph_checks_liveness(torch: Any) -> bool:
-    """Whether torch.cuda.graph(...) takes check_input_liveness (read from its signature)."""
-    try:
-        return "check_input_liveness" in inspect.signature(torch.cuda.graph).parameters
-    except (AttributeError, TypeError, ValueError):
-        return False
-
-
 def describe_torch() -> dict:
     """torch's build facts. Reads attributes only: no torch.cuda call that could init CUDA."""
     try:
         import torch
+
+        from repro.guard import torch_supports_liveness
     except Exception as error:  # a broken torch install is itself a finding
         return {"version": None, "cuda": None, "nccl": None, "cuda_built": False,
                 "graph_check_input_liveness": False, "error": error_text(error)}
@@ -557,7 +551,7 @@ def describe_torch() -> dict:
         "cuda": torch.version.cuda,
         "nccl": nccl_version(torch),
         "cuda_built": bool(torch.backends.cuda.is_built()),
-        "graph_check_input_liveness": graph_checks_liveness(torch),
+        "graph_check_input_liveness": torch_supports_liveness(),
         "error": None,
     }
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,17 +80,15 @@ def events_after(device: int, trace: list, index: int, ptr: int) -> AllocEvents:
     return found
 
 
-_GUARD_SUFFIX = os.path.join("repro", "guard.py")
-
-
-def is_user_frame(frame: dict[str, Any], torch_dir: str | None = None) -> bool:
+def is_user_frame(frame: dict[str, Any], torch_dir: str | None = None,
+                  plumbing: frozenset[str] = frozenset()) -> bool:
     filename = frame.get("filename") or ""
     if not filename or filename == "??" or filename.startswith("<frozen"):
         return False
     if filename.endswith(_NATIVE_SUFFIXES) or _TORCH_PATH.search(filename):
         return False
-    if filename.endswith(_GUARD_SUFFIX):
-        return False   # the guard's dispatch mode sits in every stack recorded during capture
+    if filename in plumbing:
+        return False   # e.g. the guard's dispatch mode, in every stack recorded during capture
     return not (torch_dir and filename.startswith(torch_dir))
 
 
@@ -97,10 +96,12 @@ def format_frame(frame: dict[str, Any]) -> str:
     return f"{os.path.basename(frame.get('filename', '?'))}:{frame.get('line', 0)} in {frame.get('name', '?')}"
 
 
-def user_frames(frames: list[dict[str, Any]] | None, limit: int = TOP_FRAMES) -> list[str]:
-    """Top user frames ("file:line in func"), innermost first, torch and native frames dropped."""
+def user_frames(frames: list[dict[str, Any]] | None, limit: int = TOP_FRAMES,
+                plumbing: frozenset[str] = frozenset()) -> list[str]:
+    """Top user frames ("file:line in func"), innermost first; torch, native frames and the
+    caller's plumbing files (e.g. ``CaptureGuard.plumbing``) dropped."""
     torch_dir = installed_torch_dir()
-    kept = [format_frame(f) for f in frames or [] if is_user_frame(f, torch_dir)]
+    kept = [format_frame(f) for f in frames or [] if is_user_frame(f, torch_dir, plumbing)]
     return kept[:limit]
 
 
@@ -111,7 +112,7 @@ def installed_torch_dir() -> str | None:
     return os.path.dirname(path) + os.sep if path else None
 
 
-def describe(events: AllocEvents) -> dict[str, Any]:
+def describe(events: AllocEvents, plumbing: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The record locate() returns for one address."""
     free = events.free_requested or events.free_completed
     return {
@@ -119,8 +120,8 @@ def describe(events: AllocEvents) -> dict[str, Any]:
         "size": events.alloc.get("size", 0),
         "device": events.device,
         "freed": events.freed,
-        "alloc_stack": user_frames(events.alloc.get("frames")),
-        "free_stack": user_frames(free.get("frames")) if free else [],
+        "alloc_stack": user_frames(events.alloc.get("frames"), plumbing=plumbing),
+        "free_stack": user_frames(free.get("frames"), plumbing=plumbing) if free else [],
         "released_to_driver": events.segment_free is not None,
     }
 
@@ -135,11 +136,14 @@ class MemoryHistory:
 
     A no-op without CUDA (``available`` is False, ``reason`` says why). Failures after start
     (e.g. a sticky CUDA error) are recorded in ``reason`` and reported as None, never raised.
+    plumbing: source files left out of the stacks (pass ``CaptureGuard.plumbing``: the guard's
+    dispatch mode and the caller's helpers sit in every stack recorded during a capture).
     """
 
-    def __init__(self, enabled: bool, max_entries: int = 100_000):
+    def __init__(self, enabled: bool, max_entries: int = 100_000, plumbing: Iterable[str] = ()):
         self.enabled = enabled
         self.max_entries = max_entries
+        self.plumbing = frozenset(plumbing)
         self.active = False
         self.reason = ""
         self.available = False
@@ -213,7 +217,7 @@ class MemoryHistory:
         if events is None:
             self.reason = f"no recorded allocation covers {ptr:#x} (history too short or started late?)"
             return None
-        return describe(events)
+        return describe(events, self.plumbing)
 
     def annotate(self, findings: list) -> int:
         """Fill alloc_stack / free_stack of guard findings in place; returns how many were found."""

@@ -52,16 +52,12 @@ owner (``owner.obj.sub.tensor``, ``owner.graphs[16].inputs[0]``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import dis
 import functools
 import inspect
 import os
 import sys
-import types
 import weakref
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -69,7 +65,11 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from repro import owners, sites
 from repro.outcome import Finding, Manifest
+from repro.owners import Named, Owner, bind_owners, build_index, exposed_name, hold, resolve, storage_of
+from repro.sites import frame_site, holder_of, storage_key, user_frame
+from repro.units import format_bytes
 
 MODES = ("off", "warn", "raise")
 MECHANISM = "repro dispatch-mode guard"
@@ -82,23 +82,12 @@ FIX_REBOUND = ("Replaying will keep using the old tensor, not the owner's curren
 FIX_MOVED = ("Replaying will touch memory the storage no longer owns: do not resize or re-point "
              "captured storages, or re-capture after they change.")
 
-# Frames in these files are plumbing, never the user's site.
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-# The harness's own capture and collective helpers are plumbing too: a site should name the
-# scenario line that asked for the tensor, not the helper that allocated it.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_PLUMBING = frozenset({__file__, os.path.abspath(__file__), contextlib.__file__, weakref.__file__,
-                       os.path.join(_HERE, "dist.py"), os.path.join(_HERE, "graphs.py")})
-# nn.Module bookkeeping attributes (hook dicts, _parameters, ...): walked another way or not at all.
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
-_MAX_HOPS = 4             # owner.a.b.tensor, owner.graphs[16].inputs[0]
-_MAX_ITEMS = 256          # per list / dict while naming
-_MAX_NODES = 20_000       # per index build, so a huge object graph cannot stall a capture
-_MAX_DROP_REFS = 16       # tensor objects per slot whose death we listen for
-_LOCAL_SCAN_FRAMES = 12   # user frames searched for a local variable holding the tensor
+# The guard's own files never name a user's site; callers add theirs (capture helpers, collectives).
+OWN_FILES = sites.module_files(sys.modules[__name__], owners, sites)
 _PRUNE_EVERY = 4096       # births recorded between sweeps of dead entries
-_CACHE = dis.opmap.get("CACHE", -1)
-_LOCALS_ARE_SNAPSHOTS = sys.version_info < (3, 13)
+# Ops whose input is a tensor the op's caller just made from Python data (torch.tensor(...)
+# emits lift_fresh on the fresh tensor): inside a recording it is as new as any op's output.
+_FRESH_OPS = frozenset((torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default))
 
 
 class StaleCaptureError(RuntimeError):
@@ -124,45 +113,16 @@ class Slot:
     version: int | None           # t._version at record time; None for inference tensors
     captured_at: str              # "file:line in func (aten.mm.default)" of the first op seen
     created_at: str | None = None
-    freed_at: str | None = None   # updated whenever a Python tensor object of it dies
+    freed_at: str | None = None   # where the storage's last reference went (set as it dies)
     ref: StorageWeakRef | None = field(default=None, repr=False, compare=False)
     key: int = field(default=0, repr=False)  # storage identity; unique while `ref` lives
-    named: _Named | None = field(default=None, repr=False, compare=False)
+    named: Named | None = field(default=None, repr=False, compare=False)
     reported: set[str] = field(default_factory=set, repr=False, compare=False)
-    drop_refs: list[weakref.ref] = field(default_factory=list, repr=False, compare=False)
-    drop_ids: set[int] = field(default_factory=set, repr=False, compare=False)
+    drop_ref: weakref.ref | None = field(default=None, repr=False, compare=False)
 
     @property
     def graph(self) -> str:
         return self.graphs[0] if self.graphs else ""
-
-
-@dataclass(frozen=True)
-class _Owner:
-    """A watched object. When its watch name extends another owner's ("moe.quant_method" under
-    "moe") and that path reaches it, it is found through the parent at every use, so rebinding
-    `layer.quant_method` is seen; otherwise it is held (weakly where the type allows)."""
-    name: str
-    held: Callable[[], Any]       # weakref.ref where possible: the guard must not extend lifetimes
-    parent: _Owner | None = None
-    steps: tuple[tuple[str, Any], ...] = ()
-
-    def get(self) -> Any:
-        if self.parent is None:
-            return self.held()
-        return follow(self.parent.get(), self.steps)
-
-
-@dataclass(frozen=True)
-class _Named:
-    """Where a watched owner exposes a tensor: owner + attribute/item steps."""
-    name: str
-    owner: _Owner
-    steps: tuple[tuple[str, Any], ...]
-    data_ptr: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_ptr: int
 
 
 @dataclass(frozen=True)
@@ -180,14 +140,14 @@ class _Recording:
     label: str
     capturing: bool               # a real CUDA capture: host tensors are not in the graph
     produced: dict[int, StorageWeakRef] = field(default_factory=dict)
-    index: dict[int, _Named] | None = None
+    index: dict[int, Named] | None = None
 
 
 class _Status(NamedTuple):
     """A tuple, not a dataclass: check() builds one per slot per replay."""
-    status: str                   # "freed" | "rebound" | "unchanged"
+    status: str                   # "freed" | "moved" | "rebound" | "unchanged"
     new_ptr: int | None = None
-    detail: str = ""              # "moved" | "rebound" | "dropped" for rebound
+    detail: str = ""              # for rebound: "rebound" (a new tensor) | "dropped" (none)
 
 
 _UNCHANGED = _Status("unchanged")
@@ -213,14 +173,18 @@ class CaptureGuard:
 
     mode: "off" records nothing; "warn" returns findings and lets the run go on (so the real
     symptom still shows); "raise" makes check() raise StaleCaptureError on the first finding.
+    plumbing: source files of the caller's own helpers (capture wrappers, collectives) whose
+    frames must not be named as the site: a site names the line that asked for the tensor.
     """
+    _not_an_owner = True          # naming never walks into a guard
 
-    def __init__(self, mode: str = "warn", rank: int = 0):
+    def __init__(self, mode: str = "warn", rank: int = 0, plumbing: Iterable[str] = ()):
         if mode not in MODES:
             raise ValueError(f"guard mode {mode!r} is not one of {', '.join(MODES)}")
         self.mode = mode
         self.rank = rank
-        self._owners: list[_Owner] = []
+        self._plumbing = sites.plumbing_set(plumbing, OWN_FILES)
+        self._owners: list[Owner] = []
         self._slots: dict[int, Slot] = {}
         self._births: dict[int, _Birth] = {}
         self._births_since_prune = 0
@@ -248,7 +212,7 @@ class CaptureGuard:
         if self.mode == "off":
             return
         owners = [o for o in self._owners if o.name != name]
-        owners.append(_Owner(name, hold(obj)))
+        owners.append(Owner(name, hold(obj)))
         self._owners = bind_owners(owners)
 
     @contextlib.contextmanager
@@ -319,7 +283,7 @@ class CaptureGuard:
 
     def manifest(self, when: str) -> Manifest:
         """Counts of captured storages by state (the pointer census of vLLM RFC #48312)."""
-        counts = {"freed": 0, "rebound": 0, "unchanged": 0}
+        counts = {"freed": 0, "moved": 0, "rebound": 0, "unchanged": 0}
         if self.mode != "off":
             for slot in self._slots.values():
                 status = "freed" if "freed" in slot.reported else self._classify(slot).status
@@ -331,10 +295,18 @@ class CaptureGuard:
         return [(s.storage_ptr, s.storage_nbytes, s.dtype)
                 for s in self._slots.values() if s.ref is not None and s.ref.expired()]
 
+    @property
+    def plumbing(self) -> frozenset[str]:
+        """Every file whose frames are not user sites: torch aside, the guard's and the caller's."""
+        return self._plumbing
+
     # -- recording --------------------------------------------------------------------------
 
     def _observe(self, rec: _Recording, func, args, kwargs, out) -> None:
         # Runs after every op of the capture: keep it to dict lookups for storages already seen.
+        if func in _FRESH_OPS:
+            note_produced(rec, op_tensors(args, kwargs), set(), self._slots)
+            return
         input_keys = set()
         for t in op_tensors(args, kwargs):
             try:
@@ -351,19 +323,10 @@ class CaptureGuard:
                     continue
                 slot = self._new_slot(rec, func, t, storage)
                 self._slots[key] = slot
+                listen_for_drop(slot, storage, self._plumbing)
             else:
                 widen_slot(slot, t, rec.label)
-            if id(t) not in slot.drop_ids:
-                listen_for_drop(slot, t)
-        # A fresh storage made by an op inside the block comes from the capture (graph pool):
-        # safe, not a slot. Views of inputs share the input's storage and are skipped here.
-        for t in out_tensors(out):
-            storage = storage_of(t)
-            if storage is None:
-                continue
-            key = storage._cdata
-            if key not in input_keys and key not in self._slots and key not in rec.produced:
-                rec.produced[key] = StorageWeakRef(storage)
+        note_produced(rec, out_tensors(out), input_keys, self._slots)
 
     def _new_slot(self, rec: _Recording, func, t: torch.Tensor, storage) -> Slot:
         key = storage._cdata
@@ -372,7 +335,7 @@ class CaptureGuard:
         named = rec.index.get(key)
         if named is not None and named.storage_ptr != storage.data_ptr():
             named = None  # a stale key from a storage that died during the recording
-        frame = user_frame(sys._getframe(1))
+        frame = user_frame(sys._getframe(1), self._plumbing)
         birth = self._births.get(key)
         created_at = format_birth(birth) if birth is not None else None
         slot = Slot(
@@ -382,9 +345,9 @@ class CaptureGuard:
             captured_at=f"{frame_site(frame)} ({func})", created_at=created_at,
             ref=StorageWeakRef(storage), key=key, named=named)
         if named is not None:
-            slot.name = named_slot_name(slot, t)
+            slot.name = exposed_name(named, t)
         else:
-            slot.name = local_slot_name(key, frame, birth, func)
+            slot.name = local_slot_name(key, frame, birth, func, self._plumbing)
         return slot
 
     def _note_births(self, func, args, kwargs, out) -> None:
@@ -395,7 +358,7 @@ class CaptureGuard:
             if storage is None or storage._cdata in input_keys or storage._cdata in self._births:
                 continue
             if frame is None:
-                frame = user_frame(sys._getframe(1))
+                frame = user_frame(sys._getframe(1), self._plumbing)
             code = frame.f_code if frame is not None else None
             self._births[storage._cdata] = _Birth(
                 ref=StorageWeakRef(storage), op=func,
@@ -442,7 +405,7 @@ class CaptureGuard:
         ptr = storage.data_ptr()
         del storage
         if ptr != slot.storage_ptr:
-            return _Status("rebound", ptr + (slot.data_ptr - slot.storage_ptr), "moved")
+            return _Status("moved", ptr + (slot.data_ptr - slot.storage_ptr))
         if held or slot.named is None:
             return _UNCHANGED
         if not isinstance(current, torch.Tensor):
@@ -464,7 +427,7 @@ def torch_supports_liveness() -> bool:
     """Whether this torch's torch.cuda.graph accepts check_input_liveness (torch >= 2.13)."""
     try:
         return "check_input_liveness" in inspect.signature(torch.cuda.graph).parameters
-    except (TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError):
         return False
 
 
@@ -496,25 +459,6 @@ def out_tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
-def storage_of(t: torch.Tensor):
-    """The untyped storage, or None for tensors without real memory (meta, sparse, empty)."""
-    try:
-        storage = t.untyped_storage()
-        if storage.data_ptr() == 0:
-            return None
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-    return storage
-
-
-def storage_key(t: torch.Tensor) -> int | None:
-    """Identity of the tensor's storage (its StorageImpl address)."""
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-
-
 def graph_visible(t: torch.Tensor, capturing: bool) -> bool:
     """During a real capture only device memory and pinned host memory end up in the graph."""
     if not capturing or t.is_cuda:
@@ -544,30 +488,41 @@ def widen_slot(slot: Slot, t: torch.Tensor, label: str) -> None:
         slot.shape, slot.dtype, slot.nbytes = list(t.shape), dtype_name(t.dtype), t.nbytes
         slot.data_ptr = t.data_ptr()
         if slot.named is not None:
-            slot.name = named_slot_name(slot, t)
+            slot.name = exposed_name(slot.named, t)
 
 
-def listen_for_drop(slot: Slot, t: torch.Tensor) -> None:
-    """Note where each Python tensor object of this storage dies; the last one freed it.
+def note_produced(rec: _Recording, tensors: list[torch.Tensor], input_keys: set[int],
+                  slots: dict[int, Slot]) -> None:
+    """A fresh storage made by an op inside the block comes from the capture (graph pool): safe,
+    not a slot. Views of inputs share the input's storage and are skipped here."""
+    for t in tensors:
+        storage = storage_of(t)
+        if storage is None:
+            continue
+        key = storage._cdata
+        if key not in input_keys and key not in slots and key not in rec.produced:
+            rec.produced[key] = StorageWeakRef(storage)
 
-    A weakref callback fires inside the deallocation, so the stack is the dropping site. Refs
-    live on the slot, not in weakref.finalize's process-wide registry: they die with the guard.
+
+def listen_for_drop(slot: Slot, storage: torch.UntypedStorage, plumbing: frozenset[str]) -> None:
+    """Note where the storage's last reference goes: that line freed it.
+
+    torch keeps one Python object per live storage (PyObject preservation), and it dies with
+    the storage itself, whichever reference was last: a tensor, a view, or the C++ side of
+    `param.data = new`. A weakref callback fires inside that deallocation, so the stack is the
+    dropping site. The ref lives on the slot (not in weakref.finalize's process-wide registry):
+    it dies with the guard.
     """
-    if len(slot.drop_refs) >= _MAX_DROP_REFS:
-        return
     try:
-        slot.drop_refs.append(weakref.ref(t, make_drop_callback(slot, id(t))))
+        slot.drop_ref = weakref.ref(storage, make_drop_callback(slot, plumbing))
     except TypeError:
-        return
-    slot.drop_ids.add(id(t))
+        slot.drop_ref = None
 
 
-def make_drop_callback(slot: Slot, tensor_id: int) -> Callable[[weakref.ref], None]:
+def make_drop_callback(slot: Slot, plumbing: frozenset[str]) -> Callable[[weakref.ref], None]:
     def on_drop(ref: weakref.ref) -> None:
         try:
-            slot.freed_at = drop_site(sys._getframe(1))
-            slot.drop_ids.discard(tensor_id)   # the id may now be reused by another object
-            slot.drop_refs.remove(ref)
+            slot.freed_at = sites.drop_site(sys._getframe(1), plumbing)
         except Exception:  # runs inside a deallocation, maybe at interpreter exit: never raise
             pass
     return on_drop
@@ -585,106 +540,14 @@ def view_offset(slot: Slot) -> int:
     return slot.data_ptr - slot.named.data_ptr if slot.named is not None else 0
 
 
-# -- helpers: frames ----------------------------------------------------------------------------
-
-def is_plumbing(filename: str) -> bool:
-    return filename.startswith(_TORCH_DIR) or filename in _PLUMBING
-
-
-def user_frame(frame: types.FrameType | None) -> types.FrameType | None:
-    """First frame outside torch, this module and context/weakref plumbing."""
-    while frame is not None and is_plumbing(frame.f_code.co_filename):
-        frame = frame.f_back
-    return frame
-
-
-def frame_site(frame: types.FrameType | None) -> str:
-    if frame is None:
-        return "<unknown>"
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
-
-
-def drop_site(frame: types.FrameType | None) -> str:
-    """'file:line in func (returned)': the instruction tells how the reference went away."""
-    frame = user_frame(frame)
-    how = drop_kind(frame)
-    return frame_site(frame) + (f" ({how})" if how else "")
-
-
-def drop_kind(frame: types.FrameType | None) -> str:
-    # When a function returns, its locals die while the caller sits on the CALL instruction
-    # (followed by inline CACHE entries on 3.11+); `x = ...` is a STORE, `del x` a DELETE.
-    if frame is None or frame.f_lasti < 0:
-        return ""
-    code = frame.f_code.co_code
-    i = frame.f_lasti
-    while i > 0 and i < len(code) and code[i] == _CACHE:
-        i -= 2
-    name = dis.opname[code[i]] if i < len(code) else ""
-    if name.startswith(("CALL", "PRECALL", "RETURN")):
-        return "returned"
-    if name.startswith("STORE"):
-        return "reassigned"
-    if name.startswith("DELETE"):
-        return "deleted"
-    return ""
-
+# -- helpers: names of locals -------------------------------------------------------------------
 
 def format_birth(birth: _Birth) -> str:
     return f"{os.path.basename(birth.filename)}:{birth.lineno} in {birth.func} ({birth.op})"
 
 
-def holder_of(key: int, frame: types.FrameType | None) -> tuple[str, str] | None:
-    """(variable, function) of the outermost user frame whose local holds this storage."""
-    found = None
-    for _ in range(_LOCAL_SCAN_FRAMES):
-        frame = user_frame(frame)
-        if frame is None:
-            break
-        for var, value in frame_locals(frame):
-            if isinstance(value, torch.Tensor) and storage_key(value) == key:
-                found = (var, frame.f_code.co_name)
-                break
-        frame = frame.f_back
-    return found
-
-
-def frame_locals(frame: types.FrameType) -> list[tuple[str, Any]]:
-    """A frame's local variables without keeping them alive afterwards.
-
-    Before Python 3.13 (PEP 667), ``frame.f_locals`` of a function frame is a snapshot dict
-    cached on the frame: it would hold every tensor it saw until the function returns, hiding
-    exactly the frees the guard exists to see. So the snapshot is emptied again (only the
-    cache: the real locals are untouched). Module and class frames return their namespace
-    itself, which must not be touched; 3.13+ returns a live proxy that caches nothing.
-    """
-    namespace = frame.f_locals
-    items = list(namespace.items())
-    if _LOCALS_ARE_SNAPSHOTS and frame.f_code.co_flags & inspect.CO_OPTIMIZED:
-        namespace.clear()
-    return items
-
-
-# -- helpers: names -----------------------------------------------------------------------------
-
-def hold(obj: Any) -> Callable[[], Any]:
-    """A weak reference where the type allows one; dicts and lists can only be held strongly."""
-    try:
-        return weakref.ref(obj)
-    except TypeError:
-        return lambda: obj
-
-
-def named_slot_name(slot: Slot, t: torch.Tensor) -> str:
-    """The owner's name, with "[view]" when the graph saw only part of (or a reshaped) tensor."""
-    named = slot.named
-    exact = (t.data_ptr() == named.data_ptr and tuple(t.shape) == named.shape
-             and tuple(t.stride()) == named.stride)
-    return named.name if exact else named.name + "[view]"
-
-
-def local_slot_name(key: int, frame, birth: _Birth | None, func) -> str:
-    holder = holder_of(key, frame)
+def local_slot_name(key: int, frame, birth: _Birth | None, func, plumbing: frozenset[str]) -> str:
+    holder = holder_of(key, frame, plumbing)
     held = f"{holder[0]} of {holder[1]}" if holder else ""
     if birth is not None:
         made = (f"created by {birth.op.overloadpacket if hasattr(birth.op, 'overloadpacket') else birth.op}"
@@ -696,140 +559,7 @@ def local_slot_name(key: int, frame, birth: _Birth | None, func) -> str:
     return f"<unwatched tensor read by {op} at {frame_site(frame)}>"
 
 
-def step_text(kind: str, key: Any) -> str:
-    return f".{key}" if kind == "attr" else f"[{key!r}]"
-
-
-def resolve(named: _Named) -> Any:
-    """The tensor the owner's name points at now (None if the chain breaks)."""
-    return follow(named.owner.get(), named.steps)
-
-
-def follow(obj: Any, steps: tuple[tuple[str, Any], ...]) -> Any:
-    """Walk attribute / item steps; None where the chain breaks (owner gone, attribute unset)."""
-    try:
-        for kind, key in steps:
-            if obj is None:
-                return None
-            obj = getattr(obj, key) if kind == "attr" else obj[key]
-    except (AttributeError, KeyError, IndexError, TypeError):
-        return None
-    return obj
-
-
-def bind_owners(owners: list[_Owner]) -> list[_Owner]:
-    """Re-derive parent links: "a.b.c" hangs off "a.b" (or "a") when that path reaches it.
-
-    A link made once stays (the held object may be gone since: that is a rebinding, and the
-    link is how it is seen); a new link needs the path to reach the held object now.
-    """
-    by_name = {o.name: o for o in owners}
-    bound: dict[str, _Owner] = {}
-
-    def bind(owner: _Owner) -> _Owner:
-        if owner.name in bound:
-            return bound[owner.name]
-        bound[owner.name] = _Owner(owner.name, owner.held)   # cycle guard while parents bind
-        parts = owner.name.split(".")
-        for cut in range(len(parts) - 1, 0, -1):
-            parent_name = ".".join(parts[:cut])
-            if parent_name not in by_name:
-                continue
-            steps = tuple(("attr", p) for p in parts[cut:])
-            parent = bind(by_name[parent_name])
-            kept = owner.parent is not None and owner.steps == steps
-            obj = owner.held()
-            if kept or (obj is not None and follow(parent.get(), steps) is obj):
-                bound[owner.name] = _Owner(owner.name, owner.held, parent, steps)
-                break
-        return bound[owner.name]
-
-    return [bind(o) for o in owners]
-
-
-def build_index(owners: list[_Owner]) -> dict[int, _Named]:
-    """storage identity -> shortest name under a watched owner (breadth first)."""
-    index: dict[int, _Named] = {}
-    queue: deque[tuple[_Owner, Any, tuple, int]] = deque()
-    seen: set[int] = set()
-    for owner in owners:
-        root = owner.get()
-        if isinstance(root, torch.nn.Module):
-            add_module_tensors(index, owner, root)
-            for mname, module in root.named_modules():
-                prefix = tuple(("attr", part) for part in mname.split(".")) if mname else ()
-                for attr, value in list(vars(module).items()):
-                    if attr not in _MODULE_INTERNALS:
-                        queue.append((owner, value, prefix + (("attr", attr),), 1))
-        elif root is not None:
-            queue.append((owner, root, (), 0))
-    visited = 0
-    while queue and visited < _MAX_NODES:
-        owner, value, steps, hops = queue.popleft()
-        visited += 1
-        if isinstance(value, torch.Tensor):
-            add_named(index, owner, steps, value)
-            continue
-        if hops >= _MAX_HOPS or id(value) in seen or isinstance(value, torch.nn.Module):
-            continue
-        seen.add(id(value))
-        for kind, key, child in children(value):
-            queue.append((owner, child, steps + ((kind, key),), hops + 1))
-    return index
-
-
-def add_module_tensors(index: dict[int, _Named], owner: _Owner, module: torch.nn.Module) -> None:
-    for pname, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-        add_named(index, owner, tuple(("attr", part) for part in pname.split(".")), tensor)
-
-
-def add_named(index: dict[int, _Named], owner: _Owner, steps: tuple, t: torch.Tensor) -> None:
-    storage = storage_of(t)
-    if storage is None or storage._cdata in index:
-        return
-    name = owner.name + "".join(step_text(kind, key) for kind, key in steps)
-    index[storage._cdata] = _Named(name=name, owner=owner, steps=steps, data_ptr=t.data_ptr(),
-                                   shape=tuple(t.shape), stride=tuple(t.stride()),
-                                   storage_ptr=storage.data_ptr())
-
-
-def children(value: Any) -> list[tuple[str, Any, Any]]:
-    """(kind, key, child) of containers and plain objects worth naming tensors through."""
-    if isinstance(value, (list, tuple)):
-        return [("item", i, v) for i, v in enumerate(value[:_MAX_ITEMS])]
-    if isinstance(value, dict):
-        items = [(k, v) for k, v in value.items() if isinstance(k, (str, int))]
-        return [("item", k, v) for k, v in items[:_MAX_ITEMS]]
-    if not is_plain_object(value):
-        return []
-    attrs = dict(vars(value)) if hasattr(value, "__dict__") else {}
-    for cls in type(value).__mro__:
-        for slot_name in getattr(cls, "__slots__", ()):
-            if slot_name not in ("__dict__", "__weakref__") and hasattr(value, slot_name):
-                attrs.setdefault(slot_name, getattr(value, slot_name))
-    return [("attr", k, v) for k, v in list(attrs.items())[:_MAX_ITEMS]]
-
-
-def is_plain_object(value: Any) -> bool:
-    """User objects (kernels, configs, dataclasses); not torch's own, not code or types."""
-    if isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType,
-                          types.BuiltinFunctionType, str, bytes, int, float, bool)):
-        return False
-    module = type(value).__module__ or ""
-    if module in ("builtins", "torch", __name__) or module.startswith("torch."):
-        return False   # torch's objects hold no user tensors worth naming; nor does a guard
-    return hasattr(value, "__dict__") or hasattr(type(value), "__slots__") \
-        or dataclasses.is_dataclass(value)
-
-
 # -- helpers: messages --------------------------------------------------------------------------
-
-def format_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
 
 def graph_label(slot: Slot) -> str:
     extra = len(slot.graphs) - 1
@@ -851,7 +581,7 @@ def finding_message(slot: Slot, status: _Status) -> str:
         now = f"; {owner} now names a different tensor at {status.new_ptr:#x}" \
             if owner and status.new_ptr is not None else ""
         return f"{head}, and that storage has been freed{dropped}{now}. {FIX_FREED}"
-    if status.detail == "moved":
+    if status.status == "moved":
         return (f"{head}, but that storage now lives at {status.new_ptr:#x} (it was resized or "
                 f"re-pointed). {FIX_MOVED}")
     if status.detail == "dropped":

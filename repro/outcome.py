@@ -102,7 +102,8 @@ class Finding:
     """
     slot: str                       # readable name, e.g. "drafter.<local lm_head_weight>"
     graph: str                      # label of the capture that recorded it
-    status: str                     # guard: "freed" | "rebound"; census: "freed" | "released" | "reused"
+    status: str                     # guard: "freed" | "moved" (resized / re-pointed) | "rebound";
+                                    # census: "freed" | "released" | "reused"
     when: str                       # e.g. "before replay, step 0"
     rank: int
     shape: list[int]
@@ -131,6 +132,7 @@ class Manifest:
     freed: int
     rebound: int
     unchanged: int
+    moved: int = 0                  # storage resized or re-pointed since the capture
 
 
 @dataclass

@@ -216,7 +216,11 @@ def build_context(spec: TrialSpec, rank: int, sink: RecordSink) -> WorkerContext
     cfg = TrialConfig.from_dict(spec.config)
     torch.manual_seed(cfg.run.seed)
     device = pick_device(spec, rank)
-    history = forensics.MemoryHistory(enabled=cfg.run.forensics and device.type == "cuda")
+    # The harness's capture and collective helpers are plumbing: sites and stacks name the
+    # scenario line that asked for a tensor, not the helper that allocated it.
+    stale_guard = guard.CaptureGuard(mode=cfg.run.guard, rank=rank, plumbing=(dist.__file__, graphs.__file__))
+    history = forensics.MemoryHistory(enabled=cfg.run.forensics and device.type == "cuda",
+                                      plumbing=stale_guard.plumbing)
     history.start()
     start = time.perf_counter()
     # Collectives must outlast the trial deadline: a hang is the harness's verdict, not a
@@ -224,7 +228,7 @@ def build_context(spec: TrialSpec, rank: int, sink: RecordSink) -> WorkerContext
     tp = dist.init_tp(rank, spec.world_size, rendezvous_path(spec.out_dir), device, timeout_s=cfg.run.deadline_s + 600)
     sink.emit("phase", name="init", seconds=time.perf_counter() - start)
     ctx = WorkerContext(spec=spec, cfg=cfg, rank=rank, device=device, tp=tp, sink=sink,
-                        guard=guard.CaptureGuard(mode=cfg.run.guard, rank=rank), history=history,
+                        guard=stale_guard, history=history,
                         memory=graphs.HarnessMemory(device), census=open_census(device, rank, history, sink))
     ctx.timings["init"] = time.perf_counter() - start
     return ctx

@@ -158,7 +158,7 @@ def test_in_place_reload_is_unchanged():
     assert manifest.unchanged == 4   # w13, expert_map, workspace13, g1_alphas
 
 
-def test_storage_resized_in_place_is_rebound():
+def test_storage_resized_in_place_is_moved():
     guard = CaptureGuard("warn")
     moe = MoE()
     capture_moe(guard, moe)
@@ -168,9 +168,41 @@ def test_storage_resized_in_place_is_rebound():
 
     (finding,) = guard.check("after resize")
     assert finding.slot == "moe.moe_kernel.workspace13"
-    assert finding.status == "rebound"
+    assert finding.status == "moved"          # a status of its own, not a kind of rebound
     assert finding.old_ptr == old and finding.new_ptr == storage.data_ptr() != old
     assert "resized" in finding.message
+    manifest = guard.manifest("after resize")
+    assert (manifest.moved, manifest.rebound, manifest.freed) == (1, 0, 0)
+
+
+def test_parameter_data_swap_names_the_swap_line_as_freed_at():
+    guard = CaptureGuard("warn")
+    moe = MoE()
+    guard.watch("moe", moe)
+    with guard.recording("moe bs=2"):
+        project = lambda x: x @ moe.w13.t()    # noqa: E731 -- a view of w13 dies in here
+        project(torch.ones(2, 32))
+    # This line drops the captured storage's last reference (no Python tensor object dies):
+    moe.w13.data = torch.zeros(4, 32)   # swap-w13
+
+    (finding,) = guard.check("after reload")
+    assert (finding.slot, finding.status) == ("moe.w13", "freed")
+    assert finding.new_ptr == moe.w13.data_ptr()
+    assert finding.freed_at == (f"{THIS_FILE}:{line_of('swap-w13')} in "
+                                "test_parameter_data_swap_names_the_swap_line_as_freed_at (reassigned)")
+
+
+def test_recording_leaves_a_saved_locals_dict_alone():
+    # Before Python 3.13, locals() hands out the one dict cached on the frame; reading the
+    # frame's f_locals would refill it, and clearing it would empty the user's dict.
+    guard = CaptureGuard("warn")
+    scratch = torch.full((64, 8), 2.0)
+    saved = locals()
+    before = dict(saved)
+    with guard.recording("g"):
+        STATIC_IN @ scratch
+    assert saved == before and saved["scratch"] is scratch
+    assert guard.slots[1].name == "<local scratch of test_recording_leaves_a_saved_locals_dict_alone>"
 
 
 def test_owner_dropping_the_tensor_while_something_else_holds_it():
@@ -221,6 +253,19 @@ def test_tensors_created_inside_the_recording_are_not_slots():
         del tmp
     assert [s.shape for s in guard.slots] == [[8, 8]]
     assert guard.slots[0].data_ptr == weight.data_ptr()
+    assert guard.check("before replay") == []
+
+
+def test_tensor_literal_made_inside_the_recording_is_not_a_slot():
+    # torch.tensor(...) builds the tensor from Python data, then hands it to aten.lift_fresh:
+    # the op's INPUT is new, made inside the block like any op's output.
+    guard = CaptureGuard("warn")
+    weight = torch.ones(3)
+    with guard.recording("g"):
+        scale = torch.tensor([1.0, 2.0, 3.0])
+        weight * scale
+        del scale
+    assert [s.data_ptr for s in guard.slots] == [weight.data_ptr()]
     assert guard.check("before replay") == []
 
 
@@ -390,7 +435,7 @@ def test_freed_message_names_slot_address_and_fix():
         setup_graph(guard, STATIC_IN)
     (f,) = guard.check("before replay")
     assert f.message.startswith("graph 'centroids bs=16' captured tensor <local scratch of setup_graph")
-    assert f"(float32[64, 8], 2.0 KiB) at {f.old_ptr:#x}" in f.message
+    assert f"(float32[64, 8], 2 KiB) at {f.old_ptr:#x}" in f.message
     assert "has been freed (last reference dropped at" in f.message
     assert "keep the tensor alive for the graph's lifetime (cache it on the module)" in f.message
     assert "\n" not in f.message
@@ -442,7 +487,7 @@ def test_off_mode_records_nothing():
     assert guard.slots == []
     assert guard.check("before replay") == []
     assert guard.freed_blocks() == []
-    assert guard.manifest("m") == Manifest(when="m", rank=0, freed=0, rebound=0, unchanged=0)
+    assert guard.manifest("m") == Manifest(when="m", rank=0, freed=0, rebound=0, unchanged=0, moved=0)
 
 
 def test_unknown_mode_is_rejected():

@@ -5,23 +5,10 @@ import re
 from typing import Any, Iterable
 
 from repro.outcome import REPRODUCED, Outcome
+from repro.units import format_bytes as fmt_bytes  # noqa: F401  (the project's one byte formatter)
 
 ANSI_ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
 TAIL_LINES = 12
-
-
-def fmt_bytes(n: int | None) -> str:
-    """Binary units, as allocators count: 134217728 -> '128 MiB'."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            break
-        value /= 1024
-    if unit == "B":
-        return f"{int(n)} B"
-    return f"{value:.1f}".rstrip("0").rstrip(".") + f" {unit}"
 
 
 def fmt_ptr(p: int | None) -> str:

@@ -426,6 +426,7 @@ MANIFEST_COLUMNS: tuple[Column, ...] = (
     Column("when", "when", lambda m: cell(m.when), wrap=True),
     Column("rank", "rank", lambda m: cell(m.rank), numeric=True),
     Column("freed", "freed", lambda m: cell(m.freed, BAD if m.freed else ""), numeric=True),
+    Column("moved", "moved", lambda m: cell(m.moved, WARN if m.moved else ""), numeric=True),
     Column("rebound", "rebound", lambda m: cell(m.rebound, WARN if m.rebound else ""), numeric=True),
     Column("unchanged", "unchanged", lambda m: cell(m.unchanged), numeric=True),
 )

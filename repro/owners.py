@@ -1,0 +1,206 @@
+"""Names for captured tensors: the attribute path from a watched owner to each tensor.
+
+The guard names a captured storage by where a watched object exposes it
+(``moe.quant_method.moe_kernel.workspace13``, ``proposer.graphs[16].inputs[0]``): a breadth-
+first walk of the owners' object graph, bounded in hops, items and nodes so a huge object graph
+cannot stall a capture. Owners are held weakly where the type allows (naming must not extend a
+lifetime), and a dotted owner ("moe.quant_method") is reached through its parent at every use,
+so rebinding the parent's attribute is seen.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# nn.Module bookkeeping attributes (hook dicts, _parameters, ...): walked another way or not at all.
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+_MAX_HOPS = 4             # owner.a.b.tensor, owner.graphs[16].inputs[0]
+_MAX_ITEMS = 256          # per list / dict while naming
+_MAX_NODES = 20_000       # per index build
+
+
+@dataclass(frozen=True)
+class Owner:
+    """A watched object. When its watch name extends another owner's ("moe.quant_method" under
+    "moe") and that path reaches it, it is found through the parent at every use, so rebinding
+    `layer.quant_method` is seen; otherwise it is held (weakly where the type allows)."""
+    name: str
+    held: Callable[[], Any]       # weakref.ref where possible: the guard must not extend lifetimes
+    parent: Owner | None = None
+    steps: tuple[tuple[str, Any], ...] = ()
+
+    def get(self) -> Any:
+        if self.parent is None:
+            return self.held()
+        return follow(self.parent.get(), self.steps)
+
+
+@dataclass(frozen=True)
+class Named:
+    """Where a watched owner exposes a tensor: owner + attribute/item steps."""
+    name: str
+    owner: Owner
+    steps: tuple[tuple[str, Any], ...]
+    data_ptr: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_ptr: int
+
+
+def hold(obj: Any) -> Callable[[], Any]:
+    """A weak reference where the type allows one; dicts and lists can only be held strongly."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+def step_text(kind: str, key: Any) -> str:
+    return f".{key}" if kind == "attr" else f"[{key!r}]"
+
+
+def resolve(named: Named) -> Any:
+    """The tensor the owner's name points at now (None if the chain breaks)."""
+    return follow(named.owner.get(), named.steps)
+
+
+def follow(obj: Any, steps: tuple[tuple[str, Any], ...]) -> Any:
+    """Walk attribute / item steps; None where the chain breaks (owner gone, attribute unset)."""
+    try:
+        for kind, key in steps:
+            if obj is None:
+                return None
+            obj = getattr(obj, key) if kind == "attr" else obj[key]
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return None
+    return obj
+
+
+def bind_owners(owners: list[Owner]) -> list[Owner]:
+    """Re-derive parent links: "a.b.c" hangs off "a.b" (or "a") when that path reaches it.
+
+    A link made once stays (the held object may be gone since: that is a rebinding, and the
+    link is how it is seen); a new link needs the path to reach the held object now.
+    """
+    by_name = {o.name: o for o in owners}
+    bound: dict[str, Owner] = {}
+
+    def bind(owner: Owner) -> Owner:
+        if owner.name in bound:
+            return bound[owner.name]
+        bound[owner.name] = Owner(owner.name, owner.held)   # cycle guard while parents bind
+        parts = owner.name.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            parent_name = ".".join(parts[:cut])
+            if parent_name not in by_name:
+                continue
+            steps = tuple(("attr", p) for p in parts[cut:])
+            parent = bind(by_name[parent_name])
+            kept = owner.parent is not None and owner.steps == steps
+            obj = owner.held()
+            if kept or (obj is not None and follow(parent.get(), steps) is obj):
+                bound[owner.name] = Owner(owner.name, owner.held, parent, steps)
+                break
+        return bound[owner.name]
+
+    return [bind(o) for o in owners]
+
+
+def build_index(owners: list[Owner]) -> dict[int, Named]:
+    """storage identity -> shortest name under a watched owner (breadth first)."""
+    index: dict[int, Named] = {}
+    queue: deque[tuple[Owner, Any, tuple, int]] = deque()
+    seen: set[int] = set()
+    for owner in owners:
+        root = owner.get()
+        if isinstance(root, torch.nn.Module):
+            add_module_tensors(index, owner, root)
+            for mname, module in root.named_modules():
+                prefix = tuple(("attr", part) for part in mname.split(".")) if mname else ()
+                for attr, value in list(vars(module).items()):
+                    if attr not in _MODULE_INTERNALS:
+                        queue.append((owner, value, prefix + (("attr", attr),), 1))
+        elif root is not None:
+            queue.append((owner, root, (), 0))
+    visited = 0
+    while queue and visited < _MAX_NODES:
+        owner, value, steps, hops = queue.popleft()
+        visited += 1
+        if isinstance(value, torch.Tensor):
+            add_named(index, owner, steps, value)
+            continue
+        if hops >= _MAX_HOPS or id(value) in seen or isinstance(value, torch.nn.Module):
+            continue
+        seen.add(id(value))
+        for kind, key, child in children(value):
+            queue.append((owner, child, steps + ((kind, key),), hops + 1))
+    return index
+
+
+def add_module_tensors(index: dict[int, Named], owner: Owner, module: torch.nn.Module) -> None:
+    for pname, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+        add_named(index, owner, tuple(("attr", part) for part in pname.split(".")), tensor)
+
+
+def add_named(index: dict[int, Named], owner: Owner, steps: tuple, t: torch.Tensor) -> None:
+    storage = storage_of(t)
+    if storage is None or storage._cdata in index:
+        return
+    name = owner.name + "".join(step_text(kind, key) for kind, key in steps)
+    index[storage._cdata] = Named(name=name, owner=owner, steps=steps, data_ptr=t.data_ptr(),
+                                   shape=tuple(t.shape), stride=tuple(t.stride()),
+                                   storage_ptr=storage.data_ptr())
+
+
+def children(value: Any) -> list[tuple[str, Any, Any]]:
+    """(kind, key, child) of containers and plain objects worth naming tensors through."""
+    if isinstance(value, (list, tuple)):
+        return [("item", i, v) for i, v in enumerate(value[:_MAX_ITEMS])]
+    if isinstance(value, dict):
+        items = [(k, v) for k, v in value.items() if isinstance(k, (str, int))]
+        return [("item", k, v) for k, v in items[:_MAX_ITEMS]]
+    if not is_plain_object(value):
+        return []
+    attrs = dict(vars(value)) if hasattr(value, "__dict__") else {}
+    for cls in type(value).__mro__:
+        for slot_name in getattr(cls, "__slots__", ()):
+            if slot_name not in ("__dict__", "__weakref__") and hasattr(value, slot_name):
+                attrs.setdefault(slot_name, getattr(value, slot_name))
+    return [("attr", k, v) for k, v in list(attrs.items())[:_MAX_ITEMS]]
+
+
+def is_plain_object(value: Any) -> bool:
+    """User objects (kernels, configs, dataclasses); not torch's own, not code or types."""
+    if isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType,
+                          types.BuiltinFunctionType, str, bytes, int, float, bool)):
+        return False
+    module = type(value).__module__ or ""
+    if module in ("builtins", "torch") or module.startswith("torch.") or getattr(value, "_not_an_owner", False):
+        return False   # torch's objects hold no user tensors worth naming; nor does a guard
+    return hasattr(value, "__dict__") or hasattr(type(value), "__slots__") \
+        or dataclasses.is_dataclass(value)
+
+
+def exposed_name(named: Named, t: torch.Tensor) -> str:
+    """The owner's name, with "[view]" when the graph saw only part of (or a reshaped) tensor."""
+    exact = (t.data_ptr() == named.data_ptr and tuple(t.shape) == named.shape
+             and tuple(t.stride()) == named.stride)
+    return named.name if exact else named.name + "[view]"
+
+
+def storage_of(t: torch.Tensor):
+    """The untyped storage, or None for tensors without real memory (meta, sparse, empty)."""
+    try:
+        storage = t.untyped_storage()
+        if storage.data_ptr() == 0:
+            return None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return storage
