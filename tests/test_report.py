@@ -644,7 +644,7 @@ def test_html_charts_per_reload_error_and_per_graph_mismatches(tmp_path):
     assert "<polyline" in nvfp4 and "tolerance 0.05" in nvfp4
     assert nvfp4.count('<circle class="dot') == 50
     assert ">NaN</text>" in nvfp4 and "reload 7: not finite" in nvfp4    # drawn and labelled, not dropped
-    assert gemma.count("<svg") == 1 and "per graph (batch size)" in gemma
+    assert gemma.count("<svg") == 1 and "per batch size (one captured graph each)" in gemma
     bars = re.findall(r'<rect class="s0"[^>]*height="([\d.]+)"><title>graph graph bs=(\d+): ([\d.]+)</title>', gemma)
     assert [(bs, share) for _, bs, share in bars] == [("1", "0"), ("2", "0.5"), ("4", "0.75"), ("8", "0.75")]
     heights = [float(h) for h, _, _ in bars]

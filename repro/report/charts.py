@@ -53,7 +53,9 @@ def reload_error_chart(steps: list[StepRecord]) -> ChartData | None:
         series.setdefault(s.rank, Series(f"rank {s.rank}", [])).points.append((s.step, number(y)))
     tolerance = next((s.tolerance for s in steps if s.tolerance is not None), None)
     return ChartData(
-        title="Error per reload: warm (reloaded, replayed) against cold (built fresh on the same weights)",
+        # "warm": the layer reloaded in place (replayed on GPU, run eagerly on CPU); the title
+        # must hold for both.
+        title="Error per reload: warm layer (reloaded in place) against cold (built fresh on the same weights)",
         caption=("max scaled error |y - y_cold| / (|y_cold| + rms(y_cold)); above the tolerance line an "
                  "element counts as a mismatch" if scaled else "relative error against the cold reference"),
         kind="line", x_label="reload", y_label="max scaled error" if scaled else "rel err",
@@ -75,7 +77,7 @@ def graph_mismatch_chart(steps: list[StepRecord]) -> ChartData | None:
     labels = sorted(totals, key=lambda k: (order[k], k))
     points = [(k, totals[k][0] / totals[k][1] if totals[k][1] else None) for k in labels]
     return ChartData(
-        title="Draft tokens that differ from the reference, per graph (batch size)",
+        title="Draft tokens that differ from the reference, per batch size (one captured graph each)",
         caption="mismatched / compared tokens over all steps and ranks that used the graph",
         kind="bar", x_label="graph", y_label="mismatched share", series=[Series("", points)])
 
