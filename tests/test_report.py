@@ -702,3 +702,19 @@ def test_census_finding_says_which_mechanism_saw_it_and_where_the_guard_disagree
     from repro.report.html import report_html
     html = report_html(Report(environment={}, trials=[trial]))
     assert "disagreement" in html and "the guard did not see this storage" in html
+
+
+@pytest.mark.parametrize("width", [80, 100, 130, 200])
+def test_summary_is_a_table_only_where_every_column_fits_whole(width):
+    report = full_report()
+    report.trials[0].config["run"]["reload_drafter"] = True          # the longest config
+    report.trials[3].met, report.trials[3].expected = True, [Outcome.UNSUPPORTED]   # "skipped (not a pass)"
+    text = rp.report_to_text(report, width=width)
+    summary = text[text.rindex("Summary"):]
+    assert "…" not in summary
+    assert max(len(line.rstrip()) for line in summary.splitlines()) <= width
+    assert "reload-drafter" in summary
+    if "first failure" in summary:                                   # the table: every header whole
+        for header in ("scenario", "mode", "config", "outcome", "expected", "met", "seconds"):
+            assert header in summary.splitlines()[1], header
+    assert "9005/131072 elements above tolerance" in re.sub(r"\s+", " ", summary)

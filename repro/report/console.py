@@ -20,14 +20,12 @@ from rich.text import Text
 from repro.outcome import Outcome, Report, TrialRecord
 from repro.report.fmt import fmt_seconds
 from repro.report.view import (
-    BAD, DIM, NOTE, OK, SKIP, WARN, Artifact, Cell, Column, RunView, TableView, TrialView, outcome_tone,
+    BAD, DIM, NOTE, OK, SKIP, WARN, Artifact, Cell, Column, Row, RunView, TableView, TrialView, outcome_tone,
     run_view, trial_view,
 )
 
 STYLES = {OK: "bold green", WARN: "bold yellow", SKIP: "bold magenta", BAD: "bold red", NOTE: "bold yellow",
           DIM: "dim", "": ""}
-# Below this width the eight summary columns cannot all be read; one entry per trial reads better.
-SUMMARY_TABLE_MIN_WIDTH = 100
 
 
 def outcome_style(outcome: Outcome) -> str:
@@ -221,16 +219,23 @@ def render_trial(trial: TrialRecord, console: Console) -> None:
 # ---- a run ----------------------------------------------------------------------------------
 
 
-def summary_table(rv: RunView) -> Table:
-    table = Table(title=Text("Summary", style="bold"), title_justify="left", box=box.SIMPLE_HEAVY,
+def summary_view(rv: RunView) -> TableView:
+    rows = [Row({c.key: c.get(tv) for c in rv.summary_columns}, "" if tv.met else BAD) for tv in rv.trials]
+    return TableView("Summary", list(rv.summary_columns), rows)
+
+
+def summary_table(tv: TableView) -> Table:
+    table = Table(title=Text(tv.title, style="bold"), title_justify="left", box=box.SIMPLE_HEAVY,
                   show_edge=False)
-    for c in rv.summary_columns:
+    for c in tv.columns:
         if c.wrap:
-            table.add_column(c.header, overflow="fold", min_width=16)
+            # The first failure is the one column that gives up width (it wraps); the trial's
+            # own panel and --json carry it in full.
+            table.add_column(c.header, overflow="fold", min_width=wrap_min(c, tv))
         else:
             table.add_column(c.header, no_wrap=True, justify="right" if c.numeric else "left")
-    for tv in rv.trials:
-        table.add_row(*(text(c.get(tv)) for c in rv.summary_columns))
+    for row in tv.rows:
+        table.add_row(*(text(row.cells[c.key]) for c in tv.columns))
     return table
 
 
@@ -252,8 +257,10 @@ def summary_grid(rv: RunView) -> Table:
 
 
 def print_summary(rv: RunView, console: Console) -> None:
-    if console.width >= SUMMARY_TABLE_MIN_WIDTH:
-        console.print(summary_table(rv))
+    """The table where every column fits whole; else one entry per trial."""
+    tv = summary_view(rv)
+    if needed_width(tv, tv.columns) <= console.width:
+        console.print(summary_table(tv))
         return
     console.print(Text("Summary", style="bold"))
     console.print(summary_grid(rv))
