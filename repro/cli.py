@@ -314,6 +314,52 @@ def vllm_audit(
     return EXIT_OK
 
 
+WATCH_EXIT_CODES = """\b
+Exit codes:
+  0..  CMD's own exit code when no finding was recorded
+  1    some process recorded a finding
+  2    usage error (one line on stderr)
+  130  interrupted (Ctrl-C, forwarded to CMD's process group); the report follows"""
+
+
+@app.command("watch", epilog=WATCH_EXIT_CODES,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                               "allow_interspersed_args": False})
+def watch_cmd(
+    ctx: typer.Context,
+    on_finding: Annotated[str, typer.Option("--on-finding", help="warn: record and let the replay run; raise: the replay raises StaleCaptureError naming the tensor, before the launch.")] = "warn",
+    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Directory for the per-process records (default artifacts/watch-DATE-TIME).")] = None,
+    json_path: JsonOpt = None, junit: JunitOpt = None, html: HtmlOpt = None,
+) -> int:
+    """Run CMD unchanged with the stale-capture hooks in every Python process it starts: repro watch -- CMD [ARGS...]."""
+    from repro import watch, watch_report
+    try:
+        rep = watch.watch(list(ctx.args), run_dir or watch.default_run_dir(), on_finding)
+    except watch.WatchUsageError as e:
+        sys.stderr.write(f"repro: error: {e}\n")
+        return EXIT_USAGE
+    watch_report.render(rep, stderr_console())
+    watch_report.write_artifacts(rep, json_path, junit and str(junit), html and str(html))
+    return rep.exit
+
+
+@app.command("watch-report", epilog=WATCH_EXIT_CODES)
+def watch_report_cmd(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run directories of `repro watch` (one per node), merged into one report.")],
+    json_path: JsonOpt = None, junit: JunitOpt = None, html: HtmlOpt = None,
+) -> int:
+    """One report over the records of one or more `repro watch` runs (exit 1 if any finding)."""
+    from repro import watch, watch_report
+    try:
+        rep = watch.merge(run_dirs)
+    except watch.WatchUsageError as e:
+        sys.stderr.write(f"repro: error: {e}\n")
+        return EXIT_USAGE
+    watch_report.render(rep, stderr_console())
+    watch_report.write_artifacts(rep, json_path, junit and str(junit), html and str(html))
+    return rep.exit
+
+
 def main() -> None:
     app()
 

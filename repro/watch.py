@@ -1,0 +1,152 @@
+"""`repro watch -- CMD`: run a command unchanged with the capture hooks in all its Python processes.
+
+The hooks travel by environment, so every Python process CMD starts gets them (children,
+spawned workers, torch.multiprocessing, torchrun's ranks, anything that inherits the
+environment). What the command sees added to its environment, and nothing else:
+
+  PYTHONPATH               <repro>/_site prepended (its sitecustomize starts the hooks, runs the
+                           sitecustomize it shadows, then removes itself from sys.path)
+  REPRO_WATCH=1            the switch (also the vLLM plugin's)
+  REPRO_WATCH_DIR          the run directory: one <host>-<pid>.jsonl per process
+  REPRO_WATCH_ON_FINDING   warn | raise
+  REPRO_WATCH_SITE         the directory prepended to PYTHONPATH
+
+CMD runs in its own process group with stdin, stdout and stderr passed through untouched (no
+pipe: output order and bytes are CMD's own). Ctrl-C (or SIGTERM) is forwarded to that group;
+the report follows. No torch import here.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from repro.watch_hooks import ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_SITE, ON_FINDING
+from repro.watch_report import WatchReport, load_report, record_files
+
+EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+GRACE_S = 10.0    # after a forwarded Ctrl-C, how long CMD's group gets before SIGKILL
+
+
+class WatchUsageError(ValueError):
+    """Bad arguments: one line, exit 2."""
+
+
+@dataclass
+class CommandResult:
+    returncode: int               # CMD's exit status, 128+N when a signal N ended it
+    interrupted: bool
+
+
+def site_dir() -> str:
+    return str(Path(__file__).resolve().parent / "_site")
+
+
+def watch_env(environ: dict[str, str], run_dir: Path, on_finding: str) -> dict[str, str]:
+    env = dict(environ)
+    site = site_dir()
+    old = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = site + (os.pathsep + old if old else "")
+    env[ENV_ON] = "1"
+    env[ENV_DIR] = str(run_dir.resolve())
+    env[ENV_ON_FINDING] = on_finding
+    env[ENV_SITE] = site
+    return env
+
+
+def default_run_dir() -> Path:
+    return Path("artifacts") / time.strftime("watch-%Y%m%d-%H%M%S", time.localtime())
+
+
+def check_args(command: list[str], on_finding: str, run_dir: Path) -> None:
+    if not command:
+        raise WatchUsageError("no command given: repro watch [OPTIONS] -- CMD [ARGS...]")
+    if on_finding not in ON_FINDING:
+        raise WatchUsageError(f"--on-finding {on_finding!r} is not one of {', '.join(ON_FINDING)}")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise WatchUsageError(f"--run-dir {run_dir}: exists and is not a directory")
+    if run_dir.is_dir() and record_files([run_dir]):
+        raise WatchUsageError(f"--run-dir {run_dir} already holds records of an earlier run; "
+                              "give a new directory or remove its *.jsonl files")
+
+
+def exit_status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def run_command(command: list[str], env: dict[str, str]) -> CommandResult:
+    """Run CMD in its own process group; forward SIGINT/SIGTERM to that group."""
+    try:
+        proc = subprocess.Popen(command, env=env, start_new_session=True)
+    except FileNotFoundError:
+        raise WatchUsageError(f"command not found: {command[0]}") from None
+    except PermissionError:
+        raise WatchUsageError(f"command not executable: {command[0]}") from None
+    interrupted = False
+
+    def forward(signum, _frame) -> None:
+        nonlocal interrupted
+        interrupted = interrupted or signum == signal.SIGINT
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        returncode = wait_for(proc, lambda: interrupted)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return CommandResult(exit_status(returncode), interrupted)
+
+
+def wait_for(proc: subprocess.Popen, interrupted) -> int:
+    deadline = None
+    while True:
+        try:
+            return proc.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            pass
+        if interrupted() and deadline is None:
+            deadline = time.monotonic() + GRACE_S
+        if deadline is not None and time.monotonic() > deadline:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def finish(rep: WatchReport, command: list[str], result: CommandResult, on_finding: str) -> WatchReport:
+    rep.command = command
+    rep.command_exit = result.returncode
+    rep.interrupted = result.interrupted
+    rep.on_finding = on_finding
+    if not rep.processes:
+        rep.notes.append("No Python process started the hooks (CMD started no Python, or its "
+                         "environment was replaced before Python started).")
+    rep.exit = EXIT_INTERRUPTED if result.interrupted else \
+        EXIT_FINDINGS if rep.findings else result.returncode
+    return rep
+
+
+def watch(command: list[str], run_dir: Path, on_finding: str) -> WatchReport:
+    check_args(command, on_finding, run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    result = run_command(command, watch_env(dict(os.environ), run_dir, on_finding))
+    return finish(load_report([run_dir]), command, result, on_finding)
+
+
+def merge(run_dirs: list[Path]) -> WatchReport:
+    """One report over run directories written separately (one per node)."""
+    for d in run_dirs:
+        if not d.is_dir():
+            raise WatchUsageError(f"{d}: not a directory")
+        if not record_files([d]):
+            raise WatchUsageError(f"{d}: holds no repro watch records (*.jsonl)")
+    rep = load_report(run_dirs)
+    rep.exit = EXIT_FINDINGS if rep.findings else 0
+    return rep

@@ -1,0 +1,599 @@
+"""In-process side of `repro watch`: hook torch.cuda.CUDAGraph in a program that does not know.
+
+Started by the sitecustomize that `repro watch` puts first on PYTHONPATH (so every Python
+process the command starts runs it) or by the vLLM plugin when REPRO_WATCH is set. Importing
+this module imports no torch: a meta-path hook waits until the program itself imports
+``torch.cuda.graphs`` (torch's own ``import torch`` does) and then wraps four methods of
+``torch.cuda.graphs.CUDAGraph`` in place, so ``torch.cuda.graph(...)`` and every subclass go
+through them:
+
+  capture_begin  record what the capture touches (repro.guard's dispatch-mode recording)
+  capture_end    stop recording; take the graph census where it is available
+  replay         liveness check before every replay; deep check (+ census check) at the first
+                 replay after a capture and after any graph's reset
+  reset          marks every other graph for a deep check (a reset frees that graph's pool,
+                 which another graph may read: vllm-omni #6457)
+
+Findings go, one JSON line each, to ``<run dir>/<host>-<pid>.jsonl`` (written with os.write
+on an O_APPEND descriptor: on disk before the replay runs, whatever happens to the process
+next) and one line to stderr. The program's stdout is never written to.
+
+One watcher per process is inherent (sys.meta_path and the CUDAGraph class are process-wide),
+so ``activate`` keeps it in ``_ACTIVE`` and is idempotent: the sitecustomize and the vLLM
+plugin may both call it.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import socket
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_ON = "REPRO_WATCH"                  # "1": hooks on (the vLLM plugin's switch too)
+ENV_DIR = "REPRO_WATCH_DIR"             # run directory for the per-process records
+ENV_ON_FINDING = "REPRO_WATCH_ON_FINDING"   # warn | raise
+ENV_SITE = "REPRO_WATCH_SITE"           # the sitecustomize directory `repro watch` prepended
+ENV_VARS = (ENV_ON, ENV_DIR, ENV_ON_FINDING, ENV_SITE)
+DEFAULT_DIR = "repro-watch"
+ON_FINDING = ("warn", "raise")
+TARGET = "torch.cuda.graphs"
+RECORD_SCHEMA = "repro.watch.record/1"
+HOOKED = ("capture_begin", "capture_end", "replay", "reset")
+# cudagraph trees (torch.compile mode="reduce-overhead") reuse their pool's memory for outputs
+# whose Python tensors died, by design, and check their own invariants: their graphs are
+# counted as managed and not checked, or every dead intermediate would read as a finding.
+MANAGED_CALLERS = (os.path.join("_inductor", "cudagraph_trees.py"),)
+_OWNER_FRAMES = 8                       # user frames above a capture searched for owners
+_MAX_OWNERS = 32                        # owners watched per capture
+_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+             "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
+
+_ACTIVE: Watcher | None = None
+
+
+@dataclass(frozen=True)
+class WatchSettings:
+    run_dir: str
+    on_finding: str               # "warn" | "raise"
+    origin: str                   # "sitecustomize" | "vllm-plugin" | "api"
+
+
+def settings_from_env(environ: dict[str, str], origin: str) -> WatchSettings | None:
+    """None unless REPRO_WATCH is set to something other than 0/empty."""
+    if environ.get(ENV_ON, "").strip() in ("", "0"):
+        return None
+    on_finding = environ.get(ENV_ON_FINDING, "warn").strip() or "warn"
+    if on_finding not in ON_FINDING:
+        sys.stderr.write(f"repro watch: {ENV_ON_FINDING}={on_finding!r} is not one of "
+                         f"{', '.join(ON_FINDING)}; using warn\n")
+        on_finding = "warn"
+    return WatchSettings(run_dir=os.path.abspath(environ.get(ENV_DIR) or DEFAULT_DIR),
+                         on_finding=on_finding, origin=origin)
+
+
+def active() -> Watcher | None:
+    return _ACTIVE
+
+
+def activate(settings: WatchSettings) -> Watcher:
+    """Start watching this process (idempotent: a second call returns the running watcher)."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        _ACTIVE.note_origin(settings.origin)
+        return _ACTIVE
+    watcher = Watcher(settings)
+    _ACTIVE = watcher
+    watcher.start()
+    return watcher
+
+
+def activate_from_env(origin: str) -> Watcher | None:
+    settings = settings_from_env(os.environ, origin)
+    return activate(settings) if settings is not None else None
+
+
+# -- records ------------------------------------------------------------------------------------
+
+class Recorder:
+    """Appends JSON lines to this process's record file; each line is on disk when write returns."""
+
+    def __init__(self, run_dir: str):
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, f"{socket.gethostname()}-{os.getpid()}.jsonl")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, default=str, ensure_ascii=False) + "\n"
+        os.write(self._fd, line.encode("utf-8"))
+
+    def close(self) -> None:
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+
+
+def process_record(settings: WatchSettings) -> dict[str, Any]:
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    return {
+        "kind": "process", "schema": RECORD_SCHEMA, "pid": os.getpid(), "ppid": os.getppid(),
+        "host": socket.gethostname(), "argv": argv, "executable": sys.executable,
+        "python": sys.version.split()[0], "started": time.time(), "origin": settings.origin,
+        "on_finding": settings.on_finding,
+        "env": {k: os.environ[k] for k in _RANK_ENV if k in os.environ},
+    }
+
+
+# -- lazy installation --------------------------------------------------------------------------
+
+class _PatchAfterExec(importlib.abc.Loader):
+    """Runs the real loader, then hands the module over; leaves the module's loader as it was."""
+
+    def __init__(self, loader, on_loaded):
+        self._loader = loader
+        self._on_loaded = on_loaded
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._on_loaded(module)
+
+
+class GraphsImportHook(importlib.abc.MetaPathFinder):
+    """Waits for ``torch.cuda.graphs`` to be imported, then removes itself from sys.meta_path."""
+
+    def __init__(self, on_loaded):
+        self._on_loaded = on_loaded
+
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        self.uninstall()
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _PatchAfterExec(spec.loader, self._on_loaded)
+        return spec
+
+    def install(self) -> None:
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def uninstall(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+# -- the census, behind its small API -----------------------------------------------------------
+
+def load_census() -> Any | None:
+    """repro.census where it exists (the graph census reads what kernels really touch)."""
+    try:
+        from repro import census
+    except ImportError:
+        return None
+    return census
+
+
+# -- per-graph state ----------------------------------------------------------------------------
+
+@dataclass
+class GraphState:
+    label: str                    # "#3 decode.py:41 in capture" (unique per capture)
+    site: str
+    managed: bool = False         # captured by torch.compile's cudagraph trees: counted only
+    recording: Any = None         # the guard's recording context while capturing
+    census: Any = None            # GraphCensus taken at capture end
+    deep_reason: str | None = "first replay after capture"
+    replays: int = 0
+    kept: bool | None = None      # cudaGraph_t kept past capture_end (census): True = forced by us
+    captured: bool = False
+
+
+@dataclass
+class Counters:
+    captures: int = 0
+    managed: int = 0
+    replays: int = 0
+    checks_deep: int = 0
+    findings: int = 0
+    resets: int = 0
+    internal_errors: int = 0
+
+
+class Watcher:
+    """Hooks of one process. Every hook swallows its own errors (recorded as 'internal'): the
+    program must see torch's behaviour, except a StaleCaptureError in raise mode."""
+
+    def __init__(self, settings: WatchSettings):
+        self.settings = settings
+        self.recorder: Recorder | None = None
+        self.guard = None
+        self.graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.patched: list[type] = []
+        self.counters = Counters()
+        self.census_mod: Any = None
+        self.census_state = "not checked yet (no capture)"
+        self.rank: int | None = None
+        self.origins = [settings.origin]
+        self._watched: dict[int, str] = {}
+        # graphs whose cudaGraph_t outlives capture_end (for the census): True where we forced it
+        self.kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._hook = GraphsImportHook(self.on_graphs_module)
+        self._t0 = time.perf_counter()
+
+    # -- start ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.recorder = Recorder(self.settings.run_dir)
+        self.recorder.write(process_record(self.settings))
+        module = sys.modules.get(TARGET)
+        if module is not None and hasattr(module, "CUDAGraph"):
+            self.on_graphs_module(module)     # torch already imported (vLLM plugin, late start)
+        else:
+            self._hook.install()
+        atexit.register(self.on_exit)
+        os.register_at_fork(after_in_child=self.on_fork_child)
+
+    def note_origin(self, origin: str) -> None:
+        if origin not in self.origins:
+            self.origins.append(origin)
+            self.write({"kind": "origin", "origin": origin})
+
+    def on_fork_child(self) -> None:
+        # A forked child is a new process with its own record file; its graphs (if any) are new.
+        try:
+            self.recorder = Recorder(self.settings.run_dir)
+            record = process_record(self.settings)
+            record["forked"] = True
+            self.recorder.write(record)
+            self.counters = Counters()
+            if self.patched:
+                self.write({"kind": "hooked", "classes": [c.__qualname__ for c in self.patched],
+                            "inherited": True})
+        except Exception:
+            pass
+
+    def on_graphs_module(self, module) -> None:
+        try:
+            self.patch(module.CUDAGraph)
+            torch = sys.modules.get("torch")
+            self.write({"kind": "hooked", "classes": [c.__qualname__ for c in self.patched],
+                        "torch": getattr(getattr(torch, "version", None), "__version__", None)
+                        or getattr(torch, "__version__", None),
+                        "since_activation_s": time.perf_counter() - self._t0})
+        except Exception as e:
+            self.internal("patching torch.cuda.graphs.CUDAGraph", e)
+
+    def patch(self, cls: type) -> None:
+        """Wrap capture_begin / capture_end / replay / reset of ``cls`` in place."""
+        if cls in self.patched:
+            return
+        originals = {name: getattr(cls, name) for name in HOOKED}
+        watcher = self
+
+        @functools.wraps(originals["capture_begin"])
+        def capture_begin(graph, *args, **kwargs):
+            originals["capture_begin"](graph, *args, **kwargs)
+            watcher.on_capture_begin(graph, sys._getframe(1))
+
+        @functools.wraps(originals["capture_end"])
+        def capture_end(graph, *args, **kwargs):
+            watcher.on_capture_stop(graph)
+            out = originals["capture_end"](graph, *args, **kwargs)
+            watcher.on_capture_end(graph)
+            return out
+
+        @functools.wraps(originals["replay"])
+        def replay(graph, *args, **kwargs):
+            watcher.before_replay(graph)
+            try:
+                return originals["replay"](graph, *args, **kwargs)
+            except RuntimeError as e:
+                watcher.on_replay_error(graph, e)
+                raise
+
+        @functools.wraps(originals["reset"])
+        def reset(graph, *args, **kwargs):
+            out = originals["reset"](graph, *args, **kwargs)
+            watcher.on_reset(graph)
+            return out
+
+        for name, wrapper in (("capture_begin", capture_begin), ("capture_end", capture_end),
+                              ("replay", replay), ("reset", reset)):
+            setattr(cls, name, wrapper)
+        self.patched.append(cls)
+        self.patch_keep_graph(cls)
+
+    def patch_keep_graph(self, cls: type) -> None:
+        """Where the census runs, graphs must keep their cudaGraph_t past capture_end; we then
+        instantiate at the end of capture_end ourselves, exactly where torch would have."""
+        if "__new__" not in vars(cls):
+            return
+        original_new = cls.__new__
+        watcher = self
+
+        def __new__(klass, keep_graph: bool = False, *args, **kwargs):
+            if not watcher.census_ready():
+                return original_new(klass, keep_graph, *args, **kwargs)
+            graph = original_new(klass, True, *args, **kwargs)
+            watcher.kept[graph] = not keep_graph
+            return graph
+
+        cls.__new__ = staticmethod(functools.wraps(original_new)(__new__))
+
+    # -- capture -------------------------------------------------------------------------------
+
+    def on_capture_begin(self, graph, frame) -> None:
+        try:
+            guard = self.ensure_guard()
+            self.counters.captures += 1
+            site, managed = capture_site(frame)
+            state = GraphState(label=f"#{self.counters.captures} {site}", site=site, managed=managed)
+            state.kept = self.kept.get(graph)
+            self.graphs[graph] = state
+            if managed:
+                self.counters.managed += 1
+                return
+            self.watch_owners(frame)
+            state.recording = guard.recording(state.label)
+            state.recording.__enter__()
+        except Exception as e:
+            self.internal("capture_begin", e)
+
+    def on_capture_stop(self, graph) -> None:
+        state = self.graphs.get(graph)
+        if state is None or state.recording is None:
+            return
+        recording, state.recording = state.recording, None
+        try:
+            recording.__exit__(None, None, None)
+        except Exception as e:
+            self.internal("capture_end (recording)", e)
+
+    def on_capture_end(self, graph) -> None:
+        state = self.graphs.get(graph)
+        if state is None:
+            return
+        state.captured = True
+        try:
+            if state.kept is not None and not state.managed:
+                state.census = self.census_mod.take_census(graph, state.label)
+        except Exception as e:
+            self.internal("census at capture end", e)
+        if state.kept:
+            graph.instantiate()   # where torch instantiates a graph without keep_graph
+        try:
+            rank = self.current_rank()
+            self.write({"kind": "capture", "graph": state.label, "managed": state.managed,
+                        "rank": rank, "census": state.census is not None,
+                        "slots": sum(1 for s in self.guard.slots if state.label in s.graphs)})
+        except Exception as e:
+            self.internal("capture_end", e)
+
+    # -- replay --------------------------------------------------------------------------------
+
+    def before_replay(self, graph) -> None:
+        state = self.graphs.get(graph)
+        if state is None or state.managed or not state.captured:
+            return
+        self.counters.replays += 1
+        state.replays += 1
+        try:
+            if state.deep_reason is None:
+                findings = self.guard.check("before replay", graph=state.label, deep=False)
+            else:
+                findings = self.deep_check(state)
+        except Exception as e:
+            self.internal("replay check", e)
+            return
+        if findings:
+            self.report(findings)
+            if self.settings.on_finding == "raise":
+                from repro.guard import StaleCaptureError
+                raise StaleCaptureError(findings[0].message, findings)
+
+    def deep_check(self, state: GraphState) -> list:
+        when, state.deep_reason = f"{state.deep_reason} (replay {state.replays})", None
+        self.counters.checks_deep += 1
+        findings = self.guard.check(when, graph=state.label, deep=True)
+        if state.census is not None:
+            findings = merge_mechanisms(findings, self.census_mod.check_census(state.census, when))
+        return findings
+
+    def on_replay_error(self, graph, error: RuntimeError) -> None:
+        """torch's own check_input_liveness (where the program turned it on) raises here."""
+        text = str(error)
+        if not text.startswith("CUDA graph replay detected"):
+            return
+        state = self.graphs.get(graph)
+        try:
+            self.report([torch_finding(state.label if state else "?", text, self.current_rank())])
+        except Exception as e:
+            self.internal("recording torch's liveness error", e)
+
+    def on_reset(self, graph) -> None:
+        try:
+            self.counters.resets += 1
+            state = self.graphs.pop(graph, None)
+            for other in list(self.graphs.values()):
+                if other is not state and other.captured and not other.managed:
+                    other.deep_reason = f"first replay after a reset of {state.label if state else 'a graph'}"
+            self.write({"kind": "reset", "graph": state.label if state else None})
+        except Exception as e:
+            self.internal("reset", e)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def ensure_guard(self):
+        if self.guard is None:
+            from repro.guard import CaptureGuard
+            self.guard = CaptureGuard(mode="warn")   # raise mode: we raise after writing the record
+            self.census_ready()
+            self.write({"kind": "census", "state": self.census_state})
+        return self.guard
+
+    def census_ready(self) -> bool:
+        """Whether the census runs in this process (decided once, on first use)."""
+        if self.census_mod is None and self.census_state.startswith("not checked"):
+            census = load_census()
+            if census is None:
+                self.census_state = "unavailable: repro.census is not in this install"
+                self.census_mod = False
+            else:
+                ok, why = census.census_supported()
+                self.census_state = "active" if ok else f"unavailable: {why}"
+                self.census_mod = census if ok else False
+        return bool(self.census_mod)
+
+    def watch_owners(self, frame) -> None:
+        """Name what the capturing code holds: modules, tensors and `self` in its frames."""
+        from repro.guard import frame_locals, user_frame
+        import torch
+        frame = user_frame(frame)
+        added = 0
+        for _ in range(_OWNER_FRAMES):
+            if frame is None or added >= _MAX_OWNERS:
+                break
+            for var, value in frame_locals(frame):
+                name = owner_name(var, value, torch)
+                if name is None or self._watched.get(id(value)) == name:
+                    continue
+                self.guard.watch(name, value)
+                self._watched[id(value)] = name
+                added += 1
+                if var == "self" and not isinstance(value, torch.nn.Module):
+                    added += self.watch_module_attrs(name, value, torch)
+            frame = user_frame(frame.f_back)
+
+    def watch_module_attrs(self, name: str, obj: Any, torch) -> int:
+        added = 0
+        for attr, value in list(getattr(obj, "__dict__", {}).items())[:_MAX_OWNERS]:
+            if isinstance(value, torch.nn.Module) and self._watched.get(id(value)) != f"{name}.{attr}":
+                self.guard.watch(f"{name}.{attr}", value)
+                self._watched[id(value)] = f"{name}.{attr}"
+                added += 1
+        return added
+
+    def current_rank(self) -> int | None:
+        if self.rank is None:
+            dist = sys.modules.get("torch.distributed")
+            try:
+                if dist is not None and dist.is_available() and dist.is_initialized():
+                    self.rank = dist.get_rank()
+                    self.write({"kind": "rank", "rank": self.rank})
+            except Exception:
+                pass
+        return self.rank
+
+    def report(self, findings: list) -> None:
+        rank = self.current_rank()
+        for f in findings:
+            self.counters.findings += 1
+            if rank is not None:
+                f.rank = rank
+            mechanism = getattr(f, "mechanism", None) or "guard"
+            self.write({"kind": "finding", "mechanism": mechanism, "rank": rank,
+                        "finding": finding_dict(f)})
+            sys.stderr.write(f"repro watch [pid {os.getpid()}"
+                             f"{'' if rank is None else f' rank {rank}'}]: {f.message}\n")
+        sys.stderr.flush()
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.recorder is None:
+            return
+        try:
+            self.recorder.write({**record, "pid": os.getpid(), "t": time.time()})
+        except OSError:
+            pass   # a full disk must not break the program
+
+    def internal(self, where: str, error: BaseException) -> None:
+        self.counters.internal_errors += 1
+        self.write({"kind": "internal", "where": where,
+                    "error": f"{type(error).__name__}: {error}"})
+
+    def on_exit(self) -> None:
+        self.write({"kind": "exit", "counters": vars(self.counters), "census": self.census_state,
+                    "rank": self.rank})
+
+
+# -- pure helpers -------------------------------------------------------------------------------
+
+def capture_site(frame) -> tuple[str, bool]:
+    """'file:line in func' of the code that asked for the capture, and whether that code is
+    torch.compile's cudagraph trees (the first frame above torch/cuda/graphs.py)."""
+    graphs_file = os.path.join("torch", "cuda", "graphs.py")
+    while frame is not None and frame.f_code.co_filename.endswith(graphs_file):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>", False
+    managed = frame.f_code.co_filename.endswith(MANAGED_CALLERS)
+    from repro.guard import frame_site, user_frame
+    return frame_site(user_frame(frame) or frame), managed
+
+
+def owner_name(var: str, value: Any, torch) -> str | None:
+    """The watch name of a local worth watching, or None."""
+    # Tensors held by locals are left to the guard, which names them "<local w of f, created
+    # by ...>"; owners are what gives paths to tensors: modules and the capturing object.
+    if var.startswith("__") or isinstance(value, torch.Tensor):
+        return None
+    if isinstance(value, torch.nn.Module) or var == "self":
+        if var == "self":
+            cls = type(value)
+            if cls.__module__ in ("builtins",) or cls.__module__.startswith("torch"):
+                return None
+            return cls.__name__
+        return var
+    return None
+
+
+def finding_dict(finding: Any) -> dict[str, Any]:
+    from repro.outcome import to_jsonable
+    return to_jsonable(finding)
+
+
+def merge_mechanisms(guard_findings: list, census_findings: list) -> list:
+    """One finding per captured address: seen by both mechanisms -> mechanism 'both'."""
+    by_ptr = {f.old_ptr: f for f in guard_findings}
+    merged = list(guard_findings)
+    for f in census_findings:
+        twin = by_ptr.get(f.old_ptr)
+        if twin is not None:
+            try:
+                twin.mechanism = "both"
+            except AttributeError:
+                pass
+            continue
+        merged.append(f)
+    return merged
+
+
+def torch_finding(graph: str, text: str, rank: int | None):
+    from repro.outcome import Finding
+    ptr = 0
+    for word in text.replace("(", " ").replace(")", " ").replace(":", " ").split():
+        if word.startswith("data_ptr=0x"):
+            ptr = int(word.removeprefix("data_ptr="), 16)
+            break
+    finding = Finding(slot="<tensor named by torch check_input_liveness>", graph=graph,
+                      status="freed", when="replay (torch's own check)", rank=rank or 0,
+                      shape=[], dtype="", nbytes=0, old_ptr=ptr, message=text.splitlines()[0])
+    try:
+        finding.mechanism = "torch"
+    except AttributeError:
+        pass
+    return finding

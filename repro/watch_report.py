@@ -1,0 +1,317 @@
+"""`repro watch` records -> one report over every process: rich text, JSON, JUnit XML, HTML.
+
+Reads the ``<host>-<pid>.jsonl`` files the hooks wrote in one or more run directories (one
+per node after a multi-node run), tolerating a last line cut short by a crash. No torch import.
+"""
+from __future__ import annotations
+
+import html
+import json
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
+
+from repro.outcome import Finding, finding_from_dict, to_jsonable
+from repro.report import fmt_bytes, fmt_ptr, write_text_atomic
+
+SCHEMA = "repro.watch/1"
+MAX_FINDINGS_SHOWN = 10
+
+
+@dataclass
+class WatchedProcess:
+    """A process in which the hooks were active."""
+    pid: int
+    host: str
+    ppid: int | None = None
+    started: float = 0.0           # unix time the hooks started in it
+    argv: list[str] = field(default_factory=list)
+    rank: int | None = None        # torch.distributed rank once initialised, else from RANK
+    env: dict[str, str] = field(default_factory=dict)   # RANK, LOCAL_RANK, WORLD_SIZE, ...
+    origins: list[str] = field(default_factory=list)    # sitecustomize | vllm-plugin | api
+    on_finding: str = "warn"
+    torch_hooked: bool = False     # torch.cuda.graphs was imported and CUDAGraph wrapped
+    torch: str | None = None
+    census: str = "not checked (no capture)"
+    graphs: int = 0                # captures seen (managed ones included)
+    managed_graphs: int = 0        # captured by torch.compile's cudagraph trees: not checked
+    replays: int = 0
+    findings: int = 0
+    exited: bool = False           # False: killed, crashed hard, or still running
+    forked: bool = False
+    internal_errors: list[str] = field(default_factory=list)
+    record_file: str = ""
+
+
+@dataclass
+class WatchFinding:
+    pid: int
+    host: str
+    rank: int | None
+    mechanism: str                 # guard | census | both | torch
+    finding: Finding
+
+
+@dataclass
+class WatchReport:
+    processes: list[WatchedProcess]
+    findings: list[WatchFinding]
+    command: list[str] = field(default_factory=list)
+    run_dirs: list[str] = field(default_factory=list)
+    command_exit: int | None = None   # CMD's own exit status (None: merged report, or not run)
+    exit: int | None = None           # what `repro watch` exits with
+    interrupted: bool = False
+    on_finding: str = "warn"
+    created: str = ""
+    notes: list[str] = field(default_factory=list)
+    schema: str = SCHEMA
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    records = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue   # a line cut short by a crash mid-write
+    return records
+
+
+def process_from_records(path: Path, records: list[dict[str, Any]]) -> WatchedProcess | None:
+    head = next((r for r in records if r.get("kind") == "process"), None)
+    if head is None:
+        return None
+    proc = WatchedProcess(pid=head["pid"], host=head.get("host", ""), ppid=head.get("ppid"),
+                          started=head.get("started", 0.0),
+                          argv=head.get("argv", []), env=head.get("env", {}),
+                          origins=[head.get("origin", "")], on_finding=head.get("on_finding", "warn"),
+                          forked=bool(head.get("forked")), record_file=str(path))
+    rank_env = proc.env.get("RANK")
+    proc.rank = int(rank_env) if rank_env is not None and rank_env.isdigit() else None
+    for r in records:
+        apply_record(proc, r)
+    return proc
+
+
+def apply_record(proc: WatchedProcess, r: dict[str, Any]) -> None:
+    kind = r.get("kind")
+    if kind == "hooked":
+        proc.torch_hooked = True
+        proc.torch = r.get("torch") or proc.torch
+    elif kind == "origin":
+        proc.origins.append(r.get("origin", ""))
+    elif kind == "census":
+        proc.census = r.get("state", proc.census)
+    elif kind == "rank" and r.get("rank") is not None:
+        proc.rank = r["rank"]
+    elif kind == "capture":
+        proc.graphs += 1
+        proc.managed_graphs += bool(r.get("managed"))
+    elif kind == "finding":
+        proc.findings += 1
+    elif kind == "internal":
+        proc.internal_errors.append(f"{r.get('where')}: {r.get('error')}")
+    elif kind == "exit":
+        proc.exited = True
+        proc.replays = r.get("counters", {}).get("replays", 0)
+        proc.census = r.get("census", proc.census)
+        if r.get("rank") is not None:
+            proc.rank = r["rank"]
+
+
+def findings_from_records(proc: WatchedProcess, records: list[dict[str, Any]]) -> list[WatchFinding]:
+    out = []
+    for r in records:
+        if r.get("kind") != "finding":
+            continue
+        finding = finding_from_dict(r.get("finding", {}))
+        rank = r.get("rank", proc.rank)
+        out.append(WatchFinding(pid=proc.pid, host=proc.host, rank=rank,
+                                mechanism=r.get("mechanism", "guard"), finding=finding))
+    return out
+
+
+def record_files(run_dirs: list[Path]) -> list[Path]:
+    return sorted(p for d in run_dirs for p in Path(d).glob("*.jsonl"))
+
+
+def load_report(run_dirs: list[Path]) -> WatchReport:
+    processes, findings = [], []
+    for path in record_files(run_dirs):
+        records = read_records(path)
+        proc = process_from_records(path, records)
+        if proc is None:
+            continue
+        processes.append(proc)
+        findings.extend(findings_from_records(proc, records))
+    processes.sort(key=lambda p: (p.host, p.started, p.pid))
+    return WatchReport(processes=processes, findings=findings,
+                       run_dirs=[str(d) for d in run_dirs],
+                       created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
+# -- console ------------------------------------------------------------------------------------
+
+def short_argv(argv: list[str], width: int = 60) -> str:
+    text = " ".join(argv[1:] if len(argv) > 1 else argv)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def processes_table(rep: WatchReport) -> Table:
+    table = Table(title=f"Processes watched ({len(rep.processes)})", title_justify="left",
+                  show_edge=False, pad_edge=False)
+    multi_host = len({p.host for p in rep.processes}) > 1
+    for col in (["host"] if multi_host else []) + ["pid", "rank", "torch", "graphs", "replays",
+                                                  "findings", "exited", "command"]:
+        table.add_column(col, justify="right" if col in ("pid", "rank", "graphs", "replays", "findings") else "left",
+                         overflow="fold" if col == "command" else "ellipsis")
+    for p in rep.processes:
+        graphs = str(p.graphs) + (f" ({p.managed_graphs} managed)" if p.managed_graphs else "")
+        row = ([p.host] if multi_host else []) + [
+            str(p.pid), "" if p.rank is None else str(p.rank),
+            "hooked" if p.torch_hooked else "not imported", graphs,
+            str(p.replays) if p.exited else "?", str(p.findings), "yes" if p.exited else "no",
+            short_argv(p.argv)]
+        table.add_row(*[Text(c) for c in row], style="red" if p.findings else "")
+    return table
+
+
+def finding_facts(w: WatchFinding) -> list[tuple[str, str]]:
+    f = w.finding
+    facts = [("process", f"pid {w.pid} on {w.host}" + ("" if w.rank is None else f", rank {w.rank}")),
+             ("graph", f.graph), ("mechanism", w.mechanism), ("seen", f.when),
+             ("address", fmt_ptr(f.old_ptr) + (f" → {fmt_ptr(f.new_ptr)}" if f.new_ptr is not None else ""))]
+    if f.shape or f.dtype:
+        facts.append(("tensor", f"{list(f.shape)} {f.dtype} · {fmt_bytes(f.nbytes)}"))
+    facts += [(label, site) for label, site in (("created at", f.created_at), ("freed at", f.freed_at)) if site]
+    if f.message:
+        facts.append(("message", f.message))
+    return facts
+
+
+def findings_block(rep: WatchReport) -> list[Any]:
+    out: list[Any] = [Text(f"Findings ({len(rep.findings)})", style="bold")]
+    for w in rep.findings[:MAX_FINDINGS_SHOWN]:
+        f = w.finding
+        out.append(Text.assemble("  ", (f.status.upper(), "bold red" if f.status == "freed" else "bold yellow"),
+                                 " ", (f.slot, "bold")))
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="dim", no_wrap=True)
+        grid.add_column(overflow="fold")
+        for label, value in finding_facts(w):
+            grid.add_row(label, Text(value))
+        out.append(Padding(grid, (0, 0, 0, 4)))
+    hidden = len(rep.findings) - MAX_FINDINGS_SHOWN
+    if hidden > 0:
+        out.append(Text(f"  {hidden} more findings (all are in --json)", style="dim"))
+    return out
+
+
+def verdict_line(rep: WatchReport) -> Text:
+    hooked = sum(p.torch_hooked for p in rep.processes)
+    graphs = sum(p.graphs for p in rep.processes)
+    text = Text()
+    if rep.interrupted:
+        text.append("INTERRUPTED  ", style="bold yellow")
+    if rep.findings:
+        text.append(f"{len(rep.findings)} finding(s)", style="bold red")
+    else:
+        text.append("no findings", style="bold green")
+    text.append(f" · {len(rep.processes)} process(es) watched, {hooked} imported torch, "
+                f"{graphs} graph capture(s)")
+    if rep.command_exit is not None:
+        text.append(f" · command exited {rep.command_exit}")
+    return text
+
+
+def render(rep: WatchReport, console: Console) -> None:
+    console.print(verdict_line(rep))
+    if rep.processes:
+        console.print(processes_table(rep))
+    if rep.findings:
+        for item in findings_block(rep):
+            console.print(item)
+    censuses = sorted({p.census for p in rep.processes if p.graphs})
+    if censuses:
+        console.print(Text("census: " + "; ".join(censuses), style="dim"))
+    for p in rep.processes:
+        for err in p.internal_errors[:3]:
+            console.print(Text(f"watch internal error in pid {p.pid}: {err}", style="yellow"))
+    for note in rep.notes:
+        console.print(Text(note, style="dim"))
+    if rep.run_dirs:
+        console.print(Text("records: " + ", ".join(rep.run_dirs), style="dim"))
+
+
+# -- files --------------------------------------------------------------------------------------
+
+def report_json(rep: WatchReport) -> str:
+    doc = to_jsonable(rep)
+    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+
+
+def write_json(rep: WatchReport, path: str) -> None:
+    """'-' writes to stdout, after everything the command itself printed there."""
+    import sys
+    text = report_json(rep)
+    if path == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        write_text_atomic(path, text)
+
+
+def junit_xml(rep: WatchReport) -> str:
+    """One testcase per watched process; a failure per finding."""
+    suite = ET.Element("testsuite", name="repro watch", tests=str(len(rep.processes)),
+                       failures=str(sum(1 for p in rep.processes if p.findings)))
+    by_process: dict[tuple[str, int], list[WatchFinding]] = {}
+    for w in rep.findings:
+        by_process.setdefault((w.host, w.pid), []).append(w)
+    for p in rep.processes:
+        name = f"{p.host}:{p.pid}" + ("" if p.rank is None else f"[rank {p.rank}]")
+        case = ET.SubElement(suite, "testcase", classname="repro.watch", name=name)
+        for w in by_process.get((p.host, p.pid), []):
+            failure = ET.SubElement(case, "failure", type=w.finding.status,
+                                    message=f"{w.finding.slot} in graph {w.finding.graph}")
+            failure.text = "\n".join(f"{k}: {v}" for k, v in finding_facts(w))
+        ET.SubElement(case, "system-out").text = " ".join(p.argv)
+    return ET.tostring(suite, encoding="unicode") + "\n"
+
+
+def report_html(rep: WatchReport) -> str:
+    e = html.escape
+    rows = "".join(
+        f"<tr><td>{e(p.host)}</td><td>{p.pid}</td><td>{'' if p.rank is None else p.rank}</td>"
+        f"<td><code>{e(' '.join(p.argv))}</code></td><td>{'hooked' if p.torch_hooked else 'not imported'}</td>"
+        f"<td>{p.graphs}</td><td>{p.replays if p.exited else '?'}</td><td>{p.findings}</td></tr>"
+        for p in rep.processes)
+    blocks = "".join(
+        "<section><h3>" + e(w.finding.status.upper()) + " " + e(w.finding.slot) + "</h3><dl>"
+        + "".join(f"<dt>{e(k)}</dt><dd>{e(str(v))}</dd>" for k, v in finding_facts(w)) + "</dl></section>"
+        for w in rep.findings)
+    verdict = e(verdict_line(rep).plain)
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>repro watch</title><style>"
+            "body{font-family:system-ui,sans-serif;margin:2em}td,th{padding:2px 8px;text-align:left}"
+            "dt{font-weight:bold;float:left;width:8em}dd{margin-left:9em}code{font-size:90%}</style></head>"
+            f"<body><h1>repro watch</h1><p>{verdict}</p><p><code>{e(' '.join(rep.command))}</code></p>"
+            "<table><tr><th>host</th><th>pid</th><th>rank</th><th>command</th><th>torch</th>"
+            f"<th>graphs</th><th>replays</th><th>findings</th></tr>{rows}</table>{blocks}</body></html>\n")
+
+
+def write_artifacts(rep: WatchReport, json_path: str | None, junit: str | None, html_path: str | None) -> None:
+    if json_path:
+        write_json(rep, json_path)
+    if junit:
+        write_text_atomic(junit, junit_xml(rep))
+    if html_path:
+        write_text_atomic(html_path, report_html(rep))

@@ -1,0 +1,327 @@
+"""`repro watch -- CMD`: CLI contract, injection into every Python process, vLLM entry point,
+torchrun. On CPU no CUDA graph exists: tests that need a finding route a stand-in graph class
+(tests/watch_programs/fake_graph.py) through the hooks and are named *_plumbing; they show
+the hooks are installed and check before replay, not that a real capture is read right."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, group_alive
+
+PROGRAMS = REPO / "tests" / "watch_programs"
+
+
+def env_with_repo(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPRO_WATCH")}
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra)
+    return env
+
+
+def run(args, cwd=None, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, env=kwargs.pop("env", env_with_repo()),
+                          cwd=cwd or REPO, timeout=kwargs.pop("timeout", 180), **kwargs)
+
+
+def watch(tmp_path, *cmd, options=()) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "report.json"
+    proc = run([sys.executable, "-m", "repro", "watch", "--run-dir", str(tmp_path / "run"),
+                "--json", str(out), *options, "--", *cmd])
+    return proc, (json.loads(out.read_text()) if out.exists() else {})
+
+
+# -- CLI contract -------------------------------------------------------------------------------
+
+def test_stdout_is_passed_through_byte_exact_and_exit_code_kept(tmp_path):
+    code = ("import sys; sys.stdout.buffer.write(b'raw \\x00\\xff bytes\\nno newline'); "
+            "sys.stderr.write('err line\\n'); sys.exit(7)")
+    plain = run([sys.executable, "-c", code])
+    watched, rep = watch(tmp_path, sys.executable, "-c", code)
+    assert plain.returncode == 7 and watched.returncode == 7
+    assert watched.stdout == plain.stdout == b"raw \x00\xff bytes\nno newline"
+    assert b"err line" in watched.stderr
+    assert rep["schema"] == "repro.watch/1" and rep["command_exit"] == 7 and rep["exit"] == 7
+    assert [p["torch_hooked"] for p in rep["processes"]] == [False]   # never imported torch
+    assert rep["findings"] == []
+
+
+def test_torch_is_not_imported_by_the_hooks(tmp_path):
+    code = "import sys; print('torch' in sys.modules)"
+    watched, rep = watch(tmp_path, sys.executable, "-c", code)
+    assert watched.stdout == b"False\n"
+    assert len(rep["processes"]) == 1 and rep["processes"][0]["exited"]
+
+
+def test_program_sees_its_own_sys_path_and_shadowed_sitecustomize_runs(tmp_path):
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text("import os\nos.environ['OWN_SITE_RAN'] = '1'\n")
+    code = "import os, sys; print(os.environ.get('OWN_SITE_RAN'), [p for p in sys.path if '_site' in p])"
+    env = env_with_repo()
+    env["PYTHONPATH"] = str(own) + os.pathsep + env["PYTHONPATH"]
+    plain = run([sys.executable, "-c", code], env=env)
+    out = tmp_path / "r.json"
+    watched = run([sys.executable, "-m", "repro", "watch", "--run-dir", str(tmp_path / "run"),
+                   "--json", str(out), "--", sys.executable, "-c", code], env=env)
+    assert plain.stdout == watched.stdout == b"1 []\n"
+    assert json.loads(out.read_text())["processes"][0]["origins"] == ["sitecustomize"]
+
+
+def test_usage_errors_exit_2_with_one_line(tmp_path):
+    cases = [[], ["--on-finding", "loud", "--", "true"], ["--", "no-such-command-xyz"]]
+    for args in cases:
+        proc = run([sys.executable, "-m", "repro", "watch", "--run-dir", str(tmp_path / "u"), *args])
+        assert proc.returncode == 2, args
+        lines = proc.stderr.decode().strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("repro: error:"), proc.stderr
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "vm-1.jsonl").write_text("{}\n")
+    proc = run([sys.executable, "-m", "repro", "watch", "--run-dir", str(used), "--", "true"])
+    assert proc.returncode == 2 and b"already holds records" in proc.stderr
+
+
+def test_finding_exits_1_json_names_the_tensor_plumbing(tmp_path):
+    plain = run([sys.executable, str(PROGRAMS / "stale_local.py")])
+    watched, rep = watch(tmp_path, sys.executable, str(PROGRAMS / "stale_local.py"))
+    assert plain.returncode == 0 and b"watched=False" in plain.stderr
+    assert watched.stdout == plain.stdout                     # the program printed the same
+    assert watched.returncode == 1 and rep["command_exit"] == 0 and rep["exit"] == 1
+    (f,) = rep["findings"]
+    assert f["mechanism"] == "guard" and f["finding"]["status"] == "freed"
+    assert "local weight of capture_routine" in f["finding"]["slot"]
+    assert f["finding"]["freed_at"].startswith("stale_local.py:")
+    assert f["finding"]["when"].startswith("first replay after capture")
+    (p,) = rep["processes"]
+    assert p["pid"] == f["pid"] and p["findings"] == 1 and p["replays"] == 3 and p["graphs"] == 1
+    assert p["census"].startswith("unavailable") or p["census"] == "active"
+    records = (tmp_path / "run").glob("*.jsonl")
+    assert sum(1 for line in next(records).read_text().splitlines() if '"finding"' in line) == 1
+
+
+def test_raise_mode_raises_stale_capture_error_before_the_replay_plumbing(tmp_path):
+    watched, rep = watch(tmp_path, sys.executable, str(PROGRAMS / "stale_local.py"),
+                         options=("--on-finding", "raise"))
+    err = watched.stderr.decode()
+    assert "StaleCaptureError" in err and "local weight of capture_routine" in err
+    assert b"replays 3" not in watched.stdout                 # the first replay never ran
+    assert watched.returncode == 1 and rep["command_exit"] == 1
+    assert len(rep["findings"]) == 1 and rep["processes"][0]["exited"]
+
+
+def test_junit_and_html_are_written_plumbing(tmp_path):
+    junit, html = tmp_path / "w.xml", tmp_path / "w.html"
+    watched, _ = watch(tmp_path, sys.executable, str(PROGRAMS / "stale_local.py"),
+                       options=("--junit", str(junit), "--html", str(html)))
+    assert watched.returncode == 1
+    assert "<failure" in junit.read_text() and "capture_routine" in junit.read_text()
+    assert "FREED" in html.read_text()
+
+
+def test_json_to_stdout_follows_the_program_output(tmp_path):
+    proc = run([sys.executable, "-m", "repro", "watch", "--run-dir", str(tmp_path / "run"), "--json", "-",
+                "--", sys.executable, "-c", "print('first')"])
+    head, _, rest = proc.stdout.decode().partition("\n")
+    assert head == "first" and json.loads(rest)["schema"] == "repro.watch/1"
+
+
+# -- injection ----------------------------------------------------------------------------------
+
+def test_children_grandchildren_and_spawn_workers_are_watched_plumbing(tmp_path):
+    plain = run([sys.executable, str(PROGRAMS / "clean_children.py"), "top", "4"])
+    watched, rep = watch(tmp_path, sys.executable, str(PROGRAMS / "clean_children.py"), "top", "4")
+    assert plain.returncode == 4 and watched.returncode == 4  # clean: CMD's own exit code
+    assert watched.stdout == plain.stdout
+    procs = rep["processes"]
+    roles = sorted(p["argv"][-1] if p["argv"][-1] in ("child", "grandchild") else
+                   "top" if "top" in p["argv"] else "spawn" for p in procs)
+    assert roles.count("top") == 1 and roles.count("child") == 1 and roles.count("grandchild") == 1
+    assert roles.count("spawn") >= 1                          # spawn worker (and its resource tracker)
+    by_pid = {p["pid"]: p for p in procs}
+    grandchild = next(p for p in procs if p["argv"][-1] == "grandchild")
+    child = by_pid[grandchild["ppid"]]
+    assert child["argv"][-1] == "child" and by_pid[child["ppid"]]["argv"][-1] == "4"
+    graphs = {p["argv"][-1]: p["graphs"] for p in procs if p["graphs"]}
+    assert len(graphs) == 4 and all(n == 1 for n in graphs.values())   # top, child, grandchild, worker
+    assert rep["findings"] == [] and all(p["exited"] for p in procs)
+
+
+def test_torchrun_two_ranks_one_record_file_each_plumbing(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(PROGRAMS / "dist_ranks.py")]
+    watched, rep = watch(tmp_path, *cmd)
+    assert b"rank 0 of 2: sum 1" in watched.stdout and b"rank 1 of 2: sum 1" in watched.stdout
+    ranks = [p for p in rep["processes"] if p["graphs"]]
+    assert sorted(p["rank"] for p in ranks) == [0, 1]
+    assert sorted(p["env"]["RANK"] for p in ranks) == ["0", "1"]
+    files = {Path(p["record_file"]).name for p in ranks}
+    assert len(files) == 2                                    # one record file per rank
+    assert sorted(f["rank"] for f in rep["findings"]) == [0, 1]
+    assert watched.returncode == 1
+
+
+def test_merge_of_two_run_directories(tmp_path):
+    for node in ("a", "b"):
+        proc = run([sys.executable, "-m", "repro", "watch", "--run-dir", str(tmp_path / node), "--",
+                    sys.executable, str(PROGRAMS / "stale_local.py")])
+        assert proc.returncode == 1
+    out = tmp_path / "merged.json"
+    merged = run([sys.executable, "-m", "repro", "watch-report", str(tmp_path / "a"), str(tmp_path / "b"),
+                  "--json", str(out)])
+    rep = json.loads(out.read_text())
+    assert merged.returncode == 1 and len(rep["processes"]) == 2 and len(rep["findings"]) == 2
+    assert run([sys.executable, "-m", "repro", "watch-report", str(tmp_path / "none")]).returncode == 2
+
+
+def test_ctrl_c_is_forwarded_to_the_group_and_reported(tmp_path):
+    code = ("import signal, sys, time, subprocess\n"
+            "try:\n"
+            "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "    print('ready', child.pid, flush=True)\n"
+            "    time.sleep(60)\n"
+            "except KeyboardInterrupt:\n    child.wait(); sys.exit(5)\n")
+    out = tmp_path / "r.json"
+    proc = subprocess.Popen([sys.executable, "-m", "repro", "watch", "--run-dir", str(tmp_path / "run"),
+                             "--json", str(out), "--", sys.executable, "-c", code],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env_with_repo(), cwd=REPO)
+    line = proc.stdout.readline().decode().split()
+    assert line[0] == "ready"
+    grandchild = int(line[1])
+    pgid = os.getpgid(grandchild)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    rep = json.loads(out.read_text())
+    assert rep["interrupted"] and rep["command_exit"] == 5
+    deadline = time.monotonic() + 10
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not group_alive(pgid)
+
+
+# -- vLLM entry point ---------------------------------------------------------------------------
+
+def install_entry_points(site: Path) -> None:
+    """Write the entry points pyproject declares into a dist-info, as an installer would."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    dist = site / "repro_watch_ep_test-0.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: repro-watch-ep-test\nVersion: 0.0\n")
+    lines = []
+    for group, eps in project["entry-points"].items():
+        lines.append(f"[{group}]")
+        lines += [f"{name} = {target}" for name, target in eps.items()]
+    (dist / "entry_points.txt").write_text("\n".join(lines) + "\n")
+
+
+VLLM_LOADER = """
+import os, sys
+from importlib.metadata import entry_points
+if sys.argv[1] == "torch-first":
+    import torch
+allowed = os.environ.get("VLLM_PLUGINS")
+plugins = {ep.name: ep.load() for ep in entry_points(group="vllm.general_plugins")
+           if allowed is None or ep.name in allowed.split(",")}
+for _ in range(2):                       # vLLM may load the plugins more than once per process
+    for func in plugins.values():
+        func()
+import torch
+from repro import watch_hooks
+w = watch_hooks.active()
+wrapped = hasattr(torch.cuda.CUDAGraph.replay, "__wrapped__")
+print(sorted(plugins), w is not None, wrapped, w.origins if w else None)
+"""
+
+
+@pytest.mark.parametrize("order", ["plugin-first", "torch-first"])
+def test_vllm_plugin_entry_point_activates_only_with_repro_watch(tmp_path, order):
+    site = tmp_path / "site"
+    install_entry_points(site)
+    base = env_with_repo()
+    base["PYTHONPATH"] = str(site) + os.pathsep + base["PYTHONPATH"]
+    off = run([sys.executable, "-c", VLLM_LOADER, order], env=base, cwd=tmp_path)
+    assert off.stdout == b"['repro_watch'] False False None\n", off.stderr
+    assert not (tmp_path / "repro-watch").exists()
+    runs = tmp_path / "runs"
+    on = run([sys.executable, "-c", VLLM_LOADER, order],
+             env={**base, "REPRO_WATCH": "1", "REPRO_WATCH_DIR": str(runs)}, cwd=tmp_path)
+    assert on.stdout == b"['repro_watch'] True True ['vllm-plugin']\n", on.stderr
+    (record,) = runs.glob("*.jsonl")
+    kinds = [json.loads(line)["kind"] for line in record.read_text().splitlines()]
+    assert kinds.count("process") == 1 and kinds.count("hooked") == 1
+    blocked = run([sys.executable, "-c", VLLM_LOADER, order],
+                  env={**base, "REPRO_WATCH": "1", "REPRO_WATCH_DIR": str(runs), "VLLM_PLUGINS": "other"},
+                  cwd=tmp_path)
+    assert blocked.stdout == b"[] False False None\n"
+
+
+def test_vllm_plugin_under_repro_watch_is_idempotent_with_sitecustomize(tmp_path):
+    site = tmp_path / "site"
+    install_entry_points(site)
+    env = env_with_repo()
+    env["PYTHONPATH"] = str(site) + os.pathsep + env["PYTHONPATH"]
+    out = tmp_path / "r.json"
+    proc = run([sys.executable, "-m", "repro", "watch", "--run-dir", str(tmp_path / "run"), "--json", str(out),
+                "--", sys.executable, "-c", VLLM_LOADER, "plugin-first"], env=env, cwd=tmp_path)
+    assert proc.stdout == b"['repro_watch'] True True ['sitecustomize', 'vllm-plugin']\n", proc.stderr
+    (p,) = json.loads(out.read_text())["processes"]
+    assert p["origins"] == ["sitecustomize", "vllm-plugin"]
+
+
+# -- in-process hooks ---------------------------------------------------------------------------
+
+def test_reset_marks_other_graphs_for_a_deep_check_plumbing(tmp_path, monkeypatch):
+    import torch
+    from repro import watch_hooks
+    sys.path.insert(0, str(PROGRAMS))
+    try:
+        from fake_graph import FakeGraph, capture
+    finally:
+        sys.path.remove(str(PROGRAMS))
+
+    class Graph(FakeGraph):   # a class of its own: patching must not leak into other tests
+        pass
+
+    watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "warn", "api"))
+    watcher.recorder = watch_hooks.Recorder(str(tmp_path))
+    watcher.patch(Graph)
+    a, b = Graph(), Graph()
+    kept = torch.ones(3)
+    with capture(a):
+        kept.sum()
+    with capture(b):
+        kept.sum()
+    a.replay(), b.replay()
+    assert watcher.counters.checks_deep == 2
+    b.reset()
+    a.replay()
+    assert watcher.counters.checks_deep == 3 and watcher.graphs[a].replays == 2
+    assert watcher.counters.findings == 0
+    watcher.recorder.close()
+
+
+def test_graphs_captured_by_cudagraph_trees_are_counted_not_checked():
+    from repro.watch_hooks import capture_site
+    code = compile("def f(get):\n    return get()\n", os.path.join("x", "torch", "_inductor", "cudagraph_trees.py"), "exec")
+    namespace: dict = {}
+    exec(code, namespace)
+    site, managed = namespace["f"](lambda: capture_site(sys._getframe(1)))
+    assert managed and site.startswith("cudagraph_trees.py:")
+    assert capture_site(sys._getframe(0))[1] is False
+
+
+def test_finding_records_survive_a_hard_crash_plumbing(tmp_path):
+    code = ("import os, sys; sys.path.insert(0, %r)\n"
+            "import stale_local, torch\n"
+            "stale_local.main([])\n"
+            "os.kill(os.getpid(), 9)\n") % str(PROGRAMS)
+    watched, rep = watch(tmp_path, sys.executable, "-c", code)
+    assert watched.returncode == 1 and rep["command_exit"] == 128 + 9
+    assert len(rep["findings"]) == 1 and rep["processes"][0]["exited"] is False

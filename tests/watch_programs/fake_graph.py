@@ -1,0 +1,42 @@
+"""A stand-in for torch.cuda.CUDAGraph on CPU, for plumbing tests of the watch hooks only.
+
+No graph exists: capture_begin/capture_end/replay/reset do nothing, so what these tests show is
+that the hooks are installed, record what the code between capture_begin and capture_end
+touches, and check before replay. Real capture is covered by the GPU runs.
+"""
+
+
+class FakeGraph:
+    def capture_begin(self, *args, **kwargs):
+        pass
+
+    def capture_end(self):
+        pass
+
+    def replay(self):
+        pass
+
+    def reset(self):
+        pass
+
+
+class capture:
+    """torch.cuda.graph's shape: capture_begin on enter, capture_end on exit."""
+
+    def __init__(self, graph):
+        self.graph = graph
+
+    def __enter__(self):
+        self.graph.capture_begin()
+
+    def __exit__(self, *exc):
+        self.graph.capture_end()
+
+
+def patch_if_watched():
+    """Route FakeGraph through the watch hooks when this process is watched."""
+    from repro import watch_hooks
+    watcher = watch_hooks.active()
+    if watcher is not None:
+        watcher.patch(FakeGraph)
+    return watcher is not None
