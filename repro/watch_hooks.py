@@ -199,6 +199,7 @@ class GraphState:
     census: Any = None            # GraphCensus taken at capture end
     deep_reason: str | None = "first replay after capture"
     replays: int = 0
+    live: tuple[int, ...] | None = None   # storage handles the liveness fast path tests
     kept: bool | None = None      # cudaGraph_t kept past capture_end (census): True = forced by us
     captured: bool = False
 
@@ -232,6 +233,7 @@ class Watcher:
         self._watched: dict[int, str] = {}
         # graphs whose cudaGraph_t outlives capture_end (for the census): True where we forced it
         self.kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.expired = None           # torch.UntypedStorage._expired once torch is in use
         self._hook = GraphsImportHook(self.on_graphs_module)
         self._t0 = time.perf_counter()
 
@@ -392,11 +394,16 @@ class Watcher:
             return
         self.counters.replays += 1
         state.replays += 1
+        # The per-replay path: one C call per captured storage, nothing else while all live.
+        if state.deep_reason is None and state.live is not None \
+                and not any(map(self.expired, state.live)):
+            return
         try:
             if state.deep_reason is None:
                 findings = self.guard.check("before replay", graph=state.label, deep=False)
             else:
                 findings = self.deep_check(state)
+            state.live = self.live_handles(state.label)
         except Exception as e:
             self.internal("replay check", e)
             return
@@ -438,9 +445,24 @@ class Watcher:
 
     # -- helpers -------------------------------------------------------------------------------
 
+    def live_handles(self, label: str) -> tuple[int, ...] | None:
+        """Handles of the graph's storages not yet reported freed; None: use the guard's path."""
+        if self.expired is None:
+            return None
+        handles = []
+        for slot in self.guard.slots:
+            if label in slot.graphs and "freed" not in slot.reported:
+                if slot.ref is None:
+                    return None
+                handles.append(slot.ref.cdata)
+        return tuple(handles)
+
     def ensure_guard(self):
         if self.guard is None:
+            import torch
             from repro.guard import CaptureGuard
+            # StorageWeakRef.expired() goes through two Python calls; the C function is ~20x faster.
+            self.expired = getattr(torch.UntypedStorage, "_expired", None)
             self.guard = CaptureGuard(mode="warn")   # raise mode: we raise after writing the record
             self.census_ready()
             self.write({"kind": "census", "state": self.census_state})
@@ -551,14 +573,16 @@ def owner_name(var: str, value: Any, torch) -> str | None:
     # by ...>"; owners are what gives paths to tensors: modules and the capturing object.
     if var.startswith("__") or isinstance(value, torch.Tensor):
         return None
-    if isinstance(value, torch.nn.Module) or var == "self":
-        if var == "self":
-            cls = type(value)
-            if cls.__module__ in ("builtins",) or cls.__module__.startswith("torch"):
-                return None
-            return cls.__name__
-        return var
-    return None
+    if isinstance(value, torch.nn.Module):
+        return type(value).__name__ if var == "self" else var
+    module = type(value).__module__ or ""
+    if module == "builtins" or module.startswith(("torch", "repro")) or not hasattr(value, "__dict__"):
+        return None
+    if var == "self":
+        return type(value).__name__
+    # A plain object (a KV cache, a runner) is worth watching when it holds tensors or modules itself.
+    attrs = list(vars(value).values())[:_MAX_OWNERS]
+    return var if any(isinstance(a, (torch.Tensor, torch.nn.Module)) for a in attrs) else None
 
 
 def finding_dict(finding: Any) -> dict[str, Any]:

@@ -325,3 +325,60 @@ def test_finding_records_survive_a_hard_crash_plumbing(tmp_path):
     watched, rep = watch(tmp_path, sys.executable, "-c", code)
     assert watched.returncode == 1 and rep["command_exit"] == 128 + 9
     assert len(rep["findings"]) == 1 and rep["processes"][0]["exited"] is False
+
+
+def test_fast_path_catches_a_free_between_replays_plumbing(tmp_path):
+    import torch
+    from repro import watch_hooks
+    sys.path.insert(0, str(PROGRAMS))
+    try:
+        from fake_graph import FakeGraph, capture
+    finally:
+        sys.path.remove(str(PROGRAMS))
+
+    class Graph(FakeGraph):
+        pass
+
+    class Engine:
+        def __init__(self):
+            self.cache = torch.zeros(4, 4)
+
+        def capture(self, graph):
+            with capture(graph):
+                self.cache.add_(1)
+
+    watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "raise", "api"))
+    watcher.recorder = watch_hooks.Recorder(str(tmp_path))
+    watcher.patch(Graph)
+    engine, graph = Engine(), Graph()
+    engine.capture(graph)
+    for _ in range(3):
+        graph.replay()                                        # deep once, then the fast path
+    assert watcher.counters.findings == 0 and watcher.graphs[graph].live is not None
+    engine.cache = torch.zeros(8, 4)                          # rebinding frees the captured cache
+    from repro.guard import StaleCaptureError
+    with pytest.raises(StaleCaptureError) as err:
+        graph.replay()
+    (finding,) = err.value.findings
+    assert finding.slot == "Engine.cache" and finding.status == "freed" and finding.when == "before replay"
+    assert finding.new_ptr == engine.cache.data_ptr()         # the owner's name points elsewhere now
+    lines = [json.loads(line) for line in Path(watcher.recorder.path).read_text().splitlines()]
+    assert [r["finding"]["slot"] for r in lines if r["kind"] == "finding"] == ["Engine.cache"]
+    graph.replay()                                            # reported once, not at every replay
+    assert watcher.counters.findings == 1
+    watcher.recorder.close()
+
+
+def test_examples_run_as_is_and_under_watch_on_cpu(tmp_path):
+    """Without CUDA each example says so and exits 0; watched, nothing changes and nothing is found."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("the GPU behaviour is checked by benchmarks/watch_checks.sh")
+    names = ["watch_kv_cache.py", "watch_weight_sync.py", "watch_triton_freed.py", "watch_compiled_clean.py"]
+    script = "; ".join(f"{sys.executable} examples/{n} || exit 9" for n in names)
+    plain = run(["sh", "-c", script])
+    watched, rep = watch(tmp_path, "sh", "-c", script)
+    assert plain.returncode == 0 and watched.returncode == 0, watched.stderr
+    assert watched.stdout == plain.stdout and plain.stdout.count(b"no CUDA device") == 4
+    assert len(rep["processes"]) == 4 and all(p["torch_hooked"] for p in rep["processes"])
+    assert rep["findings"] == []

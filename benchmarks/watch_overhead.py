@@ -1,0 +1,190 @@
+"""What `repro watch` costs a program: replay time of a decode-like graph, per-replay check cost
+against the number of captured storages, and interpreter start-up.
+
+    PYTHONPATH=. python3 benchmarks/watch_overhead.py [--json OUT] [--parts decode,storages,startup]
+
+decode    a 24-layer graph (2 bf16 GEMMs + GELU per layer, batch 8, hidden 2048) replayed
+          1000 times x 5 rounds, in a plain process and in one started under the watch
+          environment (the same sitecustomize `repro watch` uses); GPU only.
+storages  the hook's own per-replay work (the liveness check `before_replay` runs) on a graph
+          that captured N distinct storages, N = 10 .. 3000: timed directly, 20000 calls. On
+          GPU a real capture; on CPU a stand-in graph class (the hooks' plumbing; the check
+          itself is the same code and touches no device).
+startup   `python -c "import torch"` plain vs watched, 7 interleaved runs each, medians.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import emit  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+DECODE_LAYERS, DECODE_HIDDEN, DECODE_BATCH = 24, 2048, 8
+REPLAYS, ROUNDS = 1000, 5
+STORAGE_COUNTS = (10, 100, 300, 1000, 3000)
+CHECK_CALLS = 20000
+
+
+def watched_env(run_dir: str) -> dict:
+    sys.path.insert(0, str(REPO))
+    from pathlib import Path as _P
+    from repro.watch import watch_env
+    env = watch_env(dict(os.environ), _P(run_dir), "warn")
+    env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + str(REPO)
+    return env
+
+
+def plain_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPRO_WATCH")}
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+# -- decode (inner process) ---------------------------------------------------------------------
+
+def inner_decode() -> dict:
+    import torch
+    torch.set_grad_enabled(False)
+    layers = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(DECODE_HIDDEN, DECODE_HIDDEN, bias=False), torch.nn.GELU(),
+                            torch.nn.Linear(DECODE_HIDDEN, DECODE_HIDDEN, bias=False))
+        for _ in range(DECODE_LAYERS)).cuda().to(torch.bfloat16)
+    x = torch.randn(DECODE_BATCH, DECODE_HIDDEN, device="cuda", dtype=torch.bfloat16)
+
+    def step(h):
+        for layer in layers:
+            h = h + layer(h)
+        return h
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(x)
+    for _ in range(50):
+        graph.replay()
+    rounds = []
+    for _ in range(ROUNDS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(REPLAYS):
+            graph.replay()
+        torch.cuda.synchronize()
+        rounds.append((time.perf_counter() - t0) / REPLAYS * 1e6)
+    from repro import watch_hooks
+    watcher = watch_hooks.active()
+    return {"us_per_replay_rounds": rounds, "us_per_replay": statistics.median(rounds),
+            "watched": watcher is not None,
+            "captured_storages": len(watcher.guard.slots) if watcher and watcher.guard else None,
+            "replays_seen_by_hooks": watcher.counters.replays if watcher else None}
+
+
+def part_decode() -> dict:
+    import torch
+    if not torch.cuda.is_available():
+        return {"skipped": "needs CUDA"}
+    out = {}
+    with tempfile.TemporaryDirectory() as run_dir:
+        for name, env in (("plain", plain_env()), ("watched", watched_env(run_dir))):
+            proc = subprocess.run([sys.executable, __file__, "--inner-decode"], env=env,
+                                  capture_output=True, text=True, check=True)
+            out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    plain, watched = out["plain"]["us_per_replay"], out["watched"]["us_per_replay"]
+    out["overhead_pct"] = (watched - plain) / plain * 100
+    out["shape"] = f"{DECODE_LAYERS} layers, hidden {DECODE_HIDDEN}, batch {DECODE_BATCH}, bf16"
+    return out
+
+
+# -- per-replay check cost vs captured storages ---------------------------------------------------
+
+def part_storages() -> dict:
+    import torch
+    sys.path.insert(0, str(REPO))
+    from repro import watch_hooks
+    cuda = torch.cuda.is_available()
+    rows = []
+    with tempfile.TemporaryDirectory() as run_dir:
+        for n in STORAGE_COUNTS:
+            watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(run_dir, "warn", "api"))
+            watcher.recorder = watch_hooks.Recorder(run_dir)
+            if cuda:
+                graph_cls = type("TimedGraph", (torch.cuda.CUDAGraph,), {})
+            else:
+                graph_cls = type("TimedGraph", (), {m: (lambda self, *a, **k: None) for m in watch_hooks.HOOKED})
+            watcher.patch(graph_cls)
+            device = "cuda" if cuda else "cpu"
+            tensors = [torch.ones(16, device=device) for _ in range(n)]
+            acc = torch.zeros(16, device=device)
+            graph = graph_cls()
+            if cuda:
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph):
+                    for t in tensors:
+                        acc.add_(t)
+            else:
+                graph.capture_begin()
+                for t in tensors:
+                    acc.add_(t)
+                graph.capture_end()
+            graph.replay()                                   # first replay: the deep check
+            slots = sum(1 for s in watcher.guard.slots if watcher.graphs[graph].label in s.graphs)
+            t0 = time.perf_counter()
+            for _ in range(CHECK_CALLS):
+                watcher.before_replay(graph)
+            per_call = (time.perf_counter() - t0) / CHECK_CALLS * 1e6
+            rows.append({"captured_storages": slots, "us_per_replay_check": per_call})
+            watcher.recorder.close()
+    return {"device": "cuda" if cuda else "cpu (stand-in graph class)", "rows": rows}
+
+
+# -- start-up ------------------------------------------------------------------------------------
+
+def part_startup(runs: int = 7) -> dict:
+    code = "import torch"
+    times = {"plain": [], "watched": []}
+    with tempfile.TemporaryDirectory() as run_dir:
+        envs = {"plain": plain_env(), "watched": watched_env(run_dir)}
+        for _ in range(runs):
+            for name, env in envs.items():
+                t0 = time.perf_counter()
+                subprocess.run([sys.executable, "-c", code], env=env, check=True)
+                times[name].append(time.perf_counter() - t0)
+        records = [json.loads(line) for p in Path(run_dir).glob("*.jsonl")
+                   for line in p.read_text().splitlines()]
+    hooked = sum(1 for r in records if r.get("kind") == "hooked")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"command": f'python -c "{code}"', "runs": runs, "median_s": med,
+            "added_s": med["watched"] - med["plain"], "watched_processes_hooked": hooked}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--parts", default="decode,storages,startup")
+    parser.add_argument("--inner-decode", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.inner_decode:
+        print(json.dumps(inner_decode()))
+        return
+    import torch
+    doc = {"benchmark": "watch_overhead", "torch": torch.__version__,
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "python": sys.version.split()[0]}
+    parts = {"decode": part_decode, "storages": part_storages, "startup": part_startup}
+    for name in args.parts.split(","):
+        doc[name] = parts[name]()
+    emit(doc, args.json)
+
+
+if __name__ == "__main__":
+    main()
