@@ -224,6 +224,7 @@ class Watcher:
         self.recorder: Recorder | None = None
         self.guard = None
         self.graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.graphs_by_id: dict[int, GraphState] = {}   # fallback, see state_of
         self.patched: list[type] = []
         self.counters = Counters()
         self.census_mod: Any = None
@@ -289,6 +290,7 @@ class Watcher:
 
         @functools.wraps(originals["capture_begin"])
         def capture_begin(graph, *args, **kwargs):
+            watcher.prepare()                 # imports happen before the capture, not inside it
             originals["capture_begin"](graph, *args, **kwargs)
             watcher.on_capture_begin(graph, sys._getframe(1))
 
@@ -339,6 +341,24 @@ class Watcher:
 
     # -- capture -------------------------------------------------------------------------------
 
+    def prepare(self) -> None:
+        try:
+            self.ensure_guard()
+        except Exception as e:
+            self.internal("loading the guard", e)
+
+    def state_of(self, graph) -> GraphState | None:
+        try:
+            return self.graphs.get(graph)
+        except TypeError:             # a graph class without weak references: keyed by id
+            return self.graphs_by_id.get(id(graph))
+
+    def set_state(self, graph, state: GraphState) -> None:
+        try:
+            self.graphs[graph] = state
+        except TypeError:
+            self.graphs_by_id[id(graph)] = state
+
     def on_capture_begin(self, graph, frame) -> None:
         try:
             guard = self.ensure_guard()
@@ -346,7 +366,7 @@ class Watcher:
             site, managed = capture_site(frame)
             state = GraphState(label=f"#{self.counters.captures} {site}", site=site, managed=managed)
             state.kept = self.kept.get(graph)
-            self.graphs[graph] = state
+            self.set_state(graph, state)
             if managed:
                 self.counters.managed += 1
                 return
@@ -357,7 +377,7 @@ class Watcher:
             self.internal("capture_begin", e)
 
     def on_capture_stop(self, graph) -> None:
-        state = self.graphs.get(graph)
+        state = self.state_of(graph)
         if state is None or state.recording is None:
             return
         recording, state.recording = state.recording, None
@@ -367,7 +387,7 @@ class Watcher:
             self.internal("capture_end (recording)", e)
 
     def on_capture_end(self, graph) -> None:
-        state = self.graphs.get(graph)
+        state = self.state_of(graph)
         if state is None:
             return
         state.captured = True
@@ -389,7 +409,7 @@ class Watcher:
     # -- replay --------------------------------------------------------------------------------
 
     def before_replay(self, graph) -> None:
-        state = self.graphs.get(graph)
+        state = self.state_of(graph)
         if state is None or state.managed or not state.captured:
             return
         self.counters.replays += 1
@@ -426,7 +446,7 @@ class Watcher:
         text = str(error)
         if not text.startswith("CUDA graph replay detected"):
             return
-        state = self.graphs.get(graph)
+        state = self.state_of(graph)
         try:
             self.report([torch_finding(state.label if state else "?", text, self.current_rank())])
         except Exception as e:
@@ -435,8 +455,10 @@ class Watcher:
     def on_reset(self, graph) -> None:
         try:
             self.counters.resets += 1
-            state = self.graphs.pop(graph, None)
-            for other in list(self.graphs.values()):
+            state = self.state_of(graph)
+            if state is not None:
+                state.captured = False    # nothing to check until it is captured again
+            for other in list(self.graphs.values()) + list(self.graphs_by_id.values()):
                 if other is not state and other.captured and not other.managed:
                     other.deep_reason = f"first replay after a reset of {state.label if state else 'a graph'}"
             self.write({"kind": "reset", "graph": state.label if state else None})
