@@ -161,10 +161,26 @@ def part_startup(runs: int = 7) -> dict:
                 times[name].append(time.perf_counter() - t0)
         records = [json.loads(line) for p in Path(run_dir).glob("*.jsonl")
                    for line in p.read_text().splitlines()]
-    hooked = sum(1 for r in records if r.get("kind") == "hooked")
+    hooked = [r for r in records if r.get("kind") == "hooked"]
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"command": f'python -c "{code}"', "runs": runs, "median_s": med,
-            "added_s": med["watched"] - med["plain"], "watched_processes_hooked": hooked}
+    return {"command": f'python -c "{code}"', "runs": runs, "median_s": med, "runs_s": times,
+            "added_s": med["watched"] - med["plain"], "watched_processes_hooked": len(hooked),
+            "sitecustomize_import_ms": sitecustomize_import_ms(envs["watched"]),
+            "patch_ms_median": statistics.median(r["patch_s"] for r in hooked) * 1e3 if hooked else None}
+
+
+def sitecustomize_import_ms(env: dict, runs: int = 5) -> float:
+    """What the hooks add inside a process before the program runs: the sitecustomize import
+    (python -X importtime, cumulative), median over runs."""
+    values = []
+    for _ in range(runs):
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], env=env,
+                              capture_output=True, text=True, check=True)
+        for line in proc.stderr.splitlines():
+            parts = line.split("|")
+            if len(parts) == 3 and parts[2].strip() == "sitecustomize":
+                values.append(int(parts[1]) / 1e3)
+    return statistics.median(values) if values else None
 
 
 def main() -> None:

@@ -272,9 +272,12 @@ class Watcher:
 
     def on_graphs_module(self, module) -> None:
         try:
+            t0 = time.perf_counter()
             self.patch(module.CUDAGraph)
+            patch_s = time.perf_counter() - t0
             torch = sys.modules.get("torch")
             self.write({"kind": "hooked", "classes": [c.__qualname__ for c in self.patched],
+                        "patch_s": patch_s,
                         "torch": getattr(getattr(torch, "version", None), "__version__", None)
                         or getattr(torch, "__version__", None),
                         "since_activation_s": time.perf_counter() - self._t0})

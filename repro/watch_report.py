@@ -42,7 +42,7 @@ class WatchedProcess:
     census: str = "not checked (no capture)"
     graphs: int = 0                # captures seen (managed ones included)
     managed_graphs: int = 0        # captured by torch.compile's cudagraph trees: not checked
-    replays: int = 0
+    replays: int | None = None     # from the exit record; None when the process left none
     findings: int = 0
     exited: bool = False           # False: killed, crashed hard, or still running
     forked: bool = False
@@ -179,7 +179,7 @@ def processes_table(rep: WatchReport) -> Table:
         row = ([p.host] if multi_host else []) + [
             str(p.pid), "" if p.rank is None else str(p.rank),
             "hooked" if p.torch_hooked else "not imported", graphs,
-            str(p.replays) if p.exited else "?", str(p.findings), "yes" if p.exited else "no",
+            "?" if p.replays is None else str(p.replays), str(p.findings), "yes" if p.exited else "no",
             short_argv(p.argv)]
         table.add_row(*[Text(c) for c in row], style="red" if p.findings else "")
     return table
@@ -293,7 +293,7 @@ def report_html(rep: WatchReport) -> str:
     rows = "".join(
         f"<tr><td>{e(p.host)}</td><td>{p.pid}</td><td>{'' if p.rank is None else p.rank}</td>"
         f"<td><code>{e(' '.join(p.argv))}</code></td><td>{'hooked' if p.torch_hooked else 'not imported'}</td>"
-        f"<td>{p.graphs}</td><td>{p.replays if p.exited else '?'}</td><td>{p.findings}</td></tr>"
+        f"<td>{p.graphs}</td><td>{'?' if p.replays is None else p.replays}</td><td>{p.findings}</td></tr>"
         for p in rep.processes)
     blocks = "".join(
         "<section><h3>" + e(w.finding.status.upper()) + " " + e(w.finding.slot) + "</h3><dl>"
