@@ -228,6 +228,7 @@ class Watcher:
         self.patched: list[type] = []
         self.counters = Counters()
         self.census_mod: Any = None
+        self.book: Any = None         # repro.census.CensusBook where the census runs
         self.census_state = "not checked yet (no capture)"
         self.rank: int | None = None
         self.origins = [settings.origin]
@@ -395,8 +396,8 @@ class Watcher:
             return
         state.captured = True
         try:
-            if state.kept is not None and not state.managed:
-                state.census = self.census_mod.take_census(graph, state.label)
+            if state.kept is not None and not state.managed and self.book is not None:
+                state.census = self.book.add(graph, state.label)   # None: graph unreadable (noted)
         except Exception as e:
             self.internal("census at capture end", e)
         if state.kept:
@@ -441,7 +442,9 @@ class Watcher:
         self.counters.checks_deep += 1
         findings = self.guard.check(when, graph=state.label, deep=True)
         if state.census is not None:
-            findings = merge_mechanisms(findings, self.census_mod.check_census(state.census, when))
+            census_findings = self.book.check(when, graph=state.label)
+            findings = self.census_mod.merge_findings(findings, census_findings, self.guard.slots,
+                                                      True, self.book)
         return findings
 
     def on_replay_error(self, graph, error: RuntimeError) -> None:
@@ -489,7 +492,13 @@ class Watcher:
             # StorageWeakRef.expired() goes through two Python calls; the C function is ~20x faster.
             self.expired = getattr(torch.UntypedStorage, "_expired", None)
             self.guard = CaptureGuard(mode="warn")   # raise mode: we raise after writing the record
-            self.census_ready()
+            if self.census_ready():
+                # Starts the allocator's alloc/free trace (no stacks), so reuse at the same
+                # address is seen; before the first capture, never inside one.
+                try:
+                    self.book = self.census_mod.CensusBook(rank=0, trace="start")
+                except Exception as e:
+                    self.census_state = f"unavailable: {type(e).__name__}: {e}"
             self.write({"kind": "census", "state": self.census_state})
         return self.guard
 
@@ -552,7 +561,7 @@ class Watcher:
             self.counters.findings += 1
             if rank is not None:
                 f.rank = rank
-            mechanism = getattr(f, "mechanism", None) or "guard"
+            mechanism = f.mechanism
             self.write({"kind": "finding", "mechanism": mechanism, "rank": rank,
                         "finding": finding_dict(f)})
             sys.stderr.write(f"repro watch [pid {os.getpid()}"
@@ -573,7 +582,13 @@ class Watcher:
                     "error": f"{type(error).__name__}: {error}"})
 
     def on_exit(self) -> None:
-        self.write({"kind": "exit", "counters": vars(self.counters), "census": self.census_state,
+        census = self.census_state
+        if self.book is not None:
+            try:
+                census = f"active; {self.book.summary_line()}"
+            except Exception:
+                pass
+        self.write({"kind": "exit", "counters": vars(self.counters), "census": census,
                     "rank": self.rank})
 
 
@@ -615,22 +630,6 @@ def finding_dict(finding: Any) -> dict[str, Any]:
     return to_jsonable(finding)
 
 
-def merge_mechanisms(guard_findings: list, census_findings: list) -> list:
-    """One finding per captured address: seen by both mechanisms -> mechanism 'both'."""
-    by_ptr = {f.old_ptr: f for f in guard_findings}
-    merged = list(guard_findings)
-    for f in census_findings:
-        twin = by_ptr.get(f.old_ptr)
-        if twin is not None:
-            try:
-                twin.mechanism = "both"
-            except AttributeError:
-                pass
-            continue
-        merged.append(f)
-    return merged
-
-
 def torch_finding(graph: str, text: str, rank: int | None):
     from repro.outcome import Finding
     ptr = 0
@@ -640,9 +639,6 @@ def torch_finding(graph: str, text: str, rank: int | None):
             break
     finding = Finding(slot="<tensor named by torch check_input_liveness>", graph=graph,
                       status="freed", when="replay (torch's own check)", rank=rank or 0,
-                      shape=[], dtype="", nbytes=0, old_ptr=ptr, message=text.splitlines()[0])
-    try:
-        finding.mechanism = "torch"
-    except AttributeError:
-        pass
+                      shape=[], dtype="", nbytes=0, old_ptr=ptr, message=text.splitlines()[0],
+                      mechanism="torch")
     return finding

@@ -19,7 +19,8 @@ from rich.table import Table
 from rich.text import Text
 
 from repro.outcome import Finding, finding_from_dict, to_jsonable
-from repro.report import fmt_bytes, fmt_ptr, write_text_atomic
+from repro.files import write_text_atomic
+from repro.report.fmt import fmt_bytes, fmt_ptr
 
 SCHEMA = "repro.watch/1"
 MAX_FINDINGS_SHOWN = 10
@@ -193,6 +194,11 @@ def finding_facts(w: WatchFinding) -> list[tuple[str, str]]:
     if f.shape or f.dtype:
         facts.append(("tensor", f"{list(f.shape)} {f.dtype} · {fmt_bytes(f.nbytes)}"))
     facts += [(label, site) for label, site in (("created at", f.created_at), ("freed at", f.freed_at)) if site]
+    if f.census:
+        facts.append(("kernel", f"{f.census.get('kernel')} · node {f.census.get('node')} · "
+                                f"{f.census.get('where')} +{f.census.get('offset')}"))
+    if f.disagreement:
+        facts.append(("disagreement", f.disagreement))
     if f.message:
         facts.append(("message", f.message))
     return facts

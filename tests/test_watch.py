@@ -101,7 +101,7 @@ def test_finding_exits_1_json_names_the_tensor_plumbing(tmp_path):
     assert f["finding"]["when"].startswith("first replay after capture")
     (p,) = rep["processes"]
     assert p["pid"] == f["pid"] and p["findings"] == 1 and p["replays"] == 3 and p["graphs"] == 1
-    assert p["census"].startswith("unavailable") or p["census"] == "active"
+    assert p["census"].startswith("unavailable: CUDA is not available")   # never claimed on CPU
     records = (tmp_path / "run").glob("*.jsonl")
     assert sum(1 for line in next(records).read_text().splitlines() if '"finding"' in line) == 1
 
@@ -382,3 +382,86 @@ def test_examples_run_as_is_and_under_watch_on_cpu(tmp_path):
     assert watched.stdout == plain.stdout and plain.stdout.count(b"no CUDA device") == 4
     assert len(rep["processes"]) == 4 and all(p["torch_hooked"] for p in rep["processes"])
     assert rep["findings"] == []
+
+
+def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monkeypatch):
+    """With a census available: graphs are made with keep_graph=True and instantiated at the end
+    of capture_end (where torch would have), a census is added per capture, and checked at the
+    first replay after a capture or a reset, never on the per-replay path. The census here is a
+    recording stand-in (no CUDA on CPU); the real one is exercised by the GPU runs."""
+    import torch
+    from repro import watch_hooks
+    from repro.outcome import Finding
+
+    class Graph:
+        def __new__(cls, keep_graph=False):
+            graph = super().__new__(cls)
+            graph.keep_graph, graph.instantiated = keep_graph, 0
+            return graph
+
+        def capture_begin(self, *a, **k):
+            pass
+
+        def capture_end(self):
+            pass
+
+        def instantiate(self):
+            self.instantiated += 1
+
+        def replay(self):
+            pass
+
+        def reset(self):
+            pass
+
+    calls = []
+
+    class Book:
+        def __init__(self, rank, trace):
+            calls.append(("book", trace))
+
+        def add(self, graph, label):
+            calls.append(("add", label, graph.instantiated))
+            return object()
+
+        def check(self, when, graph):
+            calls.append(("check", graph, when))
+            return [Finding(slot="<block 0x10 read by k+8>", graph=graph, status="reused", when=when,
+                            rank=0, shape=[], dtype="", nbytes=64, old_ptr=0x10, mechanism="census")]
+
+        def summary_line(self):
+            return "graph census: stand-in"
+
+    def merge_findings(guard, census, slots, guard_on, book):
+        return guard + census
+
+    fake = type(sys)("fake_census")
+    fake.census_supported = lambda: (True, "")
+    fake.CensusBook, fake.merge_findings = Book, merge_findings
+    monkeypatch.setattr(watch_hooks, "load_census", lambda: fake)
+    watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "warn", "api"))
+    watcher.recorder = watch_hooks.Recorder(str(tmp_path))
+    watcher.patch(Graph)
+    a, b = Graph(), Graph(keep_graph=True)
+    assert a.keep_graph and b.keep_graph                      # forced where the program did not ask
+    kept = torch.ones(2)
+    for g in (a, b):
+        g.capture_begin()
+        kept.add_(1)
+        g.capture_end()
+    assert a.instantiated == 1 and b.instantiated == 0        # b's owner asked for keep_graph itself
+    label_a, label_b = watcher.graphs[a].label, watcher.graphs[b].label
+    assert [c for c in calls if c[0] == "add"] == [("add", label_a, 0), ("add", label_b, 0)]
+    for _ in range(3):
+        a.replay()
+    checks = [c for c in calls if c[0] == "check"]
+    assert checks == [("check", label_a, "first replay after capture (replay 1)")]
+    b.reset()
+    a.replay()
+    assert [c[1] for c in calls if c[0] == "check"] == [label_a, label_a]
+    assert watcher.counters.findings == 2
+    lines = [json.loads(line) for line in Path(watcher.recorder.path).read_text().splitlines()]
+    assert {r["mechanism"] for r in lines if r["kind"] == "finding"} == {"census"}
+    watcher.on_exit()
+    assert json.loads(Path(watcher.recorder.path).read_text().splitlines()[-1])["census"].startswith("active")
+    watcher.recorder.close()
