@@ -76,12 +76,6 @@ def all_gather_dim0(t: torch.Tensor, tp: TP) -> torch.Tensor:
     return out
 
 
-def all_reduce_sum(t: torch.Tensor, tp: TP) -> torch.Tensor:
-    if tp.active:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
-
-
 def shutdown(tp: TP) -> None:
     if tp.active and dist.is_initialized():
         dist.destroy_process_group()

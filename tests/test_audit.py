@@ -202,26 +202,20 @@ def test_helper_is_found_when_module_does_not_parse(tmp_path):
     assert result.check("57954").state == "present"
 
 
-@pytest.mark.parametrize("spec,expected", [
-    (fx.PRE_FIX, ("absent", "absent")),
-    (fx.ONLY_50074, ("present", "absent")),
-    (fx.ALL_FIXES, ("present", "present")),
-])
-def test_text_fallback_when_the_function_itself_does_not_parse(tmp_path, spec, expected):
-    # A leftover merge-conflict marker breaks the function body for every Python version.
-    files = fx.source_files(**spec)
+def test_function_that_does_not_parse_is_an_error_naming_it(tmp_path):
+    # A leftover merge-conflict marker breaks the function body for every Python version: the
+    # audit says so instead of guessing from text.
+    files = fx.source_files(**fx.ALL_FIXES)
     files[fx.NVFP4] = files[fx.NVFP4].replace(
         "            replace_parameter(layer, name, value)\n",
         "            replace_parameter(layer, name, value)\n<<<<<<< HEAD\n", 1)
-    files[fx.GEMMA] = files[fx.GEMMA].replace("        return head\n",
-                                              "        return head\n>>>>>>> theirs\n")
     root = fx.write_tree(tmp_path / "src", files)
-    result = audit_directory(root)
-    assert (result.check("50074").state, result.check("57954").state) == expected
-    assert result.check("43909").state == "present"
-    assert all(c.evidence.startswith("(text match)") for c in result.checks)
     text = (root / fx.NVFP4).read_text()
-    assert result.check("50074").line == fx.line_of(text, "self.moe_kernel = make")
+    line, marker = fx.line_of(text, "def _setup_kernel"), fx.line_of(text, "<<<<<<< HEAD")
+    with pytest.raises(AuditError, match=rf"^{fx.NVFP4}:{line}: _setup_kernel\(\) does not parse "
+                                         rf"\(merge-conflict marker at line {marker}\), so fix #50074 "
+                                         "cannot be judged"):
+        audit_directory(root)
 
 
 # --------------------------------------------------------------------------- directories
@@ -337,13 +331,6 @@ def test_not_installed_raises(monkeypatch):
         audit_installed()
 
 
-def test_audit_dispatch(tmp_path):
-    root = tree(tmp_path, **fx.ALL_FIXES)
-    wheel = fx.make_wheel(tmp_path / "x.whl", fx.source_files(), version="0.1.0")
-    assert audit.audit(path=root).kind == "directory"
-    assert audit.audit(wheel=wheel).kind == "archive"
-
-
 # --------------------------------------------------------------------------- errors
 
 def test_missing_directory(tmp_path):
@@ -436,8 +423,9 @@ def test_render_table_keeps_code_brackets(tmp_path):
 
 
 def test_library_has_no_print():
-    source = Path(audit.__file__).read_text()
-    assert not re.search(r"(?<![\w.])print\(", source)
+    from repro import audit_rules
+    for module in (audit, audit_rules):
+        assert not re.search(r"(?<![\w.])print\(", Path(module.__file__).read_text())
 
 
 # --------------------------------------------------------------------------- real wheels
