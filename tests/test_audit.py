@@ -1,7 +1,6 @@
 """repro.audit: static detection of upstream vLLM fixes in trees, archives and installs."""
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -52,11 +51,8 @@ def never_imports_vllm():
 
 # --------------------------------------------------------------------------- the table
 
-def test_table_has_the_three_known_fixes_with_unique_ids():
-    assert [f.fix_id for f in FIXES] == ["43909", "50074", "57954"]
-    assert all(dataclasses.is_dataclass(f) for f in FIXES)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        FIXES[0].fix_id = "1"  # type: ignore[misc]
+def test_fix_ids_are_unique_and_found_with_or_without_hash():
+    assert len({f.fix_id for f in FIXES}) == len(FIXES)
     assert find_fix("#50074").function == "_setup_kernel"
     assert find_fix(" 43909 ").file == fx.GEMMA
 

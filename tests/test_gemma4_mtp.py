@@ -5,9 +5,8 @@ import torch.multiprocessing as mp
 
 from repro.config import load_preset
 from repro.dist import TP, init_tp, shutdown
-from repro.isolate import run_trial
 from repro.outcome import Outcome
-from repro.runner import plan
+from repro.runner import plan, run_planned
 from repro.scenarios.gemma4_mtp import Gemma4Drafter, Oracle, make_lm_head_shard, padded_vocab
 
 DIMS = load_preset("gemma4-tiny").model          # vocab 4000, 50 centroids, top-4, hidden 64
@@ -62,7 +61,7 @@ def run_tp(world, rendezvous):
     return procs, queue, received
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3])   # even and uneven shards of the padded vocab
 def test_tp_gather_equals_full_weight_and_tokens_match_tp1(world, tmp_path):
     procs, queue, received = run_tp(world, tmp_path / "store_port")
     for p in procs:
@@ -85,13 +84,26 @@ def test_tp_gather_equals_full_weight_and_tokens_match_tp1(world, tmp_path):
         assert out["fixed"]["cache_after_reload"] is False                          # upstream resets it
 
 
-def cpu_trial(tmp_path, **run):
-    p = plan("gemma4-mtp", "gemma4-tiny", {"device": "cpu", "steps": 4, **run}, [], gpus=0)
-    return run_trial(p.cfg, "cpu", tmp_path, "g")
+VERDICTS = {   # name -> (run overrides, expected outcome)
+    "unfixed tp2": ({"mode": "unfixed", "tp": 2}, Outcome.STALE_CAPTURE),
+    "fixed tp2": ({"mode": "fixed", "tp": 2}, Outcome.CLEAN),
+    "reload-safe reload": ({"mode": "reload-safe", "tp": 2, "reload_drafter": True}, Outcome.CLEAN),
+    "unfixed tp1": ({"mode": "unfixed", "tp": 1}, Outcome.CLEAN),
+    "fixed reload": ({"mode": "fixed", "tp": 2, "reload_drafter": True}, Outcome.STALE_CAPTURE),
+}
 
 
-def test_cpu_unfixed_tp2_is_stale_capture_naming_the_gathered_local(tmp_path):
-    t = cpu_trial(tmp_path, mode="unfixed", tp=2)
+@pytest.fixture(scope="module")
+def cpu_trials(tmp_path_factory):
+    """Every CPU verdict case through the runner, several at once (each in its own processes)."""
+    planned = [plan("gemma4-mtp", "gemma4-tiny", {"device": "cpu", "steps": 4, **run}, [], gpus=0)
+               for run, _ in VERDICTS.values()]
+    result = run_planned(planned, tmp_path_factory.mktemp("gemma4-cpu"), jobs=3)
+    return dict(zip(VERDICTS, result.report.trials))
+
+
+def test_cpu_unfixed_tp2_is_stale_capture_naming_the_gathered_local(cpu_trials):
+    t = cpu_trials["unfixed tp2"]
     assert t.outcome == Outcome.STALE_CAPTURE and t.met
     assert not t.graph_replayed
     assert {f.rank for f in t.guard_findings} == {0, 1}
@@ -103,14 +115,10 @@ def test_cpu_unfixed_tp2_is_stale_capture_naming_the_gathered_local(tmp_path):
     assert all(s.mismatches == 0 for s in t.steps)   # eager stand-in uses live weights: no symptom on CPU
 
 
-@pytest.mark.parametrize("run,expected", [
-    ({"mode": "fixed", "tp": 2}, Outcome.CLEAN),
-    ({"mode": "reload-safe", "tp": 2, "reload_drafter": True}, Outcome.CLEAN),
-    ({"mode": "unfixed", "tp": 1}, Outcome.CLEAN),
-    ({"mode": "fixed", "tp": 2, "reload_drafter": True}, Outcome.STALE_CAPTURE),
-])
-def test_cpu_verdicts(tmp_path, run, expected):
-    t = cpu_trial(tmp_path, **run)
+@pytest.mark.parametrize("name", list(VERDICTS))
+def test_cpu_verdicts(cpu_trials, name):
+    run, expected = VERDICTS[name]
+    t = cpu_trials[name]
     assert t.outcome == expected and t.met, (t.outcome, t.first_failure)
     if run.get("reload_drafter"):
         m = [m for m in t.manifests if m.rank == 0][0]

@@ -9,7 +9,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from repro import nvfp4
 from repro.nvfp4 import (
     NVFP4Weight, dequantize, dequantize_into, e2m1_decode, e2m1_encode, pack_fp4,
     quantization_error_bound, quantize, unpack_fp4,
@@ -461,11 +460,6 @@ def test_dequantize_into_has_no_data_dependent_host_work():
     scale = torch.empty(4, 64, 8, dtype=torch.float8_e4m3fn, device="meta")
     alpha = torch.empty(4, device="meta")
     assert dequantize_into(out, packed, scale, alpha, chunk_bytes=1024) is out
-
-
-def test_error_bound_module_constants():
-    assert nvfp4.GLOBAL_RANGE == 2688.0 and nvfp4.BLOCK_SIZE == 16
-    assert nvfp4.E2M1_VALUES == MAGNITUDES
 
 
 # ----------------------------------------------------------------------------- GPU

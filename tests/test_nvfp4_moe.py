@@ -180,9 +180,6 @@ def test_the_mode_difference_is_the_marked_lines():
     assert "if self.moe_kernel is None or not self.fixes.reuse_kernel:" in source
     guarded = [line for line in source.splitlines() if "# fix (#" in line]
     assert len(guarded) == 4 and all("self.fixes" in line or "copy_" in line for line in guarded)
-    assert moe.MODES["unfixed"] == moe.Fixes(reuse_kernel=False, refresh_alphas=False)
-    assert moe.MODES["kernel-reuse"] == moe.Fixes(reuse_kernel=True, refresh_alphas=False)
-    assert moe.MODES["fixed"] == moe.Fixes(reuse_kernel=True, refresh_alphas=True)
 
 
 def test_config_alphas_are_references_to_the_scale_parameters():
@@ -303,13 +300,21 @@ def test_garbage_routing_table_is_an_index_error():
 
 # ------------------------------------------------------------------------ through the isolated runner
 
-@pytest.mark.parametrize("mode, outcome", [("unfixed", Outcome.STALE_CAPTURE),
-                                           ("kernel-reuse", Outcome.MISMATCH),
-                                           ("fixed", Outcome.CLEAN)])
-def test_isolated_trial_outcome_on_cpu(tmp_path, mode, outcome):
-    from repro.isolate import run_trial
-    cfg = validate(load_preset("moe-tiny"))
-    cfg.run.mode, cfg.run.steps = mode, 2
-    trial = run_trial(cfg, "cpu", tmp_path, f"t-{mode}")
+OUTCOMES = {"unfixed": Outcome.STALE_CAPTURE, "kernel-reuse": Outcome.MISMATCH, "fixed": Outcome.CLEAN}
+
+
+@pytest.fixture(scope="module")
+def isolated_trials(tmp_path_factory):
+    """One isolated CPU trial per mode, run at once (each in its own process)."""
+    from repro.runner import plan, run_planned
+    planned = [plan("nvfp4-reload", "moe-tiny", {"device": "cpu", "mode": mode, "steps": 2}, [], gpus=0)
+               for mode in OUTCOMES]
+    result = run_planned(planned, tmp_path_factory.mktemp("nvfp4-cpu"), jobs=len(planned))
+    return dict(zip(OUTCOMES, result.report.trials))
+
+
+@pytest.mark.parametrize("mode", list(OUTCOMES))
+def test_isolated_trial_outcome_on_cpu(isolated_trials, mode):
+    trial, outcome = isolated_trials[mode], OUTCOMES[mode]
     assert trial.outcome == outcome and trial.met, (trial.first_failure, trial.ranks)
     assert not trial.graph_replayed and len(trial.steps) == 2
