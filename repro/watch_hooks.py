@@ -367,7 +367,7 @@ class Watcher:
         try:
             guard = self.ensure_guard()
             self.counters.captures += 1
-            site, managed = capture_site(frame)
+            site, managed = capture_site(frame, guard.plumbing)
             state = GraphState(label=f"#{self.counters.captures} {site}", site=site, managed=managed)
             state.kept = self.kept.get(graph)
             self.set_state(graph, state)
@@ -491,7 +491,9 @@ class Watcher:
             from repro.guard import CaptureGuard
             # StorageWeakRef.expired() goes through two Python calls; the C function is ~20x faster.
             self.expired = getattr(torch.UntypedStorage, "_expired", None)
-            self.guard = CaptureGuard(mode="warn")   # raise mode: we raise after writing the record
+            # raise mode: we raise ourselves, after writing the record. This file's frames
+            # (the CUDAGraph wrappers) are plumbing, never the user's site.
+            self.guard = CaptureGuard(mode="warn", plumbing=[__file__])
             if self.census_ready():
                 # Starts the allocator's alloc/free trace (no stacks), so reuse at the same
                 # address is seen; before the first capture, never inside one.
@@ -517,9 +519,10 @@ class Watcher:
 
     def watch_owners(self, frame) -> None:
         """Name what the capturing code holds: modules, tensors and `self` in its frames."""
-        from repro.guard import frame_locals, user_frame
+        from repro.sites import frame_locals, user_frame
         import torch
-        frame = user_frame(frame)
+        plumbing = self.guard.plumbing
+        frame = user_frame(frame, plumbing)
         added = 0
         for _ in range(_OWNER_FRAMES):
             if frame is None or added >= _MAX_OWNERS:
@@ -533,7 +536,7 @@ class Watcher:
                 added += 1
                 if var == "self" and not isinstance(value, torch.nn.Module):
                     added += self.watch_module_attrs(name, value, torch)
-            frame = user_frame(frame.f_back)
+            frame = user_frame(frame.f_back, plumbing)
 
     def watch_module_attrs(self, name: str, obj: Any, torch) -> int:
         added = 0
@@ -594,7 +597,7 @@ class Watcher:
 
 # -- pure helpers -------------------------------------------------------------------------------
 
-def capture_site(frame) -> tuple[str, bool]:
+def capture_site(frame, plumbing: frozenset[str] = frozenset()) -> tuple[str, bool]:
     """'file:line in func' of the code that asked for the capture, and whether that code is
     torch.compile's cudagraph trees (the first frame above torch/cuda/graphs.py)."""
     graphs_file = os.path.join("torch", "cuda", "graphs.py")
@@ -603,8 +606,8 @@ def capture_site(frame) -> tuple[str, bool]:
     if frame is None:
         return "<unknown>", False
     managed = frame.f_code.co_filename.endswith(MANAGED_CALLERS)
-    from repro.guard import frame_site, user_frame
-    return frame_site(user_frame(frame) or frame), managed
+    from repro.sites import frame_site, user_frame
+    return frame_site(user_frame(frame, plumbing) or frame), managed
 
 
 def owner_name(var: str, value: Any, torch) -> str | None:
