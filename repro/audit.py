@@ -34,6 +34,10 @@ Kind = Literal["installed", "directory", "archive"]
 MAX_MEMBER_BYTES = 8 * 1024 * 1024
 
 
+class VllmNotInstalled(AuditError):
+    """No vLLM in this Python environment: a fact of the environment, not a usage error."""
+
+
 @dataclass
 class AuditResult:
     source: str               # what was audited: a directory or an archive path
@@ -180,7 +184,7 @@ def installed_package_dir() -> Path:
     # find_spec on a top-level name asks the path finders only; no vllm code runs.
     spec = importlib.util.find_spec("vllm")
     if spec is None:
-        raise AuditError("vllm is not installed in this Python environment "
+        raise VllmNotInstalled("vllm is not installed in this Python environment "
                          "(importlib.util.find_spec('vllm') found nothing); install it, or "
                          "audit a checkout with --path DIR or an archive with --wheel FILE.")
     if spec.origin and spec.origin not in ("namespace", "built-in", "frozen"):

@@ -9,20 +9,22 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any, Callable, Literal, Optional
 
 import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
-from repro import doctor, report
-from repro.config import ConfigError
+import repro
+from repro import doctor, noise, report, runs
+from repro.config import AFTER_FREE, DEVICES, GUARD_MODES, ConfigError, preset_names
 from repro.files import write_text_atomic
 from repro.outcome import Outcome, Report, to_jsonable
 from repro.runner import Planned, RunResult, plan, run_planned
-from repro.scenarios import SCENARIOS, ScenarioSpec
+from repro.scenarios import SCENARIOS, RunKeySpec, ScenarioSpec
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -49,6 +51,7 @@ def click_exception_modules() -> list[Any]:
 CLICK = click_exception_modules()
 USAGE_ERRORS = tuple(m.UsageError for m in CLICK)
 CLICK_ERRORS = tuple(m.ClickException for m in CLICK)
+NO_ARGS = tuple(m.NoArgsIsHelpError for m in CLICK if hasattr(m, "NoArgsIsHelpError"))
 ABORTS = tuple(m.Abort for m in CLICK if hasattr(m, "Abort")) + (KeyboardInterrupt,)
 
 
@@ -60,8 +63,12 @@ class ReproGroup(TyperGroup):
         try:
             rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                               standalone_mode=False, **extra)
+        except NO_ARGS as e:          # bare `repro`: the help itself, not an error line around it
+            sys.stderr.write(e.format_message() + "\n")
+            sys.exit(EXIT_USAGE)
         except CLICK_ERRORS as e:
-            sys.stderr.write(f"repro: error: {e.format_message()}\n")
+            # Choice checks go through pydantic, which prefixes "Value error, ": not ours to show.
+            sys.stderr.write(f"repro: error: {e.format_message().replace('Value error, ', '')}\n")
             sys.exit(EXIT_USAGE)
         except ABORTS:
             sys.stderr.write("repro: interrupted\n")
@@ -69,10 +76,22 @@ class ReproGroup(TyperGroup):
         sys.exit(rv if isinstance(rv, int) else EXIT_OK)
 
 
-app = typer.Typer(cls=ReproGroup, add_completion=False, no_args_is_help=True,
+app = typer.Typer(cls=ReproGroup, add_completion=True, no_args_is_help=True,
                   pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Reproduce and diagnose CUDA-graph memory-lifetime bugs in LLM inference engines.",
                   epilog=EXIT_CODES)
+
+
+def show_version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"repro {repro.__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(version: Annotated[bool, typer.Option("--version", is_eager=True, callback=show_version,
+                                               help="Print the version and exit.")] = False) -> None:
+    """Reproduce and diagnose CUDA-graph memory-lifetime bugs in LLM inference engines."""
 
 
 def stderr_console() -> Console:
@@ -100,24 +119,51 @@ def cpu_warnings(planned: list[Planned]) -> list[str]:
     return found
 
 
-# Options declared once, reused by every scenario command.
-ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="Preset name (configs/NAME.toml) or TOML path. Default: the scenario's real-dims preset on GPU, its tiny preset on CPU.")]
-TpOpt = Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel size (one process per rank).")]
-StepsOpt = Annotated[Optional[int], typer.Option("--steps", help="Decode steps (gemma4-mtp) or reload steps (nvfp4-reload).")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed")]
-AfterFreeOpt = Annotated[Optional[str], typer.Option("--after-free", help="What freed captured memory holds before replay: keep (latent), release (driver: error 700), reuse (plausible garbage), poison (NaN bytes).")]
-GuardOpt = Annotated[Optional[str], typer.Option("--guard", help="Stale-capture guard: off, warn (default: record, keep going), raise.")]
-DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto (GPU if NVML sees one), cuda, cpu (gloo, no graphs: guard verdicts).")]
-DeadlineOpt = Annotated[Optional[float], typer.Option("--deadline", help="Seconds before a trial counts as HANG and its group is killed.")]
-ForensicsOpt = Annotated[Optional[bool], typer.Option("--forensics/--no-forensics", help="Record CUDA memory history; map stale addresses to alloc/free stacks; write snapshots.")]
-ExpectOpt = Annotated[Optional[str], typer.Option("--expect", help="Override the expectation: clean, reproduced, or outcome names (comma-separated).")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override any preset key: model.vocab_size=4096, run.steps=3.")]
-JsonOpt = Annotated[Optional[str], typer.Option("--json", help="Write the JSON report to PATH ('-' for stdout).")]
-JunitOpt = Annotated[Optional[Path], typer.Option("--junit", help="Write JUnit XML (one testcase per trial).")]
-HtmlOpt = Annotated[Optional[Path], typer.Option("--html", help="Write a self-contained HTML report.")]
-ArtifactsOpt = Annotated[Path, typer.Option("--artifacts", help="Directory for per-trial records, logs and snapshots.")]
-PrintConfigOpt = Annotated[bool, typer.Option("--print-config", help="Print the resolved config as TOML-like JSON and exit.")]
+def with_default(text: str, default: str) -> str:
+    """Help text ending in the default a flag left out resolves to (the preset or the scenario
+    decides it, so the option itself defaults to None: 'not given')."""
+    return f"{text}  [default: {default}]"
+
+
+def choices(values: tuple[str, ...]) -> Any:
+    """A Literal over the values, so --help lists them and a wrong one is a usage error."""
+    return Literal[values]  # type: ignore[valid-type]
+
+
+# Options declared once, reused by every scenario command. Choices come from config.py, the
+# scenario-specific ones (--mode, --steps, --after-free default) from each scenario's spec.
+ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", metavar="PRESET|FILE", help=with_default("Preset name (`repro presets` lists them) or a TOML file.", "the scenario's real-dims preset on GPU, its tiny preset on CPU"))]
+TpOpt = Annotated[Optional[int], typer.Option("--tp", metavar="N", help=with_default("Tensor-parallel size (one process per rank).", "the preset's run.tp"))]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", help=with_default("Seed of the weights and inputs; the same seed gives the same trial.", "0"))]
+GuardOpt = Annotated[Optional[choices(GUARD_MODES)], typer.Option("--guard", help=with_default("Stale-capture guard: off; warn records findings and keeps going; raise stops at the first.", "warn"))]
+DeviceOpt = Annotated[Optional[choices(DEVICES)], typer.Option("--device", help=with_default("auto: GPU if NVML sees one; cuda; cpu: gloo, no graphs, guard verdicts.", "auto"))]
+DeadlineOpt = Annotated[Optional[float], typer.Option("--deadline", metavar="SECONDS", help=with_default("Seconds before a trial counts as HANG and its group is killed.", "the preset's run.deadline_s"))]
+ForensicsOpt = Annotated[Optional[bool], typer.Option("--forensics/--no-forensics", help=with_default("Record CUDA memory history; map stale addresses to alloc/free stacks; write snapshots.", "off"))]
+ExpectOpt = Annotated[Optional[str], typer.Option("--expect", metavar="clean|reproduced|OUTCOME[,OUTCOME]", help=with_default("The outcome that counts as met.", "the trial's documented outcome: mostly unfixed -> reproduced, fixed -> clean; `repro matrix --list` shows them"))]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE", help="Override any preset key, repeatable: --set run.steps=3 --set model.hidden_size=128.")]
+JsonOpt = Annotated[Optional[str], typer.Option("--json", metavar="PATH|-", help="Write the JSON report to PATH ('-' for stdout).")]
+JunitOpt = Annotated[Optional[Path], typer.Option("--junit", metavar="PATH", help="Write JUnit XML (one testcase per trial).")]
+HtmlOpt = Annotated[Optional[Path], typer.Option("--html", metavar="PATH", help="Write a self-contained HTML report.")]
+ArtifactsOpt = Annotated[Optional[Path], typer.Option("--artifacts", metavar="DIR", help=with_default("Where each run gets its folder of per-trial records, logs and snapshots, and DIR/latest points at the newest.", "$XDG_CACHE_HOME/repro/runs, else ~/.cache/repro/runs"))]
+PrintConfigOpt = Annotated[bool, typer.Option("--print-config", help="Print the resolved config as JSON and exit.")]
 FaultOpt = Annotated[Optional[str], typer.Option("--inject-fault", hidden=True, help="Test hook: KIND@RANK:STEP.")]
+
+def mode_opt(spec: ScenarioSpec) -> Any:
+    return Annotated[Optional[choices(spec.mode_names)], typer.Option("--mode", help=with_default(spec.mode_help(), spec.mode_names[0]))]
+
+
+def steps_opt(spec: ScenarioSpec) -> Any:
+    return Annotated[Optional[int], typer.Option("--steps", metavar="N", help=with_default(spec.steps_help, "the preset's run.steps"))]
+
+
+def after_free_opt(spec: ScenarioSpec) -> Any:
+    return Annotated[Optional[choices(AFTER_FREE)], typer.Option("--after-free", help=with_default(
+        "What freed captured memory holds before replay: keep (latent), release (driver: error 700), "
+        "reuse (plausible garbage), poison (NaN bytes).", spec.default_after_free))]
+
+
+def run_key_opt(key: RunKeySpec) -> Any:
+    return Annotated[Optional[bool], typer.Option(key.flag, help=with_default(key.help, key.flag.split("/")[-1]))]
 
 
 def parse_fault(text: str | None) -> dict[str, Any] | None:
@@ -156,14 +202,14 @@ def exit_code(result: RunResult, allow_unsupported: bool = False) -> int:
     return EXIT_OK
 
 
-def execute(planned: list[Planned], artifacts: Path, json_path: str | None, junit: Path | None,
+def execute(planned: list[Planned], artifacts: Path | None, json_path: str | None, junit: Path | None,
             html: Path | None, summary_only: bool = False, allow_unsupported: bool = False,
             jobs: int = 1) -> int:
     for text in cpu_warnings(planned):
         warn(text)
     with report.Progress(stderr_console()) as progress:
         result = run_planned(
-            planned, artifacts,
+            planned, artifacts or runs.default_root(dict(os.environ)),
             on_start=lambda tid, p: progress.add(tid, tid, p.cfg.run.steps),
             on_tick=lambda tid, n: progress.update(tid, n, "running"),
             on_done=lambda t: progress.finish(t.id, t.outcome), jobs=jobs)
@@ -174,11 +220,13 @@ def execute(planned: list[Planned], artifacts: Path, json_path: str | None, juni
     else:
         report.render_report(result.report, console)
     write_artifacts(result.report, json_path, junit, html)
+    if result.run_dir is not None and runs.point_latest(result.run_dir):
+        sys.stderr.write(f"repro: trial files in {result.run_dir} (also {result.run_dir.parent / runs.LATEST})\n")
     return exit_code(result, allow_unsupported)
 
 
 def run_scenario(scenario: str, config: str | None, run: dict[str, Any], sets: list[str] | None,
-                 json_path: str | None, junit: Path | None, html: Path | None, artifacts: Path,
+                 json_path: str | None, junit: Path | None, html: Path | None, artifacts: Path | None,
                  print_config: bool, fault: str | None = None) -> int:
     try:
         p = plan(scenario, config, run, sets or [], doctor.gpu_count())
@@ -199,16 +247,15 @@ def scenario_command(spec: ScenarioSpec) -> Callable[..., int]:
     Typer reads a command's options from its signature, so the signature is built from the
     registry entry: a new scenario gets its command without code here.
     """
-    mode = Annotated[Optional[str], typer.Option("--mode", help=spec.mode_help())]
-    options: list[tuple[str, Any, Any]] = [("config", ConfigOpt, None), ("mode", mode, None)]
+    options: list[tuple[str, Any, Any]] = [("config", ConfigOpt, None), ("mode", mode_opt(spec), None)]
     if spec.tensor_parallel:
         options.append(("tp", TpOpt, None))
-    options += [("steps", StepsOpt, None), ("seed", SeedOpt, None), ("after_free", AfterFreeOpt, None),
+    options += [("steps", steps_opt(spec), None), ("seed", SeedOpt, None), ("after_free", after_free_opt(spec), None),
                 ("guard", GuardOpt, None), ("device", DeviceOpt, None), ("deadline", DeadlineOpt, None),
                 ("forensics", ForensicsOpt, None)]
-    options += [(k.name, Annotated[Optional[bool], typer.Option(k.flag, help=k.help)], None) for k in spec.run_keys]
+    options += [(k.name, run_key_opt(k), None) for k in spec.run_keys]
     options += [("expect", ExpectOpt, None), ("set_", SetOpt, None), ("json_path", JsonOpt, None),
-                ("junit", JunitOpt, None), ("html", HtmlOpt, None), ("artifacts", ArtifactsOpt, Path("artifacts")),
+                ("junit", JunitOpt, None), ("html", HtmlOpt, None), ("artifacts", ArtifactsOpt, None),
                 ("print_config", PrintConfigOpt, False), ("inject_fault", FaultOpt, None)]
 
     def command(**kw: Any) -> int:
@@ -236,8 +283,8 @@ for _spec in SCENARIOS.values():
 
 @app.command("selftest", epilog=EXIT_CODES, help=SCENARIOS["selftest"].help)
 def selftest(
-    tp: TpOpt = None, steps: StepsOpt = None, device: DeviceOpt = None, deadline: DeadlineOpt = None,
-    json_path: JsonOpt = None, junit: JunitOpt = None, artifacts: ArtifactsOpt = Path("artifacts"),
+    tp: TpOpt = None, steps: steps_opt(SCENARIOS["selftest"]) = None, device: DeviceOpt = None, deadline: DeadlineOpt = None,
+    json_path: JsonOpt = None, junit: JunitOpt = None, artifacts: ArtifactsOpt = None,
     inject_fault: FaultOpt = None,
 ) -> int:
     run = dict(tp=tp, steps=steps, device=device, deadline_s=deadline)
@@ -246,23 +293,49 @@ def selftest(
 
 @app.command("matrix", epilog=EXIT_CODES)
 def matrix(
-    config: Annotated[str, typer.Option("--config", "-c", help="Matrix file or name: ci-smoke (CPU), gpu-1, gpu-2.")] = "ci-smoke",
+    config: Annotated[str, typer.Option("--config", "-c", metavar="NAME|FILE", help="Matrix file or name: ci-smoke (CPU), gpu-1, gpu-2.")] = "ci-smoke",
     allow_unsupported: Annotated[bool, typer.Option("--allow-unsupported", help="UNSUPPORTED trials do not fail the run (they never pass).")] = False,
     json_path: JsonOpt = None, junit: JunitOpt = None, html: HtmlOpt = None,
-    artifacts: ArtifactsOpt = Path("artifacts"),
-    jobs: Annotated[int, typer.Option("--jobs", "-j", help="Trials run at once. Each trial still gets its own processes; concurrent trials share the GPUs (TP=1 trials are spread over them), so per-trial timings are not those of a --jobs 1 run.")] = 1,
+    artifacts: ArtifactsOpt = None,
+    only: Annotated[Optional[list[str]], typer.Option("--only", metavar="PATTERN", help="Run only the trials whose id contains PATTERN (a shell glob: 'reload-safe', 'nvfp4*identity', '07-'); repeatable. `--list` shows the ids.")] = None,
+    list_: Annotated[bool, typer.Option("--list", help="List the trials (id, expectation, device) and exit without running them.")] = False,
+    jobs: Annotated[int, typer.Option("--jobs", "-j", metavar="N", help="Trials run at once. Each trial still gets its own processes; concurrent trials share the GPUs (TP=1 trials are spread over them), so per-trial timings are not those of a --jobs 1 run.")] = 1,
 ) -> int:
     """CI smoke check: every scenario x mode with its expected outcome; exit 0 only if all hold."""
-    from repro.matrix import load_matrix
+    from repro.matrix import listing, load_matrix, select
     try:
         if jobs < 1:
             raise ConfigError(f"--jobs {jobs}: must be >= 1 (1 runs the trials one after another)")
         _, planned = load_matrix(config, doctor.gpu_count())
+        planned = select(planned, only or [], config)
     except ConfigError as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_USAGE
+    if list_:
+        sys.stdout.write("".join(line + "\n" for line in listing(planned)))
+        return EXIT_OK
     return execute(planned, artifacts, json_path, junit, html, summary_only=True,
                    allow_unsupported=allow_unsupported, jobs=jobs)
+
+
+@app.command("presets")
+def presets_cmd(
+    name: Annotated[Optional[choices(tuple(preset_names())) if preset_names() else str], typer.Argument(metavar="NAME", help="Print this preset's TOML to stdout (copy, edit, pass --config FILE).")] = None,
+) -> int:
+    """The presets and matrices shipped with repro, and the folder they are in."""
+    from repro.config import CONFIG_DIR, describe_presets, resolve_preset_path
+    try:
+        if name:
+            sys.stdout.write(resolve_preset_path(name).read_text())
+            return EXIT_OK
+        rows = describe_presets()
+    except ConfigError as e:
+        sys.stderr.write(f"repro: error: {e}\n")
+        return EXIT_USAGE
+    width = max(len(n) for n, _, _ in rows)
+    sys.stdout.write(f"presets in {CONFIG_DIR}:\n")
+    sys.stdout.write("".join(f"  {n:<{width}}  {kind:<12}  {text}\n" for n, kind, text in rows))
+    return EXIT_OK
 
 
 @app.command("doctor")
@@ -283,9 +356,9 @@ def doctor_cmd(
 
 @app.command("vllm-audit")
 def vllm_audit(
-    path: Annotated[Optional[Path], typer.Option("--path", help="A vLLM source tree (repo root or the vllm/ package).")] = None,
-    wheel: Annotated[Optional[Path], typer.Option("--wheel", help="A vLLM wheel or sdist archive.")] = None,
-    require: Annotated[Optional[list[str]], typer.Option("--require", help="Fix id that must be present (e.g. 43909); exit 1 if not.")] = None,
+    path: Annotated[Optional[Path], typer.Option("--path", metavar="DIR", help="A vLLM source tree (repo root or the vllm/ package).")] = None,
+    wheel: Annotated[Optional[Path], typer.Option("--wheel", metavar="FILE", help="A vLLM wheel or sdist archive.")] = None,
+    require: Annotated[Optional[list[str]], typer.Option("--require", metavar="FIX_ID", help="Fix id that must be present (e.g. 43909); exit 1 if not.")] = None,
     json_path: JsonOpt = None,
 ) -> int:
     """Does a vLLM (installed, a directory or an archive) carry the upstream fixes? Never imports vLLM."""
@@ -298,6 +371,9 @@ def vllm_audit(
             audit.find_fix(fix_id)
         result = (audit.audit_directory(path) if path else
                   audit.audit_archive(wheel) if wheel else audit.audit_installed())
+    except audit.VllmNotInstalled as e:   # nothing wrong with the command: this environment lacks vLLM
+        sys.stderr.write(f"repro: error: {e}\n")
+        return EXIT_ENV
     except (audit.AuditError, KeyError, ValueError) as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_USAGE
@@ -361,6 +437,7 @@ def watch_report_cmd(
 
 
 def main() -> None:
+    noise.silence_known_warnings()
     app()
 
 

@@ -8,6 +8,7 @@ exits 2.
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import os
 import tomllib
 from dataclasses import dataclass
@@ -18,7 +19,9 @@ from typing import Any
 from repro.scenarios import (SCENARIO_RUN_KEYS, SCENARIOS, Gemma4Dims, MoeDims, ScenarioSpec,  # noqa: F401
                              SelftestDims)
 
-CONFIG_DIR = Path(os.environ.get("REPRO_CONFIGS", Path(__file__).resolve().parent.parent / "configs"))
+# The presets ship inside the package (a wheel install has them too); they are plain TOML files
+# on disk, so `repro presets NAME` can show them and users can copy one and pass --config FILE.
+CONFIG_DIR = Path(os.environ.get("REPRO_CONFIGS") or str(importlib.resources.files("repro") / "configs"))
 
 AFTER_FREE = ("keep", "release", "reuse", "poison")
 GUARD_MODES = ("off", "warn", "raise")
@@ -72,9 +75,32 @@ def resolve_preset_path(name_or_path: str) -> Path:
         return p
     candidate = CONFIG_DIR / f"{name_or_path}.toml"
     if not candidate.is_file():
-        known = ", ".join(sorted(f.stem for f in CONFIG_DIR.glob("*.toml")))
+        known = ", ".join(preset_names())
         raise ConfigError(f"config preset {name_or_path!r} not found in {CONFIG_DIR}; known: {known}")
     return candidate
+
+
+def preset_names() -> list[str]:
+    return sorted(f.stem for f in CONFIG_DIR.glob("*.toml"))
+
+
+def describe_presets() -> list[tuple[str, str, str]]:
+    """(name, what it is for: a scenario or 'matrix', the first line of its description)."""
+    rows = []
+    for name in preset_names():
+        data = read_toml(CONFIG_DIR / f"{name}.toml")
+        kind = data.get("scenario") or ("matrix" if "trial" in data else "?")
+        text = " ".join(str(data.get("description") or data.get("matrix", {}).get("description") or "").split())
+        rows.append((name, kind, first_sentence(text)))
+    return rows
+
+
+def first_sentence(text: str, limit: int = 44) -> str:
+    """Up to `limit` characters, cut at a word, so a listing fits 80 columns."""
+    head = text.split(". ", 1)[0].rstrip(".")
+    if len(head) <= limit:
+        return head
+    return head[:limit - 3].rsplit(" ", 1)[0].rstrip(" ,;:(") + "..."
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -146,7 +172,7 @@ def load_preset(name_or_path: str, scenario: str | None = None) -> TrialConfig:
 def parse_set(item: str) -> tuple[str, str, Any]:
     """'model.vocab_size=1024' -> ('model', 'vocab_size', 1024); the value is read as TOML."""
     if "=" not in item or "." not in item.split("=", 1)[0]:
-        raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE, e.g. model.vocab_size=4096")
+        raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE, e.g. run.steps=3 or model.hidden_size=128")
     lhs, rhs = item.split("=", 1)
     section, key = lhs.strip().split(".", 1)
     if section not in ("model", "run"):

@@ -12,10 +12,11 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from typing import Any
 
-from repro.config import ConfigError, RunConfig, SCENARIOS, coerce, read_toml, resolve_preset_path
-from repro.runner import Planned, plan
+from repro.config import ConfigError, RunConfig, SCENARIOS, coerce, default_expectation, read_toml, resolve_preset_path
+from repro.runner import Planned, plan, trial_id
 
 TRIAL_KEYS = {"scenario", "preset", "set"}
 
@@ -57,4 +58,34 @@ def load_matrix(path_or_name: str, gpus: int) -> tuple[str, list[Planned]]:
             planned.append(plan(scenario, t.get("preset"), {**base, **run_overrides(t, where)}, sets, gpus))
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}") from None
+        planned[-1].index = i
     return str(head.get("description", path.stem)), planned
+
+
+def planned_id(p: Planned) -> str:
+    return trial_id(p.index or 0, p.cfg)
+
+
+def matches(tid: str, pattern: str) -> bool:
+    """A shell-style glob found anywhere in the trial id ('reload-safe', 'nvfp4*identity', '07-')."""
+    return fnmatch.fnmatchcase(tid, f"*{pattern}*")
+
+
+def select(planned: list[Planned], patterns: list[str], name: str) -> list[Planned]:
+    """The trials whose id matches any pattern (all of them without patterns). Ids keep their
+    index in the full matrix, so `--list` and a filtered run name a trial the same way."""
+    if not patterns:
+        return planned
+    chosen = [p for p in planned if any(matches(planned_id(p), pat) for pat in patterns)]
+    if not chosen:
+        shown = " ".join(f"--only {pat!r}" for pat in patterns)
+        raise ConfigError(f"{shown} matches none of the {len(planned)} trials of {name}; "
+                          f"`repro matrix --config {name} --list` shows their ids")
+    return chosen
+
+
+def listing(planned: list[Planned]) -> list[str]:
+    """One line per trial: id, expected outcome, and where it would run."""
+    width = max(len(planned_id(p)) for p in planned)
+    return [f"{planned_id(p):<{width}}  expect {default_expectation(p.cfg):<16} "
+            + (p.device or f"UNSUPPORTED here: {p.reason}") for p in planned]

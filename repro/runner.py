@@ -27,12 +27,14 @@ class Planned:
     device: str | None                # None: cannot run here (see reason)
     reason: str = ""
     fault: dict[str, Any] | None = None
+    index: int | None = None          # its place in the full plan, kept when a subset runs
 
 
 @dataclass
 class RunResult:
     report: Report
     interrupted: bool = False
+    run_dir: Path | None = None       # the folder this run's trials wrote to
 
 
 def resolve_device(requested: str, tp: int, gpus: int) -> tuple[str | None, str]:
@@ -102,6 +104,7 @@ def run_planned(planned: list[Planned], out_root: Path, on_start: Callable[[str,
         result.report.environment = env.result()
     result.report.command = shlex.join(sys.argv)
     result.report.created = stamp.isoformat(timespec="seconds")
+    result.run_dir = run_dir
     return result
 
 
@@ -118,7 +121,7 @@ def run_one(i: int, p: Planned, run_dir: Path, hooks: Hooks, wrapper: list[str] 
     matters: PR_SET_PDEATHSIG fires when the *thread* that spawned a worker exits."""
     if stop.is_set():
         return None                                   # Ctrl-C before this trial started
-    tid = trial_id(i, p.cfg)
+    tid = trial_id(i if p.index is None else p.index, p.cfg)
     if hooks.on_start:
         hooks.on_start(tid, p)
     if p.device is None:

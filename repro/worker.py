@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from repro.config import TrialConfig
+from repro.noise import silence_known_warnings
 from repro.outcome import Finding, StepRecord, to_jsonable
 
 
@@ -292,6 +293,7 @@ def run_rank(spec: TrialSpec, rank: int) -> int:
 
 def main(argv: list[str]) -> None:
     die_with_parent()
+    silence_known_warnings()             # before torch is imported: it warns once, at import
     faulthandler.enable()                # a segfault still prints the Python stack to the log
     spec = TrialSpec.load(Path(argv[0]))
     code = run_rank(spec, int(argv[1]))

@@ -43,8 +43,11 @@ def test_scenario_help_lists_exit_codes():
 @pytest.mark.parametrize("args,needle", [
     (["gemma4-mtp", "--bogus"], "No such option"),
     (["gemma4-mtp", "--tp", "two"], "Invalid value for '--tp'"),
-    (["gemma4-mtp", "--mode", "halfway"], "mode = 'halfway' is not one of"),
-    (["gemma4-mtp", "--after-free", "shred"], "after_free = 'shred' is not one of"),
+    (["gemma4-mtp", "--mode", "halfway"], "'--mode': 'halfway' is not one of 'unfixed', 'fixed', 'reload-safe'"),
+    (["nvfp4-reload", "--mode", "reload-safe"], "is not one of 'unfixed', 'kernel-reuse', 'fixed'"),
+    (["gemma4-mtp", "--after-free", "shred"], "'--after-free': 'shred' is not one of 'keep', 'release'"),
+    (["gemma4-mtp", "--guard", "loud"], "'--guard': 'loud' is not one of 'off', 'warn', 'raise'"),
+    (["gemma4-mtp", "--set", "run.mode=halfway", "--device", "cpu"], "mode = 'halfway' is not one of"),
     (["gemma4-mtp", "--config", "/nope.toml"], "does not exist"),
     (["gemma4-mtp", "--steps", "-2", "--device", "cpu"], "steps = -2 must be >= 1"),
     (["gemma4-mtp", "--tp", "0", "--device", "cpu"], "tp = 0 must be >= 1"),

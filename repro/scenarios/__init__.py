@@ -18,7 +18,7 @@ from types import ModuleType
 
 @dataclass
 class Gemma4Dims:
-    """Gemma 4 assistant (MTP drafter) dimensions; see configs/gemma4-e2b.toml for sources."""
+    """Gemma 4 assistant (MTP drafter) dimensions; see repro/configs/gemma4-e2b.toml for sources."""
     vocab_size: int = 262144
     hidden_size: int = 256            # draft hidden; the centroid head and lm_head act on it
     backbone_hidden_size: int = 1536  # recorded for the report; the drafter head does not use it
@@ -73,6 +73,7 @@ class ScenarioSpec:
     run_keys: tuple[RunKeySpec, ...] = ()
     tensor_parallel: bool = True      # False: one rank only; the command has no --tp
     help: str = ""                    # the CLI command's help
+    steps_help: str = ""              # --steps help: what one step of this scenario does
     command: bool = True              # gets a generated scenario command (selftest has its own)
 
     @property
@@ -103,7 +104,8 @@ SCENARIOS: dict[str, ScenarioSpec] = {s.name: s for s in (
         run_keys=(RunKeySpec("reload_drafter", "--reload-drafter/--no-reload-drafter",
                              "Reload drafter weights after capture and keep replaying (RL-style lifecycle).",
                              tag="reload"),),
-        help="Gemma 4 MTP drafter greedy sampling under per-batch-size centroid CUDA graphs (vLLM #43909)."),
+        help="Gemma 4 MTP drafter greedy sampling under per-batch-size centroid CUDA graphs (vLLM #43909).",
+        steps_help="Decode steps: each runs the drafter's centroid graph for its token count's batch size."),
     ScenarioSpec(
         name="nvfp4-reload", module="repro.scenarios.nvfp4_moe",
         modes=(
@@ -119,13 +121,15 @@ SCENARIOS: dict[str, ScenarioSpec] = {s.name: s for s in (
         run_keys=(RunKeySpec("identity_reload", "--identity-reload/--changing-reload",
                              "Reload the same weights every step (hides #57954).", tag="identity"),),
         tensor_parallel=False,  # expert parallelism is not modelled
-        help="NVFP4 MoE layer under a captured graph, reloaded with new BF16 weights (vLLM #50074, #57954)."),
+        help="NVFP4 MoE layer under a captured graph, reloaded with new BF16 weights (vLLM #50074, #57954).",
+        steps_help="Reload steps: each loads new weights, then replays the captured MoE layer once."),
     ScenarioSpec(
         name="selftest", module="repro.scenarios.selftest",
         modes=(ModeSpec("clean", {}, "no bug: ranks all-gather every step"),),
         default_after_free="keep", dims=SelftestDims,
         default_preset="selftest", cpu_preset="selftest",
-        help="Check the harness itself: ranks all-gather every step; no graphs, no bug.", command=False),
+        help="Check the harness itself: ranks all-gather every step; no graphs, no bug.", command=False,
+        steps_help="Steps: each all-gathers across the ranks."),
 )}
 
 # Every scenario-only [run] key; a trial of another scenario must leave it off.
