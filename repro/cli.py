@@ -25,6 +25,7 @@ from repro.files import write_text_atomic
 from repro.outcome import Outcome, Report, to_jsonable
 from repro.runner import Planned, RunResult, plan, run_planned
 from repro.scenarios import SCENARIOS, RunKeySpec, ScenarioSpec
+from repro.watch_hooks import ON_FINDING
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -403,8 +404,8 @@ Exit codes:
                                "allow_interspersed_args": False})
 def watch_cmd(
     ctx: typer.Context,
-    on_finding: Annotated[str, typer.Option("--on-finding", help="warn: record and let the replay run; raise: the replay raises StaleCaptureError naming the tensor, before the launch.")] = "warn",
-    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="Directory for the per-process records (default artifacts/watch-DATE-TIME).")] = None,
+    on_finding: Annotated[choices(ON_FINDING), typer.Option("--on-finding", help="warn: record and let the replay run; raise: the replay raises StaleCaptureError naming the tensor, before the launch.")] = "warn",
+    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", metavar="DIR", help=with_default("Directory for the per-process records.", "$XDG_CACHE_HOME/repro/runs/watch-DATE-TIME, else under ~/.cache"))] = None,
     json_path: JsonOpt = None, junit: JunitOpt = None, html: HtmlOpt = None,
 ) -> int:
     """Run CMD unchanged with the stale-capture hooks in every Python process it starts: repro watch -- CMD [ARGS...]."""

@@ -58,7 +58,9 @@ def watch_env(environ: dict[str, str], run_dir: Path, on_finding: str) -> dict[s
 
 
 def default_run_dir() -> Path:
-    return Path("artifacts") / time.strftime("watch-%Y%m%d-%H%M%S", time.localtime())
+    """Under the user's cache like every run's files, not the current directory."""
+    from repro.runs import default_root
+    return default_root(dict(os.environ)) / time.strftime("watch-%Y%m%d-%H%M%S", time.localtime())
 
 
 def check_args(command: list[str], on_finding: str, run_dir: Path) -> None:

@@ -16,7 +16,7 @@ from conftest import REPO
 from repro.cli import app
 
 runner = CliRunner()
-COMMANDS = ["gemma4-mtp", "nvfp4-reload", "selftest", "matrix", "presets", "doctor", "vllm-audit"]
+COMMANDS = ["gemma4-mtp", "nvfp4-reload", "selftest", "matrix", "presets", "doctor", "vllm-audit", "watch"]
 
 
 def invoke(*args, env=None):
@@ -102,6 +102,13 @@ def test_artifacts_default_to_the_cache_with_a_latest_link(tmp_path, no_gpu, mon
     again = invoke("selftest", "--steps", "1", "--artifacts", str(tmp_path / "mine"))
     assert again.exit_code == 0 and (tmp_path / "mine" / "latest").resolve().parent == tmp_path / "mine"
     assert latest.resolve() != (tmp_path / "mine" / "latest").resolve()
+
+
+def test_watch_records_default_to_the_cache(monkeypatch, tmp_path):
+    from repro import watch
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert watch.default_run_dir().parent == tmp_path / "repro" / "runs"
+    assert "--on-finding <warn|raise>" in flat(invoke("watch", "--help").stdout)
 
 
 def test_matrix_list_names_every_trial_without_running(tmp_path, no_gpu):
