@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from common import emit
-from repro import doctor
+from repro import gpus
 from repro.outcome import REPRODUCED, Outcome
 from repro.runner import plan, run_planned
 
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--log", help="JSON lines, one per finished trial, written as they finish")
     a = ap.parse_args()
-    planned = planned_trials(a.scenario or list(SETUPS), a.after_free, a.n, doctor.gpu_count(), a.deadline)
+    planned = planned_trials(a.scenario or list(SETUPS), a.after_free, a.n, gpus.gpu_count(), a.deadline)
     if any(p.device != "cuda" for p in planned):
         sys.exit("determinism: needs CUDA GPUs (2 for gemma4-mtp at TP=2); a CPU run replays no graph")
     done = []

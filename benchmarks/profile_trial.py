@@ -18,9 +18,10 @@ from pathlib import Path
 
 t_process = time.perf_counter()
 
-from repro import doctor                     # noqa: E402  (the clock above starts first)
+from repro import gpus                       # noqa: E402  (the clock above starts first)
 from repro.runner import plan                # noqa: E402
-from repro.worker import TrialSpec, run_rank  # noqa: E402
+from repro.protocol import TrialSpec  # noqa: E402
+from repro.worker import run_rank  # noqa: E402
 
 
 def main() -> None:
@@ -31,7 +32,7 @@ def main() -> None:
     ap.add_argument("run", nargs="*", help="run overrides, KEY=VALUE")
     a = ap.parse_args()
     run = {"tp": 1} if a.scenario == "gemma4-mtp" else {}
-    p = plan(a.scenario, None, run, [f"run.{kv}" for kv in a.run], doctor.gpu_count())
+    p = plan(a.scenario, None, run, [f"run.{kv}" for kv in a.run], gpus.gpu_count())
     with tempfile.TemporaryDirectory() as tmp:
         spec = TrialSpec(trial_id="profile", config=p.cfg.to_dict(), device=p.device, world_size=1, out_dir=tmp)
         prof = cProfile.Profile()

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 from common import emit
-from repro import doctor
-from repro.isolate import Interrupted, read_records, run_trial
-from repro.worker import log_path
+from repro import gpus
+from repro.isolate import Interrupted, run_trial
+from repro.protocol import Event, log_path, read_records
 from repro.runner import plan
 
 # API errors (NCCL probes kernels it has no image for) are noise here: only memory errors count.
@@ -43,7 +43,7 @@ def first_memory_error(out_dir: Path, world: int) -> list[str] | None:
 
 
 def first_finding_at(out_dir: Path, world: int) -> float | None:
-    times = [e["t"] for r in read_records(str(out_dir), world) for e in r.of("finding")]
+    times = [e["t"] for r in read_records(str(out_dir), world) for e in r.of(Event.FINDING)]
     return min(times) if times else None
 
 
@@ -55,7 +55,7 @@ def one(scenario: str, preset: str | None, after_free: str, steps: int, tp: int,
            "guard": "off" if memcheck else "warn"}
     if scenario == "gemma4-mtp":
         run["tp"] = tp
-    p = plan(scenario, preset, run, [], doctor.gpu_count())
+    p = plan(scenario, preset, run, [], gpus.gpu_count())
     world = p.cfg.run.tp
     stop = threading.Event()
     seen: dict[str, object] = {}

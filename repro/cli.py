@@ -10,7 +10,9 @@ import importlib
 import inspect
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Optional
 
@@ -19,15 +21,17 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 import repro
-from repro import doctor, noise, report, runs
+from repro import doctor, gpus, noise, report, runs
 from repro.config import AFTER_FREE, DEVICES, GUARD_MODES, ConfigError, preset_names
 from repro.files import write_text_atomic
 from repro.outcome import Outcome, Report, to_jsonable
-from repro.runner import Planned, RunResult, plan, run_planned
+from repro.preflight import check_outputs
+from repro.protocol import FAULTS
+from repro.runner import Planned, RunResult, Terminated, plan, run_planned
 from repro.scenarios import SCENARIOS, RunKeySpec, ScenarioSpec
 from repro.watch_hooks import ON_FINDING
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 
 EXIT_CODES = """\b
 Exit codes:
@@ -35,7 +39,8 @@ Exit codes:
   1    some trial did not meet its expectation
   2    usage or config error (one line on stderr)
   3    the environment cannot run what was asked (e.g. --tp 2 with one GPU): UNSUPPORTED
-  130  interrupted (Ctrl-C); records produced so far are kept and reported"""
+  130  interrupted (Ctrl-C); records produced so far are kept and reported
+  143  terminated (SIGTERM, e.g. a CI cancel); handled like Ctrl-C"""
 
 
 def click_exception_modules() -> list[Any]:
@@ -56,11 +61,19 @@ NO_ARGS = tuple(m.NoArgsIsHelpError for m in CLICK if hasattr(m, "NoArgsIsHelpEr
 ABORTS = tuple(m.Abort for m in CLICK if hasattr(m, "Abort")) + (KeyboardInterrupt,)
 
 
+def raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
 class ReproGroup(TyperGroup):
-    """Usage errors become one line and exit 2; Ctrl-C exits 130; never a traceback."""
+    """Usage errors become one line and exit 2; Ctrl-C exits 130, SIGTERM 143; never a traceback."""
 
     def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
+        # SIGTERM takes Ctrl-C's path (workers killed, partial report written); only the main
+        # thread may install a handler, and the previous one comes back afterwards.
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, raise_terminated) if main_thread else None
         try:
             rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                               standalone_mode=False, **extra)
@@ -71,9 +84,16 @@ class ReproGroup(TyperGroup):
             # Choice checks go through pydantic, which prefixes "Value error, ": not ours to show.
             sys.stderr.write(f"repro: error: {e.format_message().replace('Value error, ', '')}\n")
             sys.exit(EXIT_USAGE)
-        except ABORTS:
+        except ABORTS as e:
+            # click turns a KeyboardInterrupt (Terminated is one) into Abort, keeping the cause.
+            if isinstance(e, Terminated) or isinstance(e.__cause__, Terminated):
+                sys.stderr.write("repro: terminated (SIGTERM)\n")
+                sys.exit(EXIT_TERMINATED)
             sys.stderr.write("repro: interrupted\n")
             sys.exit(EXIT_INTERRUPTED)
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         sys.exit(rv if isinstance(rv, int) else EXIT_OK)
 
 
@@ -170,7 +190,6 @@ def run_key_opt(key: RunKeySpec) -> Any:
 def parse_fault(text: str | None) -> dict[str, Any] | None:
     if not text:
         return None
-    from repro.worker import FAULTS
     try:
         kind, where = text.split("@")
         rank, step = where.split(":")
@@ -193,7 +212,7 @@ def write_artifacts(rep: Report, json_path: str | None, junit: Path | None, html
 
 def exit_code(result: RunResult, allow_unsupported: bool = False) -> int:
     if result.interrupted:
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if result.report.interrupted_by == "SIGTERM" else EXIT_INTERRUPTED
     trials = result.report.trials
     unsupported = [t for t in trials if t.outcome == Outcome.UNSUPPORTED]
     if any(not t.met for t in trials if t.outcome != Outcome.UNSUPPORTED):
@@ -230,14 +249,16 @@ def run_scenario(scenario: str, config: str | None, run: dict[str, Any], sets: l
                  json_path: str | None, junit: Path | None, html: Path | None, artifacts: Path | None,
                  print_config: bool, fault: str | None = None) -> int:
     try:
-        p = plan(scenario, config, run, sets or [], doctor.gpu_count())
+        p = plan(scenario, config, run, sets or [], gpus.gpu_count())
         p.fault = parse_fault(fault)
+        if not print_config:
+            check_outputs(json_path, junit, html, artifacts or runs.default_root(dict(os.environ)))
     except ConfigError as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_USAGE
     if print_config:
         resolved = {**p.cfg.to_dict(), "device": p.device or f"UNSUPPORTED: {p.reason}"}
-        sys.stdout.write(json.dumps(resolved, indent=2) + "\n")
+        sys.stdout.write(json.dumps(resolved, indent=2, allow_nan=False) + "\n")
         return EXIT_OK
     return execute([p], artifacts, json_path, junit, html)
 
@@ -307,8 +328,9 @@ def matrix(
     try:
         if jobs < 1:
             raise ConfigError(f"--jobs {jobs}: must be >= 1 (1 runs the trials one after another)")
-        _, planned = load_matrix(config, doctor.gpu_count())
+        _, planned = load_matrix(config, gpus.gpu_count())
         planned = select(planned, only or [], config)
+        check_outputs(json_path, junit, html, artifacts or runs.default_root(dict(os.environ)))
     except ConfigError as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_USAGE

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import math
 import os
 import tomllib
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ CONFIG_DIR = Path(os.environ.get("REPRO_CONFIGS") or str(importlib.resources.fil
 AFTER_FREE = ("keep", "release", "reuse", "poison")
 GUARD_MODES = ("off", "warn", "raise")
 DEVICES = ("auto", "cuda", "cpu")
+# Collective timeouts are set past the deadline (a timedelta, in int milliseconds inside torch);
+# a week is far beyond any trial and far inside what those can hold.
+MAX_DEADLINE_S = 7 * 24 * 3600.0
 
 
 class ConfigError(ValueError):
@@ -109,6 +113,9 @@ def read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: malformed TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                          "TOML files must be UTF-8: re-save it as UTF-8") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
 
@@ -215,7 +222,8 @@ def validate(cfg: TrialConfig) -> TrialConfig:
     check(spec.tensor_parallel or r.tp == 1, w, f"tp = {r.tp}: {spec.name} runs one rank; use tp = 1")
     check(r.steps >= 1, w, f"steps = {r.steps} must be >= 1")
     check(r.seed >= 0, w, f"seed = {r.seed} must be >= 0")
-    check(r.deadline_s > 0, w, f"deadline_s = {r.deadline_s} must be > 0 seconds")
+    check(math.isfinite(r.deadline_s) and 0 < r.deadline_s <= MAX_DEADLINE_S, w,
+          f"deadline_s = {r.deadline_s} must be > 0 and at most {MAX_DEADLINE_S:g} seconds (one week)")
     check(r.guard in GUARD_MODES, w, f"guard = {r.guard!r} is not one of {', '.join(GUARD_MODES)}")
     check(r.device in DEVICES, w, f"device = {r.device!r} is not one of {', '.join(DEVICES)}")
     if r.after_free == "":

@@ -10,14 +10,14 @@ Every function that touches NVML takes an ``nvml`` argument (default: the real
 A query the device does not support (or that we may not make) yields ``None`` for that one
 field; it never aborts the inventory.
 
-``torch`` is imported lazily and only inside :func:`describe_torch`; ``vllm`` is never
-imported (it is heavy and pins its own torch): its presence is read from package metadata.
+The NVML plumbing and CUDA_VISIBLE_DEVICES parsing live in repro.gpus (the trial parent
+uses them too); torch's facts come from repro.runtime (imported lazily, only when the
+inventory includes torch); ``vllm`` is never imported (it is heavy and pins its own torch):
+its presence is read from package metadata.
 """
 from __future__ import annotations
 
-import ctypes
 import importlib.metadata
-import inspect
 import os
 import platform
 import re
@@ -26,6 +26,8 @@ from typing import Any
 
 from rich.table import Table
 from rich.text import Text
+
+from repro.gpus import as_text, error_text, load_nvml, nvml_const, query, shutdown, visible_indices
 
 # Variables that change how the repro behaves: the first three switch NVLink multicast
 # (NVLS) off, which the multi-GPU scenarios need on machines where multicast is unusable.
@@ -66,180 +68,6 @@ P2P_STATUS_NAMES = {
 }
 
 MIB = 1 << 20
-
-
-# --------------------------------------------------------------------------- NVML plumbing
-
-
-def load_nvml() -> Any:
-    """The real pynvml module, or None when nvidia-ml-py is not installed."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    return pynvml
-
-
-def nvml_const(nvml: Any, name: str, default: int) -> int:
-    """An NVML constant as a plain int.
-
-    nvidia-ml-py 13.x defines ``NVML_P2P_CAPS_INDEX_READ = 0,`` (a stray comma makes it the
-    tuple ``(0,)``), and ctypes cannot pass a tuple, so every constant is unwrapped here.
-    """
-    value = getattr(nvml, name, default)
-    if isinstance(value, tuple):
-        value = value[0] if value else default
-    return int(value)
-
-
-def query(nvml: Any, function: str, *args: Any) -> Any:
-    """Call one NVML function; None when it is missing, unsupported or refused.
-
-    One unsupported field (ECC on a consumer card, remapped rows before Ampere, NVLink on
-    a PCIe card, no permission inside a container) must not sink the whole inventory, so
-    any NVMLError - and a ctypes argument mismatch from an older binding - becomes None.
-    """
-    fn = getattr(nvml, function, None)
-    if fn is None:  # an older nvidia-ml-py that predates this call
-        return None
-    try:
-        return fn(*args)
-    except (nvml.NVMLError, ctypes.ArgumentError):
-        return None
-
-
-def as_text(value: Any) -> str | None:
-    """NVML strings arrive as bytes from old bindings and str from new ones."""
-    if value is None:
-        return None
-    if isinstance(value, bytes):
-        return value.decode(errors="replace")
-    return str(value)
-
-
-def error_text(error: BaseException) -> str:
-    """NVML's own wording ('NVML Shared Library Not Found'), else the error's class name."""
-    try:
-        message = str(error)
-    except Exception:  # pynvml's __str__ calls back into NVML, which may be the problem
-        message = ""
-    return message or type(error).__name__
-
-
-def shutdown(nvml: Any) -> None:
-    """nvmlShutdown, ignoring failures: NVML is refcounted and a failed shutdown is harmless."""
-    try:
-        nvml.nvmlShutdown()
-    except nvml.NVMLError:
-        pass
-
-
-# --------------------------------------------------------------------------- CUDA_VISIBLE_DEVICES
-
-
-def parse_ordinal(text: str) -> int:
-    """strtoul-like: the leading integer of text, or -1. CUDA reads '1gpu' as 1."""
-    match = re.match(r"[+-]?\d+", text)
-    return int(match.group()) if match else -1
-
-
-def parse_ordinals(spec: str) -> list[int]:
-    """A comma list of indices, read the way CUDA (and torch's NVML count) read it.
-
-    A negative or unparsable entry ends the list; a repeated entry makes it empty.
-    """
-    ordinals: list[int] = []
-    for entry in spec.split(","):
-        ordinal = parse_ordinal(entry.strip())
-        if ordinal in ordinals:
-            return []
-        if ordinal < 0:
-            break
-        ordinals.append(ordinal)
-    return ordinals
-
-
-def match_uuid(candidate: str, uuids: list[str]) -> int:
-    """Position of the one UUID that starts with candidate (CUDA accepts prefixes), or -1."""
-    hits = [i for i, uuid in enumerate(uuids) if uuid and uuid.startswith(candidate)]
-    return hits[0] if len(hits) == 1 else -1
-
-
-def parse_uuids(spec: str, uuids: list[str]) -> list[int]:
-    """A comma list of GPU UUIDs (or unique prefixes) -> physical indices, CUDA's rules."""
-    ordinals: list[int] = []
-    for entry in spec.split(","):
-        entry = entry.strip()
-        if not entry.startswith("GPU-"):
-            break
-        ordinal = match_uuid(entry, uuids)
-        if ordinal < 0:
-            break
-        if ordinal in ordinals:
-            return []
-        ordinals.append(ordinal)
-    return ordinals
-
-
-def visible_indices(spec: str | None, uuids: list[str]) -> list[int]:
-    """Physical (NVML) indices that CUDA will expose, in CUDA order (cuda:0 first).
-
-    ``uuids`` is NVML's list, one per physical GPU. Unset -> all of them. Indices past the
-    last GPU end the list, as in CUDA. MIG UUIDs cannot be mapped to whole GPUs here and
-    give an empty list (see :func:`count_visible`).
-    """
-    if spec is None:
-        return list(range(len(uuids)))
-    spec = spec.strip()
-    if spec.startswith("GPU-"):
-        return parse_uuids(spec, uuids)
-    if spec.startswith("MIG-"):
-        return []
-    visible: list[int] = []
-    for ordinal in parse_ordinals(spec):
-        if ordinal >= len(uuids):
-            break
-        visible.append(ordinal)
-    return visible
-
-
-def count_visible(spec: str | None, uuids: list[str]) -> int:
-    """How many CUDA devices a process started with this CUDA_VISIBLE_DEVICES will see."""
-    if spec is not None and spec.strip().startswith("MIG-"):
-        # Each MIG instance is one CUDA device; NVML's whole-GPU UUIDs cannot check them.
-        return len([e for e in spec.split(",") if e.strip().startswith("MIG-")])
-    return len(visible_indices(spec, uuids))
-
-
-def device_uuids(nvml: Any, count: int) -> list[str]:
-    """NVML's UUID per physical index; '' where the GPU cannot be queried (never matches)."""
-    uuids = []
-    for index in range(count):
-        handle = query(nvml, "nvmlDeviceGetHandleByIndex", index)
-        uuid = as_text(query(nvml, "nvmlDeviceGetUUID", handle)) if handle is not None else None
-        uuids.append(uuid or "")
-    return uuids
-
-
-def gpu_count(nvml: Any = None) -> int:
-    """GPUs a CUDA process started now would see; 0 when NVML is unavailable.
-
-    Honors CUDA_VISIBLE_DEVICES (indices or GPU UUIDs). Used by the runner's parent
-    process to decide whether a multi-GPU scenario can run, so it must not touch CUDA.
-    """
-    nvml = load_nvml() if nvml is None else nvml
-    spec = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if nvml is None or (spec is not None and not spec.strip()):
-        return 0
-    try:
-        nvml.nvmlInit()
-    except nvml.NVMLError:
-        return 0
-    try:
-        count = query(nvml, "nvmlDeviceGetCount") or 0
-        return count_visible(spec, device_uuids(nvml, count))
-    finally:
-        shutdown(nvml)
 
 
 # --------------------------------------------------------------------------- one GPU
@@ -518,44 +346,6 @@ def describe_host() -> dict:
     }
 
 
-def nccl_version(torch: Any) -> str | None:
-    """NCCL torch was built with, e.g. '2.27.7'; None for builds without NCCL.
-
-    torch.cuda.nccl.version() only calls ncclGetVersion(), which returns a compile-time
-    constant and creates no CUDA context. The _nccl_version check keeps CPU builds (which
-    lack the binding) from raising.
-    """
-    if not hasattr(torch._C, "_nccl_version"):
-        return None
-    try:
-        import torch.cuda.nccl
-
-        version = torch.cuda.nccl.version()
-    except (RuntimeError, AttributeError, OSError):
-        return None
-    numbers = ".".join(str(part) for part in version[:3])
-    return numbers + (f"-{version[3]}" if len(version) > 3 else "")
-
-
-def describe_torch() -> dict:
-    """torch's build facts. Reads attributes only: no torch.cuda call that could init CUDA."""
-    try:
-        import torch
-
-        from repro.guard import torch_supports_liveness
-    except Exception as error:  # a broken torch install is itself a finding
-        return {"version": None, "cuda": None, "nccl": None, "cuda_built": False,
-                "graph_check_input_liveness": False, "error": error_text(error)}
-    return {
-        "version": torch.__version__,
-        "cuda": torch.version.cuda,
-        "nccl": nccl_version(torch),
-        "cuda_built": bool(torch.backends.cuda.is_built()),
-        "graph_check_input_liveness": torch_supports_liveness(),
-        "error": None,
-    }
-
-
 def torch_requirements(requires: list[str] | None) -> list[str]:
     """The lines of a Requires-Dist list that pin torch itself (not torchvision etc.)."""
     return [line for line in requires or [] if re.match(r"torch(?![\w.-])", line.strip())]
@@ -579,19 +369,18 @@ def describe_env() -> dict:
     return {name: os.environ[name] for name in ENV_VARS if name in os.environ}
 
 
-def collect(include_vllm: bool = False, nvml: Any = None) -> dict:
+def collect(include_vllm: bool = False, nvml: Any = None, include_torch: bool = True) -> dict:
     """The whole inventory as a plain JSON-able dict. Never initializes CUDA.
 
-    Keys: host, nvml_error, driver, gpus, gpu_pairs, torch, vllm, env.
+    Keys: host, nvml_error, driver, gpus, gpu_pairs, torch, vllm, env. include_torch=False
+    leaves "torch" out (the trial parent, which must not import torch, takes it from rank 0).
     """
     nvml = load_nvml() if nvml is None else nvml
-    return {
-        "host": describe_host(),
-        **describe_gpus(nvml),
-        "torch": describe_torch(),
-        "vllm": describe_vllm(include_location=include_vllm),
-        "env": describe_env(),
-    }
+    env = {"host": describe_host(), **describe_gpus(nvml)}
+    if include_torch:
+        from repro.runtime import describe_torch
+        env["torch"] = describe_torch()
+    return {**env, "vllm": describe_vllm(include_location=include_vllm), "env": describe_env()}
 
 
 # --------------------------------------------------------------------------- text

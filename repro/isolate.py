@@ -8,7 +8,6 @@ memory access must never hang the harness), then reads the ranks' JSONL records 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import signal
@@ -20,14 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from repro import stacks
 from repro.config import TrialConfig, default_expectation
-from repro.outcome import (FirstFailure, Outcome, RankExit, TrialRecord, finding_from_dict,
+from repro.outcome import (REPRODUCED, FirstFailure, Outcome, RankExit, TrialRecord, finding_from_dict,
                            manifest_from_dict, parse_expectation, step_from_dict, worst)
-from repro.worker import TrialSpec, log_path, records_path, rendezvous_path
+from repro.protocol import (STACKS_SIGNAL, Event, RankRecords, StepCounter, TrialSpec, log_path, read_records,
+                            records_path, rendezvous_path, spec_path, stacks_path)
 
 POLL_S = 0.05
 # After the first rank dies, peers get this long to record their own error before the kill.
 GRACE_S = 2.0
+# At a deadline, ranks get up to this long to dump their stacks before the kill.
+STACKS_WAIT_S = 1.0
 TAIL_CHARS = 3000
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,7 +63,7 @@ PEER_LOSS = re.compile(
 
 
 class Interrupted(Exception):
-    """Ctrl-C during a trial; carries the partial trial record so nothing is lost."""
+    """Ctrl-C or SIGTERM during a trial; carries the partial trial record so nothing is lost."""
 
     def __init__(self, trial: TrialRecord):
         super().__init__("interrupted")
@@ -84,14 +87,7 @@ class Waited:
     hung: bool = False
     interrupted: bool = False
     first_death: int | None = None
-
-
-@dataclass
-class RankRecords:
-    events: list[dict[str, Any]] = field(default_factory=list)
-
-    def of(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["event"] == kind]
+    stacks: dict[int, str] = field(default_factory=dict)   # rank -> its faulthandler dump, when asked
 
 
 def cache_root(env: dict[str, str]) -> Path:
@@ -132,14 +128,14 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def spawn_ranks(spec: TrialSpec, spec_path: Path, wrapper: list[str],
+def spawn_ranks(spec: TrialSpec, spec_file: Path, wrapper: list[str],
                 extra_env: dict[str, str] | None = None) -> list[Rank]:
     ranks: list[Rank] = []
     env = child_env(extra_env)
     try:
         for r in range(spec.world_size):
             log = open(log_path(spec.out_dir, r), "wb")
-            cmd = [*wrapper, sys.executable, "-m", "repro.worker", str(spec_path), str(r)]
+            cmd = [*wrapper, sys.executable, "-m", "repro.worker", str(spec_file), str(r)]
             # Rank 0 leads a new process group (not in the terminal's foreground, so Ctrl-C
             # reaches only the parent); the others join it so one killpg ends the trial.
             # If rank 0 is already gone, a rank leads its own group.
@@ -173,11 +169,51 @@ def kill_group(ranks: list[Rank]) -> None:
         r.log.close()
 
 
+def request_stacks(ranks: list[Rank], out_dir: str) -> list[int]:
+    """Ask every live rank for its Python stacks and wait until each answered (STACKS_WAIT_S
+    at most). A rank is asked once its start record is out: it answers from then on."""
+    asked = []
+    for r, recs in zip(ranks, read_records(out_dir, len(ranks))):
+        starts = recs.of(Event.START)
+        if r.proc.poll() is None and starts:
+            try:
+                os.kill(starts[0]["pid"], STACKS_SIGNAL)   # the worker's own pid (a wrapper may sit above it)
+                asked.append(r.rank)
+            except (ProcessLookupError, PermissionError):
+                pass
+    end = time.monotonic() + STACKS_WAIT_S
+    while asked and time.monotonic() < end:
+        if all(answered(stacks_path(out_dir, k)) for k in asked):
+            time.sleep(POLL_S)                 # the dump is a burst of small writes: let it finish
+            break
+        time.sleep(POLL_S)
+    return asked
+
+
+def answered(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except FileNotFoundError:
+        return False
+
+
+def read_stacks(out_dir: str, ranks: list[int]) -> dict[int, str]:
+    dumps = {}
+    for k in ranks:
+        path = stacks_path(out_dir, k)
+        if path.exists() and path.stat().st_size:
+            dumps[k] = path.read_text(encoding="utf-8", errors="replace")
+    return dumps
+
+
 def wait_group(ranks: list[Rank], deadline_s: float, spawned_at: float,
-               on_tick: Callable[[], None] | None = None, stop: threading.Event | None = None) -> Waited:
+               on_tick: Callable[[], None] | None = None, stop: threading.Event | None = None,
+               out_dir: str | None = None) -> Waited:
     """Poll until every rank exited, one died (plus GRACE_S), the deadline, or an interrupt:
-    Ctrl-C in this thread, or `stop` set by the thread that got it (concurrent trials)."""
+    Ctrl-C in this thread, or `stop` set by the thread that got it (concurrent trials).
+    At the deadline the ranks are asked for their stacks (out_dir given) before the kill."""
     waited = Waited(spawned_at=spawned_at, ended_at=spawned_at)
+    asked: list[int] = []
     first_death_at = None
     try:
         while True:
@@ -193,6 +229,8 @@ def wait_group(ranks: list[Rank], deadline_s: float, spawned_at: float,
                 break
             if now - spawned_at > deadline_s:
                 waited.hung = True
+                if out_dir is not None:
+                    asked = request_stacks(ranks, out_dir)
                 break
             if stop is not None and stop.is_set():
                 waited.interrupted = True
@@ -205,23 +243,9 @@ def wait_group(ranks: list[Rank], deadline_s: float, spawned_at: float,
     finally:
         kill_group(ranks)
         waited.ended_at = time.monotonic()
+    if asked:
+        waited.stacks = read_stacks(out_dir, asked)
     return waited
-
-
-def read_records(out_dir: str, world_size: int) -> list[RankRecords]:
-    """Every complete JSON line each rank wrote; a torn last line (SIGKILL mid-write) is dropped."""
-    out = []
-    for r in range(world_size):
-        rec = RankRecords()
-        path = records_path(out_dir, r)
-        if path.exists():
-            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-                try:
-                    rec.events.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-        out.append(rec)
-    return out
 
 
 def tail(path: Path, chars: int = TAIL_CHARS) -> str:
@@ -247,18 +271,19 @@ def classify_error(text: str) -> Outcome:
     return Outcome.CRASH
 
 
-def rank_exit(r: Rank, recs: RankRecords, out_dir: str) -> RankExit:
-    errors = recs.of("error")
+def rank_exit(r: Rank, recs: RankRecords, out_dir: str, dump: str = "") -> RankExit:
+    errors = recs.of(Event.ERROR)
     error = f"{errors[-1]['type']}: {errors[-1]['message']}" if errors else None
     code = r.proc.returncode
-    starts = recs.of("start")
+    starts = recs.of(Event.START)
     return RankExit(rank=r.rank, pid=starts[0]["pid"] if starts else r.proc.pid,
                     exitcode=None if r.killed else code, signal=None if r.killed else signal_name(code),
-                    killed_by_harness=r.killed, stderr_tail=tail(log_path(out_dir, r.rank)), error=error)
+                    killed_by_harness=r.killed, stderr_tail=tail(log_path(out_dir, r.rank)), error=error,
+                    stack=stacks.top_frames(dump))
 
 
 def error_text(ex: RankExit, recs: RankRecords) -> str:
-    errors = recs.of("error")
+    errors = recs.of(Event.ERROR)
     last = [errors[-1].get("message", ""), errors[-1].get("traceback", "")] if errors else []
     return "\n".join(last) + "\n" + ex.stderr_tail
 
@@ -267,11 +292,16 @@ def collateral(ex: RankExit, recs: RankRecords) -> bool:
     return not ex.signal and bool(PEER_LOSS.search(error_text(ex, recs)))
 
 
+def interrupt_victim(ex: RankExit) -> bool:
+    """A rank the interrupt itself reached (a CI cancel may signal the whole process tree)."""
+    return ex.signal in ("SIGINT", "SIGTERM") or (ex.error or "").startswith("KeyboardInterrupt")
+
+
 def rank_failure(ex: RankExit, recs: RankRecords) -> Outcome | None:
     """How a rank ended on its own: None when it finished cleanly or was killed by us."""
     if ex.killed_by_harness:
         return None
-    if ex.exitcode == 0 and recs.of("done"):
+    if ex.exitcode == 0 and recs.of(Event.DONE):
         return None
     # A recorded CUDA error outranks the signal that may follow it (an abort in a destructor).
     return classify_error(error_text(ex, recs))
@@ -279,7 +309,7 @@ def rank_failure(ex: RankExit, recs: RankRecords) -> Outcome | None:
 
 def current_step(recs: RankRecords) -> int | None:
     """The step a rank was in when it stopped: the last one it began."""
-    steps = [e["step"] for e in recs.of("begin")]
+    steps = [e["step"] for e in recs.of(Event.BEGIN)]
     return max(steps) if steps else None
 
 
@@ -295,12 +325,14 @@ def crash_detail(ex: RankExit) -> str:
 
 def classify(cfg: TrialConfig, recs: list[RankRecords], exits: list[RankExit], waited: Waited
              ) -> tuple[Outcome, FirstFailure | None]:
-    if any(r.of("unsupported") for r in recs):
-        reason = next(e["reason"] for r in recs for e in r.of("unsupported"))
+    if any(r.of(Event.UNSUPPORTED) for r in recs):
+        reason = next(e["reason"] for r in recs for e in r.of(Event.UNSUPPORTED))
         return Outcome.UNSUPPORTED, FirstFailure(Outcome.UNSUPPORTED, None, None, reason)
-    died = [(ex, o) for ex, rr in zip(exits, recs) if (o := rank_failure(ex, rr)) is not None]
+    died = [(ex, o) for ex, rr in zip(exits, recs) if (o := rank_failure(ex, rr)) is not None
+            and not (waited.interrupted and interrupt_victim(ex))]
     causes = [(ex, o) for ex, o in died if not collateral(ex, recs[ex.rank])]
-    died = causes or died
+    # Peers lost to an interrupted rank are not a crash of their own.
+    died = causes or ([] if waited.interrupted else died)
     if died:
         # The failing rank is the first to die of its own accord (not of a lost peer); the
         # outcome is the most severe such death.
@@ -309,26 +341,41 @@ def classify(cfg: TrialConfig, recs: list[RankRecords], exits: list[RankExit], w
         ex = first[0]
         return outcome, FirstFailure(outcome, ex.rank, current_step(recs[ex.rank]), crash_detail(ex))
     if waited.hung:
-        stuck = [ex.rank for ex in exits if ex.killed_by_harness]
-        rank = stuck[0] if stuck else None
-        step = current_step(recs[rank]) if rank is not None else None
-        return Outcome.HANG, FirstFailure(Outcome.HANG, rank, step,
-                                          f"no exit within the {cfg.run.deadline_s:g} s deadline; group killed")
+        return Outcome.HANG, hang_failure(cfg, recs, exits, waited)
     if waited.interrupted:
-        return Outcome.CRASH, FirstFailure(Outcome.CRASH, None, None, "interrupted by the user (Ctrl-C)")
+        steps = {current_step(r) for r in recs}
+        step = steps.pop() if len(steps) == 1 else None
+        return Outcome.INTERRUPTED, FirstFailure(Outcome.INTERRUPTED, None, step,
+                                                 "interrupted before the trial finished; records up to then kept")
     return classify_steps(recs)
 
 
+def hang_failure(cfg: TrialConfig, recs: list[RankRecords], exits: list[RankExit], waited: Waited) -> FirstFailure:
+    """Blame the rank that was not waiting in a collective while its peers were (from the stacks
+    the ranks dumped at the deadline); a lone stuck rank is blamed as it is."""
+    stuck = [ex.rank for ex in exits if ex.killed_by_harness]
+    detail = f"no exit within the {cfg.run.deadline_s:g} s deadline; group killed"
+    rank, why = stacks.blame({k: stacks.main_frames(waited.stacks.get(k, "")) for k in stuck})
+    if rank is None and len(stuck) == 1:
+        rank = stuck[0]
+    elif len(stuck) > 1:
+        detail += f"; {why}"
+    steps = {current_step(recs[k]) for k in stuck}
+    step = current_step(recs[rank]) if rank is not None else (steps.pop() if len(steps) == 1 else None)
+    return FirstFailure(Outcome.HANG, rank, step, detail)
+
+
 def classify_steps(recs: list[RankRecords]) -> tuple[Outcome, FirstFailure | None]:
-    steps = [step_from_dict(e) for r in recs for e in r.of("step")]
+    steps = [step_from_dict(e) for r in recs for e in r.of(Event.STEP)]
     for kind in (Outcome.NONFINITE, Outcome.MISMATCH):
         bad = sorted((s for s in steps if s.outcome() == kind), key=lambda s: (s.step, s.rank))
         if bad:
             s = bad[0]
             what = (f"{s.nonfinite}/{s.numel} non-finite" if kind == Outcome.NONFINITE
-                    else f"{s.mismatches}/{s.compared} differ from the reference")
+                    else f"{s.mismatches}/{s.compared} differ from the reference" if s.mismatches
+                    else f"the ranks disagree on {s.rank_disagreements()}/{s.compared} outputs")
             return kind, FirstFailure(kind, s.rank, s.step, f"{s.label}: {what}")
-    findings = [e for r in recs for e in r.of("finding")]
+    findings = [e for r in recs for e in r.of(Event.FINDING)]
     if findings:
         f = findings[0]
         return Outcome.STALE_CAPTURE, FirstFailure(Outcome.STALE_CAPTURE, f["rank"], None,
@@ -339,13 +386,13 @@ def classify_steps(recs: list[RankRecords]) -> tuple[Outcome, FirstFailure | Non
 def phase_timings(recs: list[RankRecords], waited: Waited) -> dict[str, float]:
     """Per phase, the slowest rank (phases run in lock-step across ranks)."""
     timings: dict[str, float] = {}
-    starts = [e["t"] for r in recs for e in r.of("start")]
+    starts = [e["t"] for r in recs for e in r.of(Event.START)]
     wall_spawn = time.time() - (time.monotonic() - waited.spawned_at)
     if starts:
         timings["start"] = max(0.0, min(starts) - wall_spawn)
     for r in recs:
         per_rank: dict[str, float] = {}
-        for e in r.of("phase"):
+        for e in r.of(Event.PHASE):
             per_rank[e["name"]] = per_rank.get(e["name"], 0.0) + e["seconds"]
         for name, sec in per_rank.items():
             timings[name] = max(timings.get(name, 0.0), sec)
@@ -360,29 +407,48 @@ def unique(items: list[str]) -> list[str]:
 def replayed_graphs(steps: list, recs: list[RankRecords]) -> bool:
     """A replay ran: a step says its output came from one, or a rank marked one it started
     (the replay that crashes never gets its step record). Never inferred from the device."""
-    return any(s.replayed for s in steps) or any(r.of("replay") for r in recs)
+    return any(s.replayed for s in steps) or any(r.of(Event.REPLAY) for r in recs)
+
+
+def injected(fault: dict[str, Any] | None, recs: list[RankRecords]) -> dict[str, Any] | None:
+    """The test hook's fault as asked, and whether the rank reached it ("fired")."""
+    if not fault:
+        return None
+    rank = fault.get("rank", 0)
+    fired = rank < len(recs) and bool(recs[rank].of(Event.FAULT))
+    return {"kind": fault["kind"], "rank": rank, "step": fault.get("step", 0), "fired": fired}
+
+
+def runtime_facts(recs: list[RankRecords]) -> dict[str, Any]:
+    reported = recs[0].of(Event.RUNTIME) if recs else []
+    return {k: v for k, v in reported[0].items() if k not in ("event", "rank", "t")} if reported else {}
 
 
 def build_record(trial_id: str, cfg: TrialConfig, device: str, recs: list[RankRecords],
-                 exits: list[RankExit], waited: Waited, out_dir: str) -> TrialRecord:
+                 exits: list[RankExit], waited: Waited, out_dir: str,
+                 fault: dict[str, Any] | None = None) -> TrialRecord:
     outcome, first = classify(cfg, recs, exits, waited)
+    fault = injected(fault, recs)
     expected = parse_expectation(default_expectation(cfg))
-    steps = sorted((step_from_dict(e) for r in recs for e in r.of("step")), key=lambda s: (s.step, s.rank))
+    steps = sorted((step_from_dict(e) for r in recs for e in r.of(Event.STEP)), key=lambda s: (s.step, s.rank))
     details: dict[str, Any] = {}
     for r in recs:
-        for e in r.of("detail"):
+        for e in r.of(Event.DETAIL):
             details.update({k: v for k, v in e.items() if k not in ("event", "rank", "t")})
-    artifacts = {e["name"]: e["path"] for r in recs for e in r.of("artifact")}
+    artifacts = {e["name"]: e["path"] for r in recs for e in r.of(Event.ARTIFACT)}
     artifacts.update({f"rank {i} records": str(records_path(out_dir, i)) for i in range(len(recs))})
+    artifacts.update({f"rank {k} stacks": str(stacks_path(out_dir, k)) for k in sorted(waited.stacks)})
+    notes = unique([e["text"] for r in recs for e in r.of(Event.NOTE)])
+    # A symptom the harness injected is not the bug's: it can never meet a "reproduced" expectation.
+    met = outcome in expected and not waited.interrupted and not (fault and outcome in REPRODUCED)
     return TrialRecord(
         id=trial_id, scenario=cfg.scenario, mode=cfg.run.mode, config=cfg.to_dict(), outcome=outcome,
-        expected=expected, met=outcome in expected and not waited.interrupted,
+        expected=expected, met=met,
         graph_replayed=replayed_graphs(steps, recs), first_failure=first, steps=steps,
-        guard_findings=[finding_from_dict(e) for r in recs for e in r.of("finding")],
-        manifests=[manifest_from_dict(e) for r in recs for e in r.of("manifest")],
-        timings=phase_timings(recs, waited), ranks=exits,
-        notes=unique([e["text"] for r in recs for e in r.of("note")]), artifacts=artifacts, details=details,
-        device=device)
+        guard_findings=[finding_from_dict(e) for r in recs for e in r.of(Event.FINDING)],
+        manifests=[manifest_from_dict(e) for r in recs for e in r.of(Event.MANIFEST)],
+        timings=phase_timings(recs, waited), ranks=exits, notes=notes, artifacts=artifacts, details=details,
+        device=device, injected_fault=fault, runtime=runtime_facts(recs))
 
 
 def unsupported_record(trial_id: str, cfg: TrialConfig, reason: str) -> TrialRecord:
@@ -405,22 +471,24 @@ def run_trial(cfg: TrialConfig, device: str, out_root: Path, trial_id: str,
     world = cfg.run.tp
     spec = TrialSpec(trial_id=trial_id, config=cfg.to_dict(), device=device, world_size=world,
                      out_dir=str(out_dir), fault=fault)
-    spec_path = out_dir / "spec.json"
-    spec.save(spec_path)
-    rendezvous_path(out_dir).unlink(missing_ok=True)     # a reused directory's old port is stale
+    spec.save(spec_path(out_dir))
+    # A reused directory's old store port and stack dumps belong to another run.
+    rendezvous_path(out_dir).unlink(missing_ok=True)
+    for k in range(world):
+        stacks_path(out_dir, k).unlink(missing_ok=True)
     spawned_at = time.monotonic()
-    ranks = spawn_ranks(spec, spec_path, wrapper or [], env)
-    rank0 = records_path(out_dir, 0)
+    ranks = spawn_ranks(spec, spec_path(out_dir), wrapper or [], env)
+    rank0_steps = StepCounter(records_path(out_dir, 0))
 
     def tick() -> None:
-        if on_tick and rank0.exists():
-            on_tick(trial_id, rank0.read_text(errors="replace").count('"event": "step"'))
+        if on_tick:
+            on_tick(trial_id, rank0_steps.poll())
 
-    waited = wait_group(ranks, cfg.run.deadline_s, spawned_at, tick, stop)
-    recs = read_records(str(out_dir), world)
-    exits = [rank_exit(r, rr, str(out_dir)) for r, rr in zip(ranks, recs)]
-    trial = build_record(trial_id, cfg, device, recs, exits, waited, str(out_dir))
+    waited = wait_group(ranks, cfg.run.deadline_s, spawned_at, tick, stop, str(out_dir))
+    recs = read_records(out_dir, world)
+    exits = [rank_exit(r, rr, str(out_dir), waited.stacks.get(r.rank, "")) for r, rr in zip(ranks, recs)]
+    trial = build_record(trial_id, cfg, device, recs, exits, waited, str(out_dir), fault)
     if waited.interrupted:
-        trial.notes.append("interrupted by the user; records up to that point kept")
+        trial.notes.append("interrupted; records up to that point kept")
         raise Interrupted(trial)
     return trial

@@ -24,6 +24,7 @@ class Outcome(str, Enum):
     HANG = "HANG"                        # a rank passed its deadline; the group was killed
     CRASH = "CRASH"                      # any other abnormal exit
     UNSUPPORTED = "UNSUPPORTED"          # the environment cannot run it: never a pass
+    INTERRUPTED = "INTERRUPTED"          # cut short by Ctrl-C / SIGTERM: no verdict, never a pass
 
 
 # What "the bug reproduced" means for an unfixed mode: a symptom, or the guard's latent finding.
@@ -35,7 +36,7 @@ REPRODUCED = frozenset({
 # When ranks disagree, the trial takes the most severe outcome; a hard CUDA error outranks
 # the numbers that led up to it.
 SEVERITY = [
-    Outcome.UNSUPPORTED, Outcome.CLEAN, Outcome.STALE_CAPTURE, Outcome.MISMATCH,
+    Outcome.INTERRUPTED, Outcome.UNSUPPORTED, Outcome.CLEAN, Outcome.STALE_CAPTURE, Outcome.MISMATCH,
     Outcome.NONFINITE, Outcome.HANG, Outcome.CRASH, Outcome.DEVICE_ASSERT,
     Outcome.ILLEGAL_ADDRESS,
 ]
@@ -43,6 +44,10 @@ SEVERITY = [
 
 def worst(outcomes: list[Outcome]) -> Outcome:
     return max(outcomes, key=SEVERITY.index) if outcomes else Outcome.CLEAN
+
+
+# An interrupt says nothing about the code under test, so no trial can expect one.
+EXPECTABLE = [o for o in Outcome if o is not Outcome.INTERRUPTED]
 
 
 def parse_expectation(text: str) -> list[Outcome]:
@@ -54,11 +59,11 @@ def parse_expectation(text: str) -> list[Outcome]:
         elif word.lower() == "reproduced":
             allowed |= REPRODUCED
         else:
-            try:
-                allowed.add(Outcome(word.upper()))
-            except ValueError:
-                names = ", ".join(["clean", "reproduced"] + [o.value for o in Outcome])
-                raise ValueError(f"expectation {word!r} is not one of: {names}") from None
+            outcome = next((o for o in EXPECTABLE if o.value == word.upper()), None)
+            if outcome is None:
+                names = ", ".join(["clean", "reproduced"] + [o.value for o in EXPECTABLE])
+                raise ValueError(f"expectation {word!r} is not one of: {names}")
+            allowed.add(outcome)
     if not allowed:
         raise ValueError("expectation is empty; use 'clean', 'reproduced' or outcome names")
     return sorted(allowed, key=SEVERITY.index)
@@ -85,9 +90,14 @@ class StepRecord:
     def outcome(self) -> Outcome:
         if self.nonfinite:
             return Outcome.NONFINITE
-        if self.mismatches:
+        if self.mismatches or self.rank_disagreements():
             return Outcome.MISMATCH
         return Outcome.CLEAN
+
+    def rank_disagreements(self) -> int:
+        """Outputs on which the TP ranks disagree (a scenario records it as an extra): every
+        rank must compute the same thing, so any disagreement is wrong output."""
+        return int(self.extra.get("rank_disagreements") or 0)
 
 
 MECHANISMS = ("guard", "census", "both", "torch")
@@ -152,6 +162,7 @@ class RankExit:
     killed_by_harness: bool
     stderr_tail: str
     error: str | None = None        # exception text the worker recorded before dying
+    stack: list[str] = field(default_factory=list)  # top frames, most recent first, when asked at a deadline
 
 
 @dataclass
@@ -174,6 +185,8 @@ class TrialRecord:
     artifacts: dict[str, str] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)   # after-free result, guard mechanism, ...
     device: str = ""                                        # "cpu" | "cuda" where the ranks ran; "" not run
+    injected_fault: dict[str, Any] | None = None  # test hook {"kind", "rank", "step", "fired"}: never a reproduction
+    runtime: dict[str, Any] = field(default_factory=dict)   # torch/CUDA/NCCL facts rank 0 reported
 
 
 @dataclass
@@ -184,6 +197,8 @@ class Report:
     created: str = ""
     interrupted: bool = False
     schema: str = SCHEMA
+    interrupted_by: str | None = None   # "SIGINT" | "SIGTERM"
+    not_run: int = 0                    # planned trials that never started (an interrupt came first)
 
     def all_met(self) -> bool:
         return bool(self.trials) and all(t.met for t in self.trials) and not self.interrupted
@@ -239,4 +254,5 @@ def report_from_dict(d: dict[str, Any]) -> Report:
     return Report(environment=d.get("environment", {}),
                   trials=[trial_from_dict(t) for t in d.get("trials", [])],
                   command=d.get("command", ""), created=d.get("created", ""),
-                  interrupted=d.get("interrupted", False))
+                  interrupted=d.get("interrupted", False), interrupted_by=d.get("interrupted_by"),
+                  not_run=d.get("not_run", 0))

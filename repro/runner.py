@@ -1,10 +1,12 @@
 """Parent-side orchestration: resolve device and preset, run trials in isolation, build the report.
 
-Never touches CUDA: GPU facts come from NVML (repro.doctor), trials run in worker processes.
+Never touches CUDA and never imports torch: GPU facts come from NVML (repro.gpus), torch's
+from rank 0 of a trial; trials run in worker processes.
 """
 from __future__ import annotations
 
 import datetime as dt
+import importlib.metadata
 import shlex
 import os
 import queue
@@ -15,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from repro import doctor
+from repro import doctor, gpus
 from repro.config import SCENARIOS, TrialConfig, apply_overrides, load_preset, validate
+from repro.footprint import fit_reason
 from repro.isolate import Interrupted, run_trial, unsupported_record
 from repro.outcome import Report, TrialRecord
 
@@ -35,6 +38,10 @@ class RunResult:
     report: Report
     interrupted: bool = False
     run_dir: Path | None = None       # the folder this run's trials wrote to
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a CI cancel): handled exactly like Ctrl-C, but named as itself."""
 
 
 def resolve_device(requested: str, tp: int, gpus: int) -> tuple[str | None, str]:
@@ -58,13 +65,34 @@ def plan(scenario: str, preset: str | None, run: dict[str, Any], sets: list[str]
         preset = spec.cpu_preset if device == "cpu" else spec.default_preset
     cfg = validate(apply_overrides(load_preset(preset, scenario), run, sets))
     device, reason = resolve_device(cfg.run.device, cfg.run.tp, gpus)
+    if device is not None:
+        reason = fit_reason(cfg, device)
+        device = None if reason else device
     return Planned(cfg=cfg, device=device, reason=reason)
 
 
 def environment() -> dict[str, Any]:
-    env = doctor.collect()
+    """Host, GPUs (NVML), vLLM, variables; torch's facts are added once a rank reported them."""
+    return doctor.collect(include_torch=False)
+
+
+def with_runtime(env: dict[str, Any], trials: list[TrialRecord]) -> dict[str, Any]:
+    """The environment with torch/CUDA/NCCL as rank 0 of the first trial that got that far saw
+    them; when none did, torch's installed version from package metadata (no import)."""
+    reported = next((t.runtime for t in trials if t.runtime), None)
+    env = {**env, "torch": reported or installed_torch()}
     env["summary"] = doctor.summary_line(env)
     return env
+
+
+def installed_torch() -> dict[str, Any]:
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    return {"version": version, "cuda": None, "nccl": None, "cuda_built": None,
+            "graph_check_input_liveness": None,
+            "error": "no rank reported torch's facts (from package metadata)" if version else "torch is not installed"}
 
 
 def trial_id(index: int, cfg: TrialConfig) -> str:
@@ -72,13 +100,6 @@ def trial_id(index: int, cfg: TrialConfig) -> str:
     parts = [f"{index:02d}", cfg.scenario, r.mode, f"tp{r.tp}", r.after_free]
     parts += [k.tag for k in SCENARIOS[cfg.scenario].run_keys if getattr(r, k.name)]
     return "-".join(parts)
-
-
-def gpu_lanes(gpus: int, env: dict[str, str]) -> list[str]:
-    """The devices a child may see, as CUDA_VISIBLE_DEVICES tokens (indices or UUIDs)."""
-    spec = env.get("CUDA_VISIBLE_DEVICES")
-    tokens = [t.strip() for t in spec.split(",")] if spec is not None else [str(i) for i in range(gpus)]
-    return tokens[:gpus]
 
 
 def lane_env(slot: int, lanes: list[str]) -> dict[str, str] | None:
@@ -96,12 +117,12 @@ def run_planned(planned: list[Planned], out_root: Path, on_start: Callable[[str,
     """Run every planned trial, `jobs` at a time; the report keeps the plan's order."""
     stamp = dt.datetime.now(dt.timezone.utc)
     run_dir = out_root / stamp.strftime("%Y%m%d-%H%M%S-%f")
-    # The inventory imports torch (seconds); take it while the first trial's ranks start.
+    # NVML on many GPUs takes a while; take the inventory while the first trial's ranks start.
     with ThreadPoolExecutor(max_workers=1) as pool:
         env = pool.submit(environment)
-        lanes = gpu_lanes(doctor.gpu_count(), dict(os.environ)) if jobs > 1 else []
+        lanes = gpus.gpu_lanes(gpus.gpu_count(), dict(os.environ)) if jobs > 1 else []
         result = run_all(planned, run_dir, Hooks(on_start, on_tick, on_done), wrapper, jobs, lanes)
-        result.report.environment = env.result()
+        result.report.environment = with_runtime(env.result(), result.report.trials)
     result.report.command = shlex.join(sys.argv)
     result.report.created = stamp.isoformat(timespec="seconds")
     result.run_dir = run_dir
@@ -145,7 +166,7 @@ def run_all(planned: list[Planned], run_dir: Path, hooks: Hooks, wrapper: list[s
     for k in range(max(1, jobs)):
         slots.put(k)
     records: list[TrialRecord | None] = [None] * len(planned)
-    interrupted = False
+    interrupted_by = None
     with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="trial") as pool:
         futures = {pool.submit(run_one, i, p, run_dir, hooks, wrapper, slots, lanes, stop): i
                    for i, p in enumerate(planned)}
@@ -153,17 +174,21 @@ def run_all(planned: list[Planned], run_dir: Path, hooks: Hooks, wrapper: list[s
         while pending:
             try:
                 done, pending = wait(pending, return_when=FIRST_COMPLETED)
-            except KeyboardInterrupt:
-                # Ctrl-C reaches this thread only (the ranks run in their own process groups):
-                # tell every running trial to kill its group and hand back what it recorded.
+            except KeyboardInterrupt as e:
+                # Ctrl-C (or SIGTERM, see Terminated) reaches this thread only (the ranks run in
+                # their own process groups): tell every running trial to kill its group and
+                # hand back what it recorded.
                 stop.set()
-                interrupted = True
+                interrupted_by = interrupted_by or ("SIGTERM" if isinstance(e, Terminated) else "SIGINT")
                 continue
             for f in done:
                 try:
                     records[futures[f]] = f.result()
                 except Interrupted as e:
                     records[futures[f]] = e.trial
-                    interrupted = True
-    report = Report(environment={}, trials=[t for t in records if t is not None], interrupted=interrupted)
+                    interrupted_by = interrupted_by or "SIGINT"
+    trials = [t for t in records if t is not None]
+    interrupted = interrupted_by is not None
+    report = Report(environment={}, trials=trials, interrupted=interrupted, interrupted_by=interrupted_by,
+                    not_run=len(planned) - len(trials))
     return RunResult(report=report, interrupted=interrupted)

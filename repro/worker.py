@@ -10,7 +10,6 @@ import contextlib
 import ctypes
 import dataclasses
 import faulthandler
-import json
 import os
 import signal
 import sys
@@ -22,54 +21,9 @@ from typing import Any, Iterator
 
 from repro.config import TrialConfig
 from repro.noise import silence_known_warnings
-from repro.outcome import Finding, StepRecord, to_jsonable
-
-
-@dataclass
-class TrialSpec:
-    """What the parent hands every rank of a trial (written to spec.json)."""
-    trial_id: str
-    config: dict[str, Any]            # TrialConfig.to_dict()
-    device: str                       # "cuda" | "cpu"
-    world_size: int
-    out_dir: str
-    fault: dict[str, Any] | None = None   # test hook: {"kind", "rank", "step"}
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
-
-    @staticmethod
-    def load(path: Path) -> "TrialSpec":
-        return TrialSpec(**json.loads(path.read_text()))
-
-
-def records_path(out_dir: str | Path, rank: int) -> Path:
-    return Path(out_dir) / f"rank{rank}.jsonl"
-
-
-def rendezvous_path(out_dir: str | Path) -> Path:
-    """Where rank 0 publishes its store port for the other ranks."""
-    return Path(out_dir) / "store_port"
-
-
-def log_path(out_dir: str | Path, rank: int) -> Path:
-    return Path(out_dir) / f"rank{rank}.log"
-
-
-class RecordSink:
-    """Append-only JSON lines; each line is flushed before the call returns."""
-
-    def __init__(self, path: Path, rank: int):
-        self.rank = rank
-        self.file = open(path, "a", buffering=1, encoding="utf-8")
-
-    def emit(self, event: str, **fields: Any) -> None:
-        line = {"event": event, "rank": self.rank, "t": time.time(), **to_jsonable(fields)}
-        self.file.write(json.dumps(line) + "\n")
-        self.file.flush()
-
-
-FAULTS = ("segv", "hang", "ima-message", "exit", "sigkill", "raise")
+from repro.outcome import Finding, StepRecord
+from repro.protocol import (STACKS_SIGNAL, Event, RecordSink, TrialSpec, records_path, rendezvous_path,
+                            stacks_path)
 
 
 def inject_fault(kind: str) -> None:
@@ -121,7 +75,7 @@ class WorkerContext:
         self.sync()
         seconds = time.perf_counter() - start
         self.timings[name] = self.timings.get(name, 0.0) + seconds
-        self.sink.emit("phase", name=name, seconds=seconds)
+        self.sink.emit(Event.PHASE, name=name, seconds=seconds)
 
     def sync(self) -> None:
         if self.on_gpu:
@@ -130,20 +84,21 @@ class WorkerContext:
 
     def begin_step(self, step: int) -> None:
         """Mark the step as started, so a death inside it is attributed to it."""
-        self.sink.emit("begin", step=step)
+        self.sink.emit(Event.BEGIN, step=step)
         f = self.spec.fault
         if f and f.get("rank", 0) == self.rank and f.get("step", 0) == step:
+            self.sink.emit(Event.FAULT, kind=f["kind"], step=step)   # on disk before it fires
             inject_fault(f["kind"])
 
     def step(self, record: StepRecord) -> None:
-        self.sink.emit("step", **dataclasses.asdict(record))
+        self.sink.emit(Event.STEP, **dataclasses.asdict(record))
 
     def replaying(self, graph: str) -> None:
         """A captured graph is about to replay: the record says replays ran even when this one
         crashes before its step is recorded. Once per graph keeps the records small."""
         if graph not in self.replayed:
             self.replayed.add(graph)
-            self.sink.emit("replay", graph=graph)
+            self.sink.emit(Event.REPLAY, graph=graph)
 
     def check_guard(self, when: str, graph: str | None = None, deep: bool = True) -> list[Finding]:
         """Guard check before a replay, plus the census check at the deep points (deep, or the
@@ -161,7 +116,7 @@ class WorkerContext:
         if findings:
             self.history.annotate(findings)
             for f in findings:
-                self.sink.emit("finding", **dataclasses.asdict(f))
+                self.sink.emit(Event.FINDING, **dataclasses.asdict(f))
         return findings
 
     def after_free(self, when: str) -> Any:
@@ -182,14 +137,14 @@ class WorkerContext:
 
 
     def manifest(self, when: str) -> None:
-        self.sink.emit("manifest", **dataclasses.asdict(self.guard.manifest(when)))
+        self.sink.emit(Event.MANIFEST, **dataclasses.asdict(self.guard.manifest(when)))
 
     def note(self, text: str) -> None:
-        self.sink.emit("note", text=text)
+        self.sink.emit(Event.NOTE, text=text)
 
     def detail(self, **fields: Any) -> None:
         """Trial facts worth keeping (after-free result, mechanism, ...)."""
-        self.sink.emit("detail", **fields)
+        self.sink.emit(Event.DETAIL, **fields)
 
 
 def die_with_parent() -> None:
@@ -227,7 +182,7 @@ def build_context(spec: TrialSpec, rank: int, sink: RecordSink) -> WorkerContext
     # Collectives must outlast the trial deadline: a hang is the harness's verdict, not a
     # collective timeout that looks like a crash.
     tp = dist.init_tp(rank, spec.world_size, rendezvous_path(spec.out_dir), device, timeout_s=cfg.run.deadline_s + 600)
-    sink.emit("phase", name="init", seconds=time.perf_counter() - start)
+    sink.emit(Event.PHASE, name="init", seconds=time.perf_counter() - start)
     ctx = WorkerContext(spec=spec, cfg=cfg, rank=rank, device=device, tp=tp, sink=sink,
                         guard=stale_guard, history=history,
                         memory=graphs.HarnessMemory(device), census=open_census(device, rank, history, sink))
@@ -257,28 +212,32 @@ def dump_forensics(ctx: WorkerContext) -> None:
     name = ctx.history.snapshot_name(ctx.cfg.scenario, ctx.rank, os.getpid())
     path = Path(ctx.spec.out_dir) / name
     if ctx.history.dump(path):
-        ctx.sink.emit("artifact", name=f"memory snapshot rank {ctx.rank}", path=str(path))
+        ctx.sink.emit(Event.ARTIFACT, name=f"memory snapshot rank {ctx.rank}", path=str(path))
 
 
 def run_rank(spec: TrialSpec, rank: int) -> int:
     from repro.scenarios import load_scenario
     sink = RecordSink(records_path(spec.out_dir, rank), rank)
-    sink.emit("start", pid=os.getpid(), device=spec.device, world_size=spec.world_size)
+    sink.emit(Event.START, pid=os.getpid(), device=spec.device, world_size=spec.world_size)
     ctx = None
     try:
         start = time.perf_counter()
         import torch  # noqa: F401  (timed: a large share of a trial's start-up)
-        sink.emit("phase", name="import", seconds=time.perf_counter() - start)
+        sink.emit(Event.PHASE, name="import", seconds=time.perf_counter() - start)
+        if rank == 0:
+            # The report's torch/CUDA/NCCL facts come from here, so the parent never imports torch.
+            from repro.runtime import describe_torch
+            sink.emit(Event.RUNTIME, **describe_torch())
         ctx = build_context(spec, rank, sink)
         with torch.no_grad():           # inference engines never build autograd graphs
             load_scenario(ctx.cfg.scenario).run(ctx)
         dump_forensics(ctx)
-        sink.emit("done", timings=ctx.timings)
+        sink.emit(Event.DONE, timings=ctx.timings)
         from repro import dist
         dist.shutdown(ctx.tp)
         return 0
     except BaseException as e:  # noqa: BLE001 - every failure must be recorded before exit
-        sink.emit("error", type=type(e).__name__, message=str(e)[:4000],
+        sink.emit(Event.ERROR, type=type(e).__name__, message=str(e)[:4000],
                   traceback=traceback.format_exc()[-6000:])
         if ctx is not None:
             with contextlib.suppress(BaseException):
@@ -291,12 +250,24 @@ def run_rank(spec: TrialSpec, rank: int) -> int:
         os._exit(1)
 
 
+def answer_stack_requests(spec: TrialSpec, rank: int) -> None:
+    """On STACKS_SIGNAL, write every thread's Python stack to rank<R>.stacks.
+
+    faulthandler writes from its C signal handler, so a rank blocked inside a collective (in
+    C++, maybe holding the GIL) still answers. The file stays open for the process's life.
+    """
+    stacks = open(stacks_path(spec.out_dir, rank), "w")
+    faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
+
+
 def main(argv: list[str]) -> None:
     die_with_parent()
     silence_known_warnings()             # before torch is imported: it warns once, at import
     faulthandler.enable()                # a segfault still prints the Python stack to the log
     spec = TrialSpec.load(Path(argv[0]))
-    code = run_rank(spec, int(argv[1]))
+    rank = int(argv[1])
+    answer_stack_requests(spec, rank)    # before the start record: a started rank can answer
+    code = run_rank(spec, rank)
     sys.stdout.flush()
     sys.stderr.flush()
     # os._exit: after a sticky CUDA error or with a dead peer, normal interpreter teardown

@@ -9,8 +9,8 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture
 def no_gpu(monkeypatch):
     """Pretend NVML sees no GPU, so auto device means CPU on any machine."""
-    import repro.doctor
-    monkeypatch.setattr(repro.doctor, "gpu_count", lambda *a, **k: 0)
+    import repro.gpus
+    monkeypatch.setattr(repro.gpus, "gpu_count", lambda *a, **k: 0)
 
 
 def alive(pid: int) -> bool:

@@ -8,7 +8,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-import repro.doctor
+import repro.gpus
 from conftest import REPO
 from repro.cli import app
 
@@ -68,7 +68,7 @@ def test_bad_input_one_line_exit_2(args, needle):
 
 
 def test_tp_larger_than_gpus_is_environment_exit_3(monkeypatch, tmp_path):
-    monkeypatch.setattr(repro.doctor, "gpu_count", lambda *a, **k: 1)
+    monkeypatch.setattr(repro.gpus, "gpu_count", lambda *a, **k: 1)
     result = invoke("gemma4-mtp", "--tp", "2", "--device", "cuda", "--artifacts", str(tmp_path), "--json", "-")
     assert result.exit_code == 3
     doc = json.loads(result.stdout)
@@ -121,11 +121,12 @@ def test_vllm_audit_cli_states_and_require(tmp_path):
 
 def test_parent_never_imports_torch_before_spawning():
     """The CLI, planning and the trial runner stay torch-free: a CUDA torch import takes seconds,
-    and every one of them would come before the first rank starts (time to verdict)."""
+    and every one of them would come before the first rank starts (time to verdict). The parent
+    talks to the ranks through repro.protocol only, never importing the worker's entry module."""
     code = ("import sys, repro.cli, repro.runner, repro.isolate, repro.matrix\n"
             "from repro.runner import plan\n"
             "plan('gemma4-mtp', None, {'device': 'cpu', 'tp': 2}, [], 0)\n"
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+            "print(sorted(m for m in sys.modules if m in ('torch', 'repro.worker') or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.stdout.strip() == "[]"
@@ -159,3 +160,88 @@ def test_doctor_table_goes_to_stdout():
     result = invoke("doctor")
     assert result.exit_code == 0
     assert "torch" in result.stdout and result.stderr == ""
+
+
+def test_whole_run_keeps_the_parent_torch_free_and_takes_torch_facts_from_rank_0(tmp_path):
+    """Also while trials run and the report's environment is taken: torch's facts come from
+    rank 0's runtime record, not from an import in the parent."""
+    code = ("import json, sys\n"
+            "from pathlib import Path\n"
+            "from repro.runner import plan, run_planned\n"
+            "p = plan('selftest', None, {'device': 'cpu', 'tp': 1, 'steps': 1}, [], 0)\n"
+            f"r = run_planned([p], Path({str(tmp_path)!r}))\n"
+            "print(json.dumps([r.report.environment['torch'], r.report.environment['summary'],"
+            " r.report.trials[0].runtime, sorted(m for m in sys.modules if m == 'torch')]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    env_torch, summary, runtime, imported = json.loads(out.stdout)
+    import torch
+    assert imported == []
+    assert env_torch == runtime and runtime["version"] == torch.__version__ and runtime["error"] is None
+    assert runtime["cuda"] == torch.version.cuda
+    assert f"torch {torch.__version__}" in summary
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--json", "/proc/repro-x.json"], "--json /proc/repro-x.json: cannot create files in /proc"),
+    (["--json", "{tmp}"], "is a directory"),
+    (["--junit", "{file}/x.xml"], "is a file, not a directory"),
+    (["--html", "{tmp}"], "is a directory"),
+    (["--artifacts", "{file}/arts"], "is a file, not a directory"),
+    (["--artifacts", "{file}"], "exists and is not a directory"),
+    (["--deadline", "inf"], "deadline_s = inf must be > 0 and at most 604800 seconds"),
+    (["--deadline", "1e15"], "at most 604800 seconds"),
+    (["--deadline", "inf", "--print-config"], "deadline_s = inf"),
+])
+def test_bad_outputs_and_bounds_fail_before_any_trial(args, needle, tmp_path, no_gpu):
+    (tmp_path / "f").write_text("x")
+    args = [a.format(tmp=tmp_path, file=tmp_path / "f") for a in args]
+    base = ["gemma4-mtp", "--device", "cpu", "--artifacts", str(tmp_path / "arts")]
+    result = invoke(*base, *args)
+    assert needle in one_line_error(result)
+    assert not (tmp_path / "arts").exists()          # refused before any trial started
+
+
+def test_matrix_checks_outputs_before_any_trial(tmp_path, no_gpu):
+    assert "is a directory" in one_line_error(invoke("matrix", "--json", str(tmp_path),
+                                                     "--artifacts", str(tmp_path / "arts")))
+    assert not (tmp_path / "arts").exists()
+
+
+def test_non_utf8_config_is_one_line(tmp_path):
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes('scenario = "gemma4-mtp"\ndescription = "caf\xe9"\n'.encode("latin-1"))
+    assert "not UTF-8 text (byte 0xe9" in one_line_error(invoke("gemma4-mtp", "--config", str(bad)))
+
+
+def test_sizes_that_cannot_fit_are_refused_up_front(tmp_path, no_gpu, monkeypatch):
+    # CPU: a trillion-parameter expert set against this host's memory.
+    result = invoke("nvfp4-reload", "--config", "qwen3-30b-a3b-moe", "--device", "cpu", "--set",
+                    "model.num_experts=1000000", "--artifacts", str(tmp_path), "--json", "-")
+    assert result.exit_code == 3, result.stderr
+    trial = json.loads(result.stdout)["trials"][0]
+    assert trial["outcome"] == "UNSUPPORTED"
+    assert "needs at least 28,839.1 GiB of host memory (lower bound)" in trial["first_failure"]["detail"]
+    # GPU: the real preset at 100000 experts against an 80 GiB GPU (NVML's numbers).
+    monkeypatch.setattr(repro.gpus, "gpu_count", lambda *a, **k: 1)
+    monkeypatch.setattr(repro.gpus, "visible_memory", lambda *a, **k: [80 << 30])
+    result = invoke("nvfp4-reload", "--device", "cuda", "--set", "model.num_experts=100000",
+                    "--artifacts", str(tmp_path), "--json", "-")
+    assert result.exit_code == 3, result.stderr
+    detail = json.loads(result.stdout)["trials"][0]["first_failure"]["detail"]
+    assert "needs at least 2,883.9 GiB of GPU memory per rank" in detail and "has 80.0 GiB" in detail
+    # The real preset itself fits that GPU.
+    cfg = json.loads(invoke("nvfp4-reload", "--device", "cuda", "--print-config").stdout)
+    assert cfg["device"] == "cuda"
+
+
+def test_injected_fault_exits_1_not_met(tmp_path, no_gpu):
+    result = invoke("gemma4-mtp", "--device", "cpu", "--tp", "2", "--mode", "fixed", "--expect", "reproduced",
+                    "--inject-fault", "ima-message@0:0", "--steps", "1", "--artifacts", str(tmp_path),
+                    "--json", "-")
+    assert result.exit_code == 1, result.stderr
+    trial = json.loads(result.stdout)["trials"][0]
+    assert trial["outcome"] == "ILLEGAL_ADDRESS" and trial["met"] is False
+    assert trial["injected_fault"] == {"kind": "ima-message", "rank": 0, "step": 0, "fired": True}
+    report = re.sub(r"[│\s]+", " ", result.stderr)
+    assert "injected fault ima-message on rank 0 at step 0 (fired; test hook): never counts as reproducing" in report

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.metadata
+import inspect
 import json
 import sys
 from types import SimpleNamespace
@@ -12,7 +13,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from repro import doctor
+from repro import doctor, gpus
 
 H200_MIB = 143771
 UUID0 = "GPU-11111111-aaaa-bbbb-cccc-000000000000"
@@ -323,7 +324,7 @@ def test_nvml_init_failure(error, reason):
     assert env["nvml_error"] == reason
     assert env["driver"] is None
     assert doctor.summary_line(env).startswith(f"no GPU (NVML: {reason}) | torch ")
-    assert doctor.gpu_count(nvml) == 0
+    assert gpus.gpu_count(nvml) == 0
     json.dumps(env)
 
 
@@ -380,20 +381,20 @@ def test_gpu_count_honors_cuda_visible_devices(monkeypatch, spec, count):
     if spec is not None:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", spec)
     nvml = two_bridged_gpus()
-    assert doctor.gpu_count(nvml) == count
+    assert gpus.gpu_count(nvml) == count
     assert nvml.open == 0
 
 
 def test_gpu_count_empty_spec_skips_nvml(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     nvml = two_bridged_gpus()
-    assert doctor.gpu_count(nvml) == 0
+    assert gpus.gpu_count(nvml) == 0
     assert nvml.init_calls == 0
 
 
 def test_gpu_count_without_nvml():
-    assert doctor.gpu_count(FakeNvml([], init_error=pynvml.NVMLError_LibraryNotFound)) == 0
-    assert doctor.gpu_count() >= 0  # real pynvml: 0 here, the real count on a GPU box
+    assert gpus.gpu_count(FakeNvml([], init_error=pynvml.NVMLError_LibraryNotFound)) == 0
+    assert gpus.gpu_count() >= 0  # real pynvml: 0 here, the real count on a GPU box
 
 
 def test_cuda_visible_devices_maps_cuda_indices(monkeypatch):
@@ -447,14 +448,14 @@ def test_torch_facts_read_without_cuda():
     assert facts["version"] == torch.__version__
     assert facts["cuda"] == torch.version.cuda
     assert facts["graph_check_input_liveness"] == ("check_input_liveness" in
-                                                   doctor.inspect.signature(torch.cuda.graph).parameters)
+                                                   inspect.signature(torch.cuda.graph).parameters)
     assert facts["error"] is None
 
 
 def test_collect_never_initializes_cuda():
     doctor.collect(include_vllm=True)
     doctor.collect(include_vllm=True, nvml=two_bridged_gpus())
-    doctor.gpu_count()
+    gpus.gpu_count()
     assert torch.cuda.is_initialized() is False
 
 

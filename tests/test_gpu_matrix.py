@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from repro import doctor, report
+from repro import report
+from repro.gpus import gpu_count
 from repro.matrix import load_matrix
 from repro.outcome import REPRODUCED, Outcome
 from repro.runner import run_planned
@@ -18,9 +19,9 @@ SYMPTOMS = REPRODUCED - {Outcome.STALE_CAPTURE}
 
 
 def run_matrix(name, gpus, tmp_path):
-    if doctor.gpu_count() < gpus:
+    if gpu_count() < gpus:
         pytest.skip(f"needs {gpus} CUDA GPUs")
-    _, planned = load_matrix(name, doctor.gpu_count())
+    _, planned = load_matrix(name, gpu_count())
     # Four trials at a time, as `repro matrix --jobs 4` runs them: the tables must not depend on it.
     result = run_planned(planned, tmp_path, jobs=4)
     out = os.environ.get("REPRO_REPORT_DIR")
@@ -90,7 +91,7 @@ def test_gpu2_matrix(tmp_path):
 
 @pytest.mark.gpu
 def test_gpu1_matrix(tmp_path):
-    if doctor.gpu_count() >= 2:
+    if gpu_count() >= 2:
         pytest.skip("gpu-2 covers this on a 2-GPU machine")
     trials = run_matrix("gpu-1", 1, tmp_path)
     assert_gemma_shape(trials)

@@ -57,13 +57,36 @@ def test_segfault_is_crash_with_signal(tmp_path):
     assert_nothing_left(trial)
 
 
-def test_hang_is_killed_at_deadline(tmp_path):
-    deadline = 8.0
+def test_hang_is_killed_at_deadline_and_blames_the_rank_outside_the_collective(tmp_path):
+    deadline = 10.0
     trial, elapsed = selftest(tmp_path, {"kind": "hang", "rank": 1, "step": 1}, deadline=deadline)
     assert trial.outcome == Outcome.HANG
-    assert trial.first_failure.step == 1
-    assert deadline <= elapsed < deadline + 5
+    # Rank 0 waits in the step's all-gather, rank 1 never gets there: rank 1 is to blame.
+    assert trial.first_failure.rank == 1 and trial.first_failure.step == 1
+    assert "rank 1 was not in a collective" in trial.first_failure.detail
+    assert deadline <= elapsed
     assert all(r.killed_by_harness for r in trial.ranks)
+    # The stacks the ranks dumped before the kill: top frames in the record, whole dumps kept.
+    assert "in inject_fault" in trial.ranks[1].stack[0]
+    assert any("/torch/distributed/" in f for f in trial.ranks[0].stack)
+    for k in (0, 1):
+        assert "most recent call first" in open(trial.artifacts[f"rank {k} stacks"]).read()
+    from repro.report.view import trial_facts
+    facts = {f.label: f.value for f in trial_facts(trial)}
+    assert facts["rank 1 stack"].startswith("inject_fault (worker.py:")
+    assert_nothing_left(trial)
+
+
+def test_injected_fault_is_recorded_and_never_counts_as_reproduced(tmp_path):
+    p = plan("selftest", None, {"tp": 2, "steps": 2, "device": "cpu", "deadline_s": DEADLINE,
+                                "expect": "reproduced"}, [], gpus=0)
+    trial = run_trial(p.cfg, "cpu", tmp_path, "t", fault={"kind": "ima-message", "rank": 0, "step": 1})
+    assert trial.outcome == Outcome.ILLEGAL_ADDRESS and Outcome.ILLEGAL_ADDRESS in trial.expected
+    assert trial.met is False
+    assert trial.injected_fault == {"kind": "ima-message", "rank": 0, "step": 1, "fired": True}
+    from repro.report.view import trial_facts
+    assert any(f.label == "injected fault" and f.value.startswith("ima-message on rank 0 at step 1 (fired")
+               for f in trial_facts(trial))
     assert_nothing_left(trial)
 
 
@@ -121,6 +144,24 @@ def wait_for_pids(root, n, timeout=30, event="start"):
             return pids
         time.sleep(0.1)
     raise AssertionError(f"workers did not reach {event!r}")
+
+
+def test_sigterm_is_handled_like_ctrl_c_and_exits_143(tmp_path):
+    out = tmp_path / "r.json"
+    proc = cli("selftest", "--tp", "2", "--steps", "3", "--device", "cpu", "--deadline", "60",
+               "--inject-fault", "hang@1:1", "--artifacts", str(tmp_path / "a"), "--json", str(out))
+    pids = wait_for_pids(tmp_path / "a", 2, event="step")
+    proc.send_signal(signal.SIGTERM)                 # what a CI cancel sends
+    text, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143, err
+    report = json.loads(out.read_text())
+    assert report["interrupted"] is True and report["interrupted_by"] == "SIGTERM"
+    trial = report["trials"][0]
+    assert trial["outcome"] == "INTERRUPTED" and trial["met"] is False
+    assert any(s["step"] == 0 for s in trial["steps"])   # records kept
+    assert "interrupted (SIGTERM)" in text and "did NOT meet" not in text
+    time.sleep(0.5)
+    assert not any(alive(p) for p in pids)
 
 
 def test_ctrl_c_exits_130_keeps_records_no_orphans(tmp_path):
@@ -205,7 +246,8 @@ def test_workers_write_their_bytecode_cache_where_told(tmp_path, monkeypatch):
 
 
 def test_graph_replayed_comes_from_replays_not_the_device():
-    from repro.isolate import RankRecords, replayed_graphs
+    from repro.isolate import replayed_graphs
+    from repro.protocol import RankRecords
     from repro.outcome import StepRecord
     began = RankRecords([{"event": "begin", "step": 0}])
     # Steps that began, even on CUDA, are no replay (selftest has no graph at all).
@@ -236,3 +278,65 @@ def test_cpu_trial_records_no_replay(tmp_path):
     assert not trial.graph_replayed
     events = [json.loads(line)["event"] for line in (tmp_path / "t" / "rank0.jsonl").read_text().splitlines()]
     assert "replay" not in events and "step" in events
+
+
+def test_step_counter_reads_records_incrementally(tmp_path):
+    from repro.protocol import Event, RecordSink, StepCounter
+    path = tmp_path / "rank0.jsonl"
+    counter = StepCounter(path)
+    assert counter.poll() == 0                       # no file yet
+    sink = RecordSink(path, 0)
+    sink.emit(Event.BEGIN, step=0)
+    sink.emit(Event.STEP, step=0, note='"event": "step"')   # the text inside a field is no step
+    assert counter.poll() == 1
+    with open(path, "a") as f:
+        f.write('{"event": "step", "rank": 0')       # a line still being written
+    assert counter.poll() == 1
+    with open(path, "a") as f:
+        f.write(', "t": 0}\n')
+    assert counter.poll() == 2
+
+
+def dump(*threads):
+    """A faulthandler dump: one (current, [(path, line, func), ...]) per thread."""
+    out = []
+    for current, frames in threads:
+        out.append(f"{'Current thread' if current else 'Thread'} 0x00007f0000000000 (most recent call first):")
+        out += [f'  File "{p}", line {n} in {fn}' for p, n, fn in frames]
+        out.append("")
+    return "\n".join(out)
+
+
+WORKER = ("/x/repro/worker.py", 200, "run_rank")
+GATHER = [("/x/torch/distributed/distributed_c10d.py", 4394, "all_gather_single"),
+          ("/x/repro/dist.py", 40, "all_gather_dim0"), ("/x/repro/scenarios/selftest.py", 20, "run"), WORKER]
+STUCK = [("/x/repro/scenarios/gemma4_mtp.py", 99, "greedy_sample"), WORKER]
+
+
+def test_stack_blame_names_the_rank_outside_a_collective():
+    from repro import stacks
+    frames = {0: stacks.main_frames(dump((True, GATHER))), 1: stacks.main_frames(dump((False, [("/t.py", 1, "f")]),
+                                                                                         (True, STUCK))),
+              2: stacks.main_frames(dump((True, GATHER)))}
+    rank, why = stacks.blame(frames)
+    assert rank == 1 and "gemma4_mtp.py:99 in greedy_sample" in why and "ranks 0, 2 waited" in why
+    # Everyone in a collective, or nobody: the stacks do not single out a rank.
+    assert stacks.blame({0: frames[0], 1: frames[2]})[0] is None
+    assert stacks.blame({0: frames[1], 1: frames[1]})[0] is None
+    assert stacks.blame({0: [], 1: []}) == (None, "no rank dumped its stack")
+    assert stacks.top_frames(dump((True, STUCK)), n=1) == ["/x/repro/scenarios/gemma4_mtp.py:99 in greedy_sample"]
+
+
+def test_rank_disagreement_is_a_mismatch():
+    from repro.isolate import classify_steps
+    from repro.protocol import RankRecords
+
+    def step(rank, disagree):
+        return {"event": "step", "rank": rank, "t": 0, "step": 2, "batch": 4, "replayed": False, "numel": 4,
+                "compared": 4, "mismatches": 0, "label": "graph bs=4", "extra": {"rank_disagreements": disagree}}
+
+    agree = [RankRecords([step(0, 0)]), RankRecords([step(1, 0)])]
+    assert classify_steps(agree)[0] == Outcome.CLEAN
+    outcome, first = classify_steps([RankRecords([step(0, 3)]), RankRecords([step(1, 3)])])
+    assert outcome == Outcome.MISMATCH
+    assert (first.rank, first.step) == (0, 2) and "the ranks disagree on 3/4 outputs" in first.detail

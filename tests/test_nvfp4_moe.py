@@ -23,7 +23,8 @@ from repro.graphs import HarnessMemory
 from repro.guard import CaptureGuard
 from repro.outcome import Outcome
 from repro.scenarios import nvfp4_moe as moe
-from repro.worker import RecordSink, TrialSpec, WorkerContext
+from repro.protocol import RecordSink, TrialSpec
+from repro.worker import WorkerContext
 
 CPU = torch.device("cpu")
 TINY = MoeDims(num_experts=8, hidden_size=64, intermediate_size=32, top_k=2, tokens=8)

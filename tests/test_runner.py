@@ -11,8 +11,11 @@ import time
 import pytest
 
 from conftest import alive
+from repro import report
 from repro.outcome import Outcome
-from repro.runner import gpu_lanes, lane_env, plan, run_planned, trial_id
+from repro.gpus import gpu_lanes
+from repro.protocol import Event, read_records
+from repro.runner import lane_env, plan, run_planned, trial_id
 
 
 def selftest(steps=3, fault=None, deadline=30.0):
@@ -49,8 +52,8 @@ def test_ctrl_c_stops_every_running_trial_and_keeps_their_records(tmp_path):
     def interrupt_once_both_stepped():
         end = time.monotonic() + 30
         while time.monotonic() < end:
-            files = list(tmp_path.rglob("rank1.jsonl"))
-            if len(files) == 2 and all('"event": "step"' in f.read_text() for f in files):
+            dirs = [f.parent for f in tmp_path.rglob("rank1.jsonl")]
+            if len(dirs) == 2 and all(read_records(d, 2)[1].of(Event.STEP) for d in dirs):
                 break
             time.sleep(0.1)
         os.kill(os.getpid(), signal.SIGINT)     # what Ctrl-C does: KeyboardInterrupt in the main thread
@@ -58,12 +61,17 @@ def test_ctrl_c_stops_every_running_trial_and_keeps_their_records(tmp_path):
     threading.Thread(target=interrupt_once_both_stepped, daemon=True).start()
     result = run_planned(planned, tmp_path, jobs=2)
     assert result.interrupted and result.report.interrupted
+    assert result.report.interrupted_by == "SIGINT"
     trials = result.report.trials
     assert len(trials) == 2                      # the third was never started
+    assert result.report.not_run == 1
+    assert report.summary_line(result.report).endswith("interrupted (SIGINT); 1 planned trial never ran")
     for t in trials:
         assert any(s.step == 0 for s in t.steps)  # what each recorded before the interrupt is kept
         assert not t.met
-        assert "interrupted by the user; records up to that point kept" in t.notes
+        # Cut short, not crashed: no verdict, and the rank killed by the interrupt is no failure.
+        assert t.outcome == Outcome.INTERRUPTED and t.first_failure.kind == Outcome.INTERRUPTED
+        assert "interrupted; records up to that point kept" in t.notes
     time.sleep(0.3)
     assert not any(alive(pid) for pid in pids_of(result.report))
 

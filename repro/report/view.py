@@ -59,6 +59,8 @@ MEANINGS: dict[Outcome, str] = {
     Outcome.CRASH: "A rank exited abnormally{where} (signal or uncaught exception); its stderr tail says why.",
     Outcome.UNSUPPORTED: "This environment cannot run the trial (e.g. fewer GPUs than --tp): "
                          "nothing was tested, so this is not a pass.",
+    Outcome.INTERRUPTED: "The run was interrupted (Ctrl-C or SIGTERM){where} before this trial finished: "
+                         "no verdict; the records up to then are kept.",
 }
 # The same outcomes when no graph was replayed (CPU, selftest): nothing may claim a replay.
 NO_REPLAY_MEANINGS: dict[Outcome, str] = {
@@ -70,7 +72,8 @@ NO_REPLAY_MEANINGS: dict[Outcome, str] = {
 
 # Tones say what a piece of text means; each renderer maps them to its own colours.
 OK, WARN, SKIP, BAD, NOTE, DIM = "ok", "warn", "skip", "bad", "note", "dim"
-OUTCOME_TONES = {Outcome.CLEAN: OK, Outcome.STALE_CAPTURE: WARN, Outcome.UNSUPPORTED: SKIP}
+OUTCOME_TONES = {Outcome.CLEAN: OK, Outcome.STALE_CAPTURE: WARN, Outcome.UNSUPPORTED: SKIP,
+                 Outcome.INTERRUPTED: SKIP}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,6 +260,8 @@ def met_cell(trial: TrialRecord) -> Cell:
     """The met mark; UNSUPPORTED never gets a pass mark."""
     if trial.outcome is Outcome.UNSUPPORTED:
         return Cell("skipped (not a pass)", SKIP) if trial.met else Cell("✗", BAD)
+    if trial.outcome is Outcome.INTERRUPTED:
+        return Cell("– interrupted", SKIP)
     return Cell("✓", OK) if trial.met else Cell("✗", BAD)
 
 
@@ -264,6 +269,8 @@ def verdict_words(trial: TrialRecord) -> Cell:
     """'✓ met its expectation' / '✗ did NOT meet...'; UNSUPPORTED never reads as a pass."""
     if trial.outcome is Outcome.UNSUPPORTED and trial.met:
         return Cell("not a pass: skipped, as expected", SKIP)
+    if trial.outcome is Outcome.INTERRUPTED:
+        return Cell("– interrupted: no verdict (not a pass)", SKIP)
     mark = met_cell(trial)
     words = "met its expectation" if trial.met else "did NOT meet its expectation"
     return Cell(f"{mark.text} {words}", mark.tone)
@@ -272,6 +279,23 @@ def verdict_words(trial: TrialRecord) -> Cell:
 def ordered_timings(timings: dict[str, float]) -> list[tuple[str, float]]:
     known = [(k, timings[k]) for k in TIMING_ORDER if k in timings]
     return known + [(k, v) for k, v in timings.items() if k not in TIMING_ORDER]
+
+
+def fault_text(trial: TrialRecord) -> str | None:
+    f = trial.injected_fault
+    if not f:
+        return None
+    state = "fired" if f.get("fired") else "never reached"
+    return (f"{f['kind']} on rank {f['rank']} at step {f['step']} ({state}; test hook): "
+            "never counts as reproducing the bug")
+
+
+def stack_text(frames: list[str], n: int = STACK_FRAMES) -> str:
+    """'inject_fault (worker.py:35) <- begin_step (worker.py:88)', most recent first."""
+    def one(frame: str) -> str:
+        where, _, func = frame.rpartition(" in ")
+        return f"{func} ({where.rsplit('/', 1)[-1]})"
+    return " <- ".join(one(f) for f in frames[:n])
 
 
 # Trial-level facts shown under the verdict; a value of None leaves the line out.
@@ -293,6 +317,7 @@ def census_fact(trial: TrialRecord) -> str | None:
 
 
 TRIAL_FACTS: tuple[tuple[str, Callable[[TrialRecord], Any]], ...] = (
+    ("injected fault", fault_text),
     ("after-free", lambda t: (t.details.get("after_free") or {}).get("note")),
     ("knob writes", lambda t: (t.details.get("after_free") or {}).get("writes")),
     ("guard", guard_fact),
@@ -306,6 +331,8 @@ def trial_facts(trial: TrialRecord) -> list[Fact]:
         value = get(trial)
         if value is not None and value != "":
             facts.append(Fact(label, fmt_value(value)))
+    # Where each rank was when the harness asked at the deadline (HANG).
+    facts += [Fact(f"rank {r.rank} stack", stack_text(r.stack)) for r in trial.ranks if r.stack]
     return facts
 
 
@@ -658,7 +685,9 @@ def summary_line(report: Report) -> str:
     elif on_cpu:
         text += f"; {on_cpu} on CPU (no CUDA graph replayed there)"
     if report.interrupted:
-        text += "; interrupted"
+        text += f"; interrupted ({report.interrupted_by})" if report.interrupted_by else "; interrupted"
+    if report.not_run:
+        text += f"; {report.not_run} planned trial{'s' if report.not_run > 1 else ''} never ran"
     return text
 
 
