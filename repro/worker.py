@@ -201,7 +201,7 @@ def open_census(device: Any, rank: int, history: Any, sink: RecordSink) -> Any:
     from repro import census
     ok, reason = census.census_supported()
     if not ok:
-        sink.emit("note", text=f"graph census unavailable: {reason}")
+        sink.emit(Event.NOTE, text=f"graph census unavailable: {reason}")
         return None
     return census.CensusBook(rank=rank, trace="external" if history.active else "start")
 
