@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from common import emit
-from repro import doctor
+from repro import gpus
 from repro.config import AFTER_FREE
 from repro.runner import plan, run_planned
 
@@ -24,7 +24,7 @@ GUARDS = ("warn", "off")
 
 
 def planned_trials(scenario: str, run: dict, knobs: list[str]) -> list:
-    return [plan(scenario, None, {**run, "after_free": knob, "guard": guard}, [], doctor.gpu_count())
+    return [plan(scenario, None, {**run, "after_free": knob, "guard": guard}, [], gpus.gpu_count())
             for knob in knobs for guard in GUARDS]
 
 
