@@ -421,14 +421,18 @@ Exit codes:
   130  interrupted (Ctrl-C, forwarded to CMD's process group); the report follows"""
 
 
-@app.command("watch", epilog=WATCH_EXIT_CODES,
+WatchJunitOpt = Annotated[Optional[Path], typer.Option("--junit", help="Write JUnit XML (one testcase per watched process, a failure per finding).")]
+WatchHtmlOpt = Annotated[Optional[Path], typer.Option("--html", help="Write a self-contained HTML report of the processes and findings.")]
+
+
+@app.command("watch", epilog=WATCH_EXIT_CODES, options_metavar="[OPTIONS] -- CMD [ARGS...]",
              context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
                                "allow_interspersed_args": False})
 def watch_cmd(
     ctx: typer.Context,
     on_finding: Annotated[choices(ON_FINDING), typer.Option("--on-finding", help="warn: record and let the replay run; raise: the replay raises StaleCaptureError naming the tensor, before the launch.")] = "warn",
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", metavar="DIR", help=with_default("Directory for the per-process records.", "$XDG_CACHE_HOME/repro/runs/watch-DATE-TIME, else under ~/.cache"))] = None,
-    json_path: JsonOpt = None, junit: JunitOpt = None, html: HtmlOpt = None,
+    json_path: JsonOpt = None, junit: WatchJunitOpt = None, html: WatchHtmlOpt = None,
 ) -> int:
     """Run CMD unchanged with the stale-capture hooks in every Python process it starts: repro watch -- CMD [ARGS...]."""
     from repro import watch, watch_report
@@ -445,7 +449,7 @@ def watch_cmd(
 @app.command("watch-report", epilog=WATCH_EXIT_CODES)
 def watch_report_cmd(
     run_dirs: Annotated[list[Path], typer.Argument(help="Run directories of `repro watch` (one per node), merged into one report.")],
-    json_path: JsonOpt = None, junit: JunitOpt = None, html: HtmlOpt = None,
+    json_path: JsonOpt = None, junit: WatchJunitOpt = None, html: WatchHtmlOpt = None,
 ) -> int:
     """One report over the records of one or more `repro watch` runs (exit 1 if any finding)."""
     from repro import watch, watch_report
