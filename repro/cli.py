@@ -421,8 +421,8 @@ Exit codes:
   130  interrupted (Ctrl-C, forwarded to CMD's process group); the report follows"""
 
 
-WatchJunitOpt = Annotated[Optional[Path], typer.Option("--junit", help="Write JUnit XML (one testcase per watched process, a failure per finding).")]
-WatchHtmlOpt = Annotated[Optional[Path], typer.Option("--html", help="Write a self-contained HTML report of the processes and findings.")]
+WatchJunitOpt = Annotated[Optional[Path], typer.Option("--junit", metavar="PATH", help="Write JUnit XML (one testcase per watched process, a failure per finding).")]
+WatchHtmlOpt = Annotated[Optional[Path], typer.Option("--html", metavar="PATH", help="Write a self-contained HTML report of the processes and findings.")]
 
 
 @app.command("watch", epilog=WATCH_EXIT_CODES, options_metavar="[OPTIONS] -- CMD [ARGS...]",
@@ -448,7 +448,7 @@ def watch_cmd(
 
 @app.command("watch-report", epilog=WATCH_EXIT_CODES)
 def watch_report_cmd(
-    run_dirs: Annotated[list[Path], typer.Argument(help="Run directories of `repro watch` (one per node), merged into one report.")],
+    run_dirs: Annotated[list[Path], typer.Argument(metavar="DIR", help="Run directories of `repro watch` (one per node), merged into one report.")],
     json_path: JsonOpt = None, junit: WatchJunitOpt = None, html: WatchHtmlOpt = None,
 ) -> int:
     """One report over the records of one or more `repro watch` runs (exit 1 if any finding)."""
