@@ -155,6 +155,7 @@ def choices(values: tuple[str, ...]) -> Any:
 # scenario-specific ones (--mode, --steps, --after-free default) from each scenario's spec.
 ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", metavar="PRESET|FILE", help=with_default("Preset name (`repro presets` lists them) or a TOML file.", "the scenario's real-dims preset on GPU, its tiny preset on CPU"))]
 TpOpt = Annotated[Optional[int], typer.Option("--tp", metavar="N", help=with_default("Tensor-parallel size (one process per rank).", "the preset's run.tp"))]
+ShareGpuOpt = Annotated[Optional[bool], typer.Option("--share-gpu/--no-share-gpu", help=with_default("Let the TP ranks share one GPU, over gloo instead of NCCL (which refuses two ranks on one GPU): real CUDA graphs, slower collectives.", "--no-share-gpu"))]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", help=with_default("Seed of the weights and inputs; the same seed gives the same trial.", "0"))]
 GuardOpt = Annotated[Optional[choices(GUARD_MODES)], typer.Option("--guard", help=with_default("Stale-capture guard: off; warn records findings and keeps going; raise stops at the first.", "warn"))]
 DeviceOpt = Annotated[Optional[choices(DEVICES)], typer.Option("--device", help=with_default("auto: GPU if NVML sees one; cuda; cpu: gloo, no graphs, guard verdicts.", "auto"))]
@@ -184,7 +185,9 @@ def after_free_opt(spec: ScenarioSpec) -> Any:
 
 
 def run_key_opt(key: RunKeySpec) -> Any:
-    return Annotated[Optional[bool], typer.Option(key.flag, help=with_default(key.help, key.flag.split("/")[-1]))]
+    if key.type is bool:
+        return Annotated[Optional[bool], typer.Option(key.flag, help=with_default(key.help, key.flag.split("/")[-1]))]
+    return Annotated[Optional[key.type], typer.Option(key.flag, metavar="N", help=with_default(key.help, key.default))]
 
 
 def parse_fault(text: str | None) -> dict[str, Any] | None:
@@ -275,6 +278,8 @@ def scenario_command(spec: ScenarioSpec) -> Callable[..., int]:
     options += [("steps", steps_opt(spec), None), ("seed", SeedOpt, None), ("after_free", after_free_opt(spec), None),
                 ("guard", GuardOpt, None), ("device", DeviceOpt, None), ("deadline", DeadlineOpt, None),
                 ("forensics", ForensicsOpt, None)]
+    if spec.tensor_parallel:
+        options.append(("share_gpu", ShareGpuOpt, None))
     options += [(k.name, run_key_opt(k), None) for k in spec.run_keys]
     options += [("expect", ExpectOpt, None), ("set_", SetOpt, None), ("json_path", JsonOpt, None),
                 ("junit", JunitOpt, None), ("html", HtmlOpt, None), ("artifacts", ArtifactsOpt, None),
@@ -285,7 +290,9 @@ def scenario_command(spec: ScenarioSpec) -> Callable[..., int]:
                    after_free=kw["after_free"], guard=kw["guard"], device=kw["device"],
                    deadline_s=kw["deadline"], forensics=kw["forensics"], expect=kw["expect"],
                    **{k: kw[k] for k in spec.run_key_names})
-        if not spec.tensor_parallel:
+        if spec.tensor_parallel:
+            run["share_gpu"] = kw["share_gpu"]
+        else:
             del run["tp"]
         return run_scenario(spec.name, kw["config"], run, kw["set_"], kw["json_path"], kw["junit"], kw["html"],
                             kw["artifacts"], kw["print_config"], kw["inject_fault"])

@@ -30,6 +30,10 @@ DEVICES = ("auto", "cuda", "cpu")
 # Collective timeouts are set past the deadline (a timedelta, in int milliseconds inside torch);
 # a week is far beyond any trial and far inside what those can hold.
 MAX_DEADLINE_S = 7 * 24 * 3600.0
+# vLLM's Gemma 4 examples draft 1 token per step, which never feeds a draft back into the
+# drafter; 3 feeds it back twice per step, the path where a wrong draft poisons the rest.
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3
+MAX_SPECULATIVE_TOKENS = 16
 
 
 class ConfigError(ValueError):
@@ -48,6 +52,8 @@ class RunConfig:
     deadline_s: float = 180.0
     forensics: bool = False
     reload_drafter: bool = False      # gemma4-mtp: reload drafter weights after capture
+    num_speculative_tokens: int = 0   # gemma4-mtp: drafts per decode step; 0 -> the scenario's default
+    share_gpu: bool = False           # TP ranks share one GPU over gloo (NCCL refuses two ranks on one GPU)
     identity_reload: bool = False     # nvfp4-reload: reload the same weights every step
     expect: str = ""                  # "" -> unfixed: reproduced, otherwise clean
 
@@ -226,6 +232,9 @@ def validate(cfg: TrialConfig) -> TrialConfig:
           f"deadline_s = {r.deadline_s} must be > 0 and at most {MAX_DEADLINE_S:g} seconds (one week)")
     check(r.guard in GUARD_MODES, w, f"guard = {r.guard!r} is not one of {', '.join(GUARD_MODES)}")
     check(r.device in DEVICES, w, f"device = {r.device!r} is not one of {', '.join(DEVICES)}")
+    check(not (r.share_gpu and r.device == "cpu"), w,
+          "share_gpu = true with device = cpu: CPU ranks always share the host over gloo; drop --share-gpu "
+          "or use --device cuda")
     if r.after_free == "":
         r.after_free = spec.default_after_free
     check(r.after_free in AFTER_FREE, w, f"after_free = {r.after_free!r} is not one of {', '.join(AFTER_FREE)}")
@@ -258,6 +267,13 @@ def validate_gemma4(m: Gemma4Dims, r: RunConfig, w: str) -> None:
     check(bool(bs) and all(b >= 1 for b in bs) and bs == sorted(set(bs)), w,
           f"model.batch_sizes = {bs} must be positive, strictly increasing integers")
     check(r.tp <= m.vocab_size, w, f"tp = {r.tp} exceeds model.vocab_size = {m.vocab_size}")
+    check(m.backbone_hidden_size >= m.hidden_size, w,
+          f"model.backbone_hidden_size = {m.backbone_hidden_size} is smaller than model.hidden_size = "
+          f"{m.hidden_size}; the drafter reads its hidden state from the target's backbone state")
+    if r.num_speculative_tokens == 0:
+        r.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
+    check(1 <= r.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS, w,
+          f"num_speculative_tokens = {r.num_speculative_tokens} must be between 1 and {MAX_SPECULATIVE_TOKENS}")
 
 
 def validate_moe(m: MoeDims, r: RunConfig, w: str) -> None:

@@ -51,16 +51,26 @@ def open_store(rank: int, world_size: int, rendezvous: Path, timeout: timedelta)
     return dist.TCPStore("127.0.0.1", int(rendezvous.read_text()), world_size, is_master=False, timeout=timeout)
 
 
-def init_tp(rank: int, world_size: int, rendezvous: Path, device: torch.device, timeout_s: float) -> TP:
-    """rendezvous: a file path shared by the trial's ranks (absent until rank 0 writes it)."""
+def init_tp(rank: int, world_size: int, rendezvous: Path, device: torch.device, timeout_s: float,
+            share_gpu: bool = False) -> TP:
+    """rendezvous: a file path shared by the trial's ranks (absent until rank 0 writes it).
+
+    share_gpu: the ranks sit on one GPU; NCCL refuses that ("Duplicate GPU detected"), gloo
+    gathers CUDA tensors through the host.
+    """
     if world_size == 1:
         return TP(rank=0, world_size=1, backend=None)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend_for(device, share_gpu)
     timeout = timedelta(seconds=timeout_s)
     store = open_store(rank, world_size, rendezvous, timeout)
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     return TP(rank=rank, world_size=world_size, backend=backend)
+
+
+def backend_for(device: torch.device, share_gpu: bool = False) -> str:
+    """NCCL between GPUs, gloo on CPU and between ranks that share one GPU."""
+    return "nccl" if device.type == "cuda" and not share_gpu else "gloo"
 
 
 def all_gather_dim0(t: torch.Tensor, tp: TP) -> torch.Tensor:

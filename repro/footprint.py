@@ -78,6 +78,8 @@ def fit_reason(cfg: TrialConfig, device: str) -> str:
     tp = cfg.run.tp
     if device == "cuda":
         totals = gpus.visible_memory()[:tp]
+        if cfg.run.share_gpu:             # every rank on the first GPU
+            totals, per_rank = totals[:1], per_rank * tp
         if not totals or min(totals) >= per_rank:
             return ""
         return (f"{cfg.scenario} at these model sizes needs at least {gib(per_rank)} of GPU memory per rank "

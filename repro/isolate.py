@@ -22,7 +22,7 @@ from typing import Any, Callable
 from repro import stacks
 from repro.config import TrialConfig, default_expectation
 from repro.outcome import (REPRODUCED, FirstFailure, Outcome, RankExit, TrialRecord, finding_from_dict,
-                           manifest_from_dict, parse_expectation, step_from_dict, worst)
+                           manifest_from_dict, parse_expectation, speculative_metrics, step_from_dict, worst)
 from repro.protocol import (STACKS_SIGNAL, Event, RankRecords, StepCounter, TrialSpec, log_path, read_records,
                             records_path, rendezvous_path, spec_path, stacks_path)
 
@@ -448,7 +448,7 @@ def build_record(trial_id: str, cfg: TrialConfig, device: str, recs: list[RankRe
         guard_findings=[finding_from_dict(e) for r in recs for e in r.of(Event.FINDING)],
         manifests=[manifest_from_dict(e) for r in recs for e in r.of(Event.MANIFEST)],
         timings=phase_timings(recs, waited), ranks=exits, notes=notes, artifacts=artifacts, details=details,
-        device=device, injected_fault=fault, runtime=runtime_facts(recs))
+        device=device, injected_fault=fault, runtime=runtime_facts(recs), **speculative_metrics(steps))
 
 
 def unsupported_record(trial_id: str, cfg: TrialConfig, reason: str) -> TrialRecord:

@@ -187,6 +187,11 @@ class TrialRecord:
     device: str = ""                                        # "cpu" | "cuda" where the ranks ran; "" not run
     injected_fault: dict[str, Any] | None = None  # test hook {"kind", "rank", "step", "fired"}: never a reproduction
     runtime: dict[str, Any] = field(default_factory=dict)   # torch/CUDA/NCCL facts rank 0 reported
+    # Speculative decoding (gemma4-mtp), over every recorded step of rank 0; None: not measured
+    acceptance_rate: float | None = None        # accepted drafts / proposed drafts
+    mean_accepted_length: float | None = None   # tokens emitted per target pass, bonus included
+    lossless: bool | None = None                # emitted == target-only greedy decoding, every step
+    tokens_per_s: float | None = None           # emitted tokens / decode-loop seconds (propose + verify)
 
 
 @dataclass
@@ -202,6 +207,21 @@ class Report:
 
     def all_met(self) -> bool:
         return bool(self.trials) and all(t.met for t in self.trials) and not self.interrupted
+
+
+def speculative_metrics(steps: list[StepRecord]) -> dict[str, Any]:
+    """Trial-level acceptance, accepted length, lossless and tokens/s from the step records
+    (rank 0: the ranks verify the same drafts); {} when no step measured them."""
+    mine = [s for s in steps if s.rank == 0 and "proposed" in s.extra]
+    if not mine:
+        return {}
+    proposed = sum(s.extra["proposed"] for s in mine)
+    emitted = sum(s.extra["emitted"] for s in mine)
+    seconds = sum(s.seconds for s in mine)
+    return {"acceptance_rate": sum(s.extra["accepted"] for s in mine) / proposed if proposed else 0.0,
+            "mean_accepted_length": emitted / sum(s.extra["passes"] for s in mine),
+            "lossless": all(s.extra["lossless"] for s in mine),
+            "tokens_per_s": emitted / seconds if seconds > 0 else None}
 
 
 def to_jsonable(obj: Any) -> Any:

@@ -44,14 +44,18 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (a CI cancel): handled exactly like Ctrl-C, but named as itself."""
 
 
-def resolve_device(requested: str, tp: int, gpus: int) -> tuple[str | None, str]:
-    """auto -> cuda when NVML sees GPUs, else cpu (gloo, no graphs). Returns (device, reason)."""
+def resolve_device(requested: str, tp: int, gpus: int, share_gpu: bool = False) -> tuple[str | None, str]:
+    """auto -> cuda when NVML sees GPUs, else cpu (gloo, no graphs). Returns (device, reason).
+
+    share_gpu: the ranks may share one GPU (over gloo), so tp > gpus is allowed on CUDA.
+    """
     if requested == "cpu" or (requested == "auto" and gpus == 0):
         return "cpu", ""
     if gpus == 0:
         return None, "device = cuda but no CUDA GPU is visible (NVML found none)"
-    if tp > gpus:
-        return None, f"tp = {tp} needs {tp} GPUs, {gpus} visible; run on a machine with {tp} GPUs or use --device cpu"
+    if tp > gpus and not share_gpu:
+        return None, (f"tp = {tp} needs {tp} GPUs, {gpus} visible; run on a machine with {tp} GPUs, "
+                      "use --share-gpu (ranks share one GPU over gloo, not NCCL) or --device cpu")
     return "cuda", ""
 
 
@@ -61,10 +65,10 @@ def plan(scenario: str, preset: str | None, run: dict[str, Any], sets: list[str]
     requested = run.get("device") or "auto"
     tp = run.get("tp") or 1
     if preset is None:
-        device, _ = resolve_device(requested, tp, gpus)
+        device, _ = resolve_device(requested, tp, gpus, bool(run.get("share_gpu")))
         preset = spec.cpu_preset if device == "cpu" else spec.default_preset
     cfg = validate(apply_overrides(load_preset(preset, scenario), run, sets))
-    device, reason = resolve_device(cfg.run.device, cfg.run.tp, gpus)
+    device, reason = resolve_device(cfg.run.device, cfg.run.tp, gpus, cfg.run.share_gpu)
     if device is not None:
         reason = fit_reason(cfg, device)
         device = None if reason else device
@@ -98,7 +102,7 @@ def installed_torch() -> dict[str, Any]:
 def trial_id(index: int, cfg: TrialConfig) -> str:
     r = cfg.run
     parts = [f"{index:02d}", cfg.scenario, r.mode, f"tp{r.tp}", r.after_free]
-    parts += [k.tag for k in SCENARIOS[cfg.scenario].run_keys if getattr(r, k.name)]
+    parts += [k.tag for k in SCENARIOS[cfg.scenario].run_keys if getattr(r, k.name) is True]
     return "-".join(parts)
 
 

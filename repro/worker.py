@@ -159,10 +159,12 @@ def die_with_parent() -> None:
 
 
 def pick_device(spec: TrialSpec, rank: int):
+    """One GPU per rank; every rank on GPU 0 when the ranks share it (run.share_gpu)."""
     import torch
     if spec.device == "cuda":
-        torch.cuda.set_device(rank)
-        return torch.device("cuda", rank)
+        index = 0 if spec.config["run"].get("share_gpu") else rank
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
@@ -181,7 +183,8 @@ def build_context(spec: TrialSpec, rank: int, sink: RecordSink) -> WorkerContext
     start = time.perf_counter()
     # Collectives must outlast the trial deadline: a hang is the harness's verdict, not a
     # collective timeout that looks like a crash.
-    tp = dist.init_tp(rank, spec.world_size, rendezvous_path(spec.out_dir), device, timeout_s=cfg.run.deadline_s + 600)
+    tp = dist.init_tp(rank, spec.world_size, rendezvous_path(spec.out_dir), device, timeout_s=cfg.run.deadline_s + 600,
+                      share_gpu=cfg.run.share_gpu)
     sink.emit(Event.PHASE, name="init", seconds=time.perf_counter() - start)
     ctx = WorkerContext(spec=spec, cfg=cfg, rank=rank, device=device, tp=tp, sink=sink,
                         guard=stale_guard, history=history,

@@ -62,6 +62,11 @@ def test_scenario_help_lists_exit_codes():
     (["matrix", "--jobs", "many"], "Invalid value for '--jobs'"),
     (["selftest", "--inject-fault", "melt@0:0", "--device", "cpu"], "kind 'melt'"),
     (["vllm-audit", "--path", "/nonexistent-dir"], "/nonexistent-dir"),
+    (["gemma4-mtp", "--num-speculative-tokens", "-1", "--device", "cpu"], "num_speculative_tokens = -1 must be between 1 and 16"),
+    (["gemma4-mtp", "--num-speculative-tokens", "17", "--device", "cpu"], "num_speculative_tokens = 17 must be between 1 and 16"),
+    (["gemma4-mtp", "--share-gpu", "--device", "cpu"], "share_gpu = true with device = cpu"),
+    (["nvfp4-reload", "--set", "run.num_speculative_tokens=2", "--device", "cpu"],
+     "num_speculative_tokens does not apply to nvfp4-reload"),
 ])
 def test_bad_input_one_line_exit_2(args, needle):
     assert needle in one_line_error(invoke(*args))
@@ -74,6 +79,40 @@ def test_tp_larger_than_gpus_is_environment_exit_3(monkeypatch, tmp_path):
     doc = json.loads(result.stdout)
     assert doc["trials"][0]["outcome"] == "UNSUPPORTED" and doc["trials"][0]["met"] is False
     assert "needs 2 GPUs, 1 visible" in doc["trials"][0]["first_failure"]["detail"]
+
+
+def test_tp_larger_than_gpus_says_how_to_share_one(monkeypatch, tmp_path):
+    monkeypatch.setattr(repro.doctor, "gpu_count", lambda *a, **k: 1)
+    result = invoke("gemma4-mtp", "--tp", "2", "--device", "cuda", "--artifacts", str(tmp_path), "--json", "-")
+    assert "--share-gpu" in json.loads(result.stdout)["trials"][0]["first_failure"]["detail"]
+
+
+@pytest.mark.parametrize("gpus,extra,device", [
+    (1, ["--share-gpu"], "cuda"),             # two ranks on one GPU, over gloo
+    (1, [], "UNSUPPORTED"),                    # without the opt-in: still not runnable here
+    (2, [], "cuda"),                          # enough GPUs: NCCL, the flag not needed
+    (0, ["--share-gpu"], "cpu"),               # auto on a CPU-only machine: gloo on the host
+])
+def test_share_gpu_planning(monkeypatch, gpus, extra, device):
+    monkeypatch.setattr(repro.doctor, "gpu_count", lambda *a, **k: gpus)
+    cfg = json.loads(invoke("gemma4-mtp", "--tp", "2", "--config", "gemma4-e2b", *extra, "--print-config").stdout)
+    assert cfg["device"].split(":")[0] == device
+    assert cfg["run"]["share_gpu"] is bool(extra) and cfg["run"]["num_speculative_tokens"] == 3
+
+
+def test_share_gpu_ranks_use_gloo_on_gpu_0(monkeypatch):
+    import torch
+    from repro.dist import backend_for
+    from repro.worker import TrialSpec, pick_device
+    assert backend_for(torch.device("cuda", 0), share_gpu=True) == "gloo"
+    assert backend_for(torch.device("cuda", 1)) == "nccl"
+    assert backend_for(torch.device("cpu")) == "gloo"
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    for share in (True, False):
+        spec = TrialSpec(trial_id="t", config={"run": {"share_gpu": share}}, device="cuda", world_size=2, out_dir=".")
+        assert pick_device(spec, rank=1) == torch.device("cuda", 0 if share else 1)
+    assert chosen == [0, 1]
 
 
 def test_print_config_resolves_cpu_preset(no_gpu):

@@ -7,7 +7,10 @@ from repro.config import load_preset
 from repro.dist import TP, init_tp, shutdown
 from repro.outcome import Outcome
 from repro.runner import plan, run_planned
-from repro.scenarios.gemma4_mtp import Gemma4Drafter, Oracle, make_lm_head_shard, padded_vocab
+from repro.scenarios.gemma4_mtp import (Gemma4Drafter, Oracle, Proposer, Sequences, decode_step, full_lm_head,
+                                        make_lm_head_shard, padded_vocab, target_only)
+from repro.scenarios.gemma4_target import TargetStandIn
+from repro.specdec import emitted_tokens, first_divergence
 
 DIMS = load_preset("gemma4-tiny").model          # vocab 4000, 50 centroids, top-4, hidden 64
 CPU = torch.device("cpu")
@@ -47,11 +50,28 @@ def _tp_worker(rank, world, rendezvous, queue, received):
                 out[mode]["cache_after_reload"] = d._stable_full_lm_head_weight is not None
         h = torch.randn(8, DIMS.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
         out["tokens"] = Oracle(d.masked_embedding, out["unfixed"]["full"]).top_tokens(h, 8)
+        out["emitted"], out["accepted"] = decode(tp)
         queue.put((rank, out))
         # Tensors travel as shared memory the parent maps on unpickling: stay alive until it has.
         received.wait(timeout=120)
     finally:
         shutdown(tp)
+
+
+def decode(tp, steps=4, k=3):
+    """The speculative loop for a few steps: (emitted tokens per step, accepted per step)."""
+    drafter = Gemma4Drafter(DIMS, tp, "fixed", CPU, seed=0)
+    proposer = Proposer(drafter, DIMS.batch_sizes, None, CPU)
+    target = TargetStandIn(DIMS, tp, CPU, 0, full_lm_head(DIMS, 0, CPU))
+    seqs = Sequences(*target.initial(max(DIMS.batch_sizes), 0))
+    ref, emitted, accepted = seqs.clone(), [], []
+    for step, b in enumerate([1, 8, 5, 2][:steps]):
+        drafted, target_tokens, acc = decode_step(target, proposer.eager_sample, seqs, b, k, drafter.dtype, tp)
+        emitted.append(emitted_tokens(target_tokens, acc))
+        accepted.append(acc.tolist())
+        assert first_divergence(emitted[-1], target_only(target, ref, b, [len(e) for e in emitted[-1]])) is None
+        assert drafted.rank_disagreements == 0
+    return emitted, accepted
 
 
 def run_tp(world, rendezvous):
@@ -82,6 +102,8 @@ def test_tp_gather_equals_full_weight_and_tokens_match_tp1(world, tmp_path):
         assert out["unfixed"]["fresh_each_call"] and not out["unfixed"]["cached"]   # the bug's shape
         assert not out["fixed"]["fresh_each_call"] and out["fixed"]["cached"]       # the fix's shape
         assert out["fixed"]["cache_after_reload"] is False                          # upstream resets it
+        # The loop (vocab-parallel target, greedy across ranks) emits what it emits at TP=1.
+        assert (out["emitted"], out["accepted"]) == decode(TP(0, 1, None))
 
 
 VERDICTS = {   # name -> (run overrides, expected outcome)
@@ -124,6 +146,20 @@ def test_cpu_verdicts(cpu_trials, name):
         m = [m for m in t.manifests if m.rank == 0][0]
         assert m.when == "after drafter reload"
         assert (m.freed > 0) == (expected == Outcome.STALE_CAPTURE)
+
+
+def test_cpu_trial_measures_acceptance_and_lossless_on_gloo(cpu_trials):
+    t = cpu_trials["fixed tp2"]
+    assert t.outcome == Outcome.CLEAN and t.met
+    assert t.lossless is True
+    assert t.acceptance_rate >= 0.5                      # a drafter worth its name
+    k = t.config["run"]["num_speculative_tokens"]
+    assert k == 3 and 1 <= t.mean_accepted_length <= k + 1
+    assert t.tokens_per_s and t.tokens_per_s > 0
+    per_rank = [[(s.step, s.extra["accepted"], s.extra["emitted"]) for s in t.steps if s.rank == r] for r in (0, 1)]
+    assert per_rank[0] == per_rank[1] and len(per_rank[0]) == 4   # both ranks verified the same drafts
+    assert all(s.compared == s.batch * k for s in t.steps)
+    assert t.details["num_speculative_tokens"] == 3 and t.details["tp_transport"] == "gloo"
 
 
 def test_rank_waits_for_rank0_store_port_and_says_where(tmp_path):

@@ -219,6 +219,30 @@ def verdict_basis(trial: TrialRecord) -> list[str]:
     return []
 
 
+def speculative_lines(trial: TrialRecord) -> list[str]:
+    """gemma4-mtp: the loop's numbers and, in one sentence, what an engine would show."""
+    crashed = trial.outcome in (Outcome.ILLEGAL_ADDRESS, Outcome.DEVICE_ASSERT)
+    if trial.acceptance_rate is None:
+        return (["Speculative decoding: an engine would crash here (the CUDA error is sticky: the "
+                 "worker, and with it the engine, dies)."] if crashed and trial.scenario == "gemma4-mtp" else [])
+    tps = f", {trial.tokens_per_s:.0f} tokens/s" if trial.tokens_per_s else ""
+    numbers = (f"Speculative decoding: acceptance {trial.acceptance_rate:.1%}, mean accepted length "
+               f"{trial.mean_accepted_length:.2f}, lossless {'yes' if trial.lossless else 'NO'}{tps}.")
+    if not trial.lossless:
+        view = "The emitted text differs from target-only greedy decoding: a bug in the loop itself."
+    elif crashed:
+        view = "An engine would crash (the CUDA error is sticky: the worker, and with it the engine, dies)."
+    elif trial.outcome in (Outcome.MISMATCH, Outcome.NONFINITE):
+        view = ("An engine would show the same text and no error, only this acceptance "
+                "(garbage drafts are rejected): lost throughput, silently.")
+    elif trial.outcome is Outcome.STALE_CAPTURE:
+        view = ("An engine would show nothing yet: the drafts are still right until the freed memory "
+                "is reused (then an acceptance drop, or a crash).")
+    else:
+        view = "An engine would show this acceptance and the same text as without a drafter."
+    return [f"{numbers} {view}"]
+
+
 def option_notes(trial: TrialRecord) -> list[str]:
     """Options the trial asked for that could not act where it ran."""
     if trial_device(trial) == "cpu" and run_config(trial).get("forensics"):
@@ -637,7 +661,7 @@ def trial_view(index: int, trial: TrialRecord, link_base: Path | None = None) ->
         meaning=describe(trial.outcome, trial.first_failure, replayed=trial.graph_replayed),
         first_failure=failure_line(trial.first_failure) if trial.first_failure else "",
         first_failure_short=short_failure(trial),
-        basis=verdict_basis(trial) + option_notes(trial), facts=trial_facts(trial),
+        basis=verdict_basis(trial) + option_notes(trial) + speculative_lines(trial), facts=trial_facts(trial),
         seconds=trial_seconds(trial), findings_total=len(trial.guard_findings),
         findings=[finding_view(g) for g in groups[:MAX_FINDING_GROUPS]],
         hidden_finding_groups=max(0, len(groups) - MAX_FINDING_GROUPS),
@@ -664,6 +688,8 @@ SUMMARY_COLUMNS: tuple[Column, ...] = (
     Column("outcome", "outcome", lambda t: Cell(t.outcome, t.tone)),
     Column("expected", "expected", lambda t: Cell(t.expected)),
     Column("met", "met", lambda t: t.met_mark),
+    Column("accept", "accept", lambda t: Cell(f"{t.record.acceptance_rate:.0%}"
+                                                  if t.record.acceptance_rate is not None else "-"), numeric=True),
     # The one column that gives up width (it wraps); the trial's own section carries it in full.
     Column("first_failure", "first failure", lambda t: Cell(t.first_failure_short), wrap=True),
     Column("seconds", "seconds", lambda t: Cell(t.seconds_text), numeric=True),

@@ -54,11 +54,14 @@ class ModeSpec:
 
 @dataclass(frozen=True)
 class RunKeySpec:
-    """A scenario-only boolean [run] key, its CLI flag and its help."""
+    """A scenario-only [run] key (a switch, or a number whose 0 means the scenario's default),
+    its CLI flag and its help."""
     name: str                         # RunConfig field, e.g. reload_drafter
     flag: str                         # Typer declaration, e.g. --reload-drafter/--no-reload-drafter
     help: str
-    tag: str                          # appended to the trial id when on, e.g. reload
+    tag: str = ""                     # switches: appended to the trial id when on, e.g. reload
+    type: type = bool
+    default: str = ""                 # numbers: what 0 (left out) resolves to, for --help
 
 
 @dataclass(frozen=True)
@@ -103,9 +106,14 @@ SCENARIOS: dict[str, ScenarioSpec] = {s.name: s for s in (
         default_preset="gemma4-e2b", cpu_preset="gemma4-tiny",
         run_keys=(RunKeySpec("reload_drafter", "--reload-drafter/--no-reload-drafter",
                              "Reload drafter weights after capture and keep replaying (RL-style lifecycle).",
-                             tag="reload"),),
-        help="Gemma 4 MTP drafter greedy sampling under per-batch-size centroid CUDA graphs (vLLM #43909).",
-        steps_help="Decode steps: each runs the drafter's centroid graph for its token count's batch size."),
+                             tag="reload"),
+                  RunKeySpec("num_speculative_tokens", "--num-speculative-tokens",
+                             "Drafts per decode step, each fed back into the drafter (vLLM's Gemma 4 examples "
+                             "use 1, which never feeds a draft back); 0: the default.", type=int, default="3")),
+        help="Gemma 4 MTP speculative decoding (propose, verify, accept) under the drafter's per-batch-size "
+             "centroid CUDA graphs (vLLM #43909).",
+        steps_help="Decode steps: each drafts k tokens per sequence through the centroid graph of the step's "
+                   "batch size, then the target verifies them."),
     ScenarioSpec(
         name="nvfp4-reload", module="repro.scenarios.nvfp4_moe",
         modes=(
