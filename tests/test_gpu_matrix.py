@@ -61,6 +61,18 @@ def assert_gemma_shape(trials):
             assert t.outcome == Outcome.CLEAN, (key(t), t.outcome)     # fixed, reload-safe, TP=1
             assert not t.guard_findings, key(t)
         assert t.graph_replayed, key(t)
+        assert_speculative(t)
+
+
+def assert_speculative(t):
+    """Whatever the drafter read, the text is the target's; only healthy drafts are accepted."""
+    if t.outcome in (Outcome.ILLEGAL_ADDRESS, Outcome.DEVICE_ASSERT):
+        return                                                         # the engine died: no text
+    assert t.lossless is True, key(t)
+    if t.outcome in (Outcome.CLEAN, Outcome.STALE_CAPTURE):
+        assert t.acceptance_rate >= 0.5, (key(t), t.acceptance_rate)
+    elif t.outcome in (Outcome.MISMATCH, Outcome.NONFINITE):
+        assert t.acceptance_rate < 0.1, (key(t), t.acceptance_rate)   # garbage drafts rejected
 
 
 def assert_moe_shape(trials):
