@@ -82,7 +82,7 @@ def test_tp_larger_than_gpus_is_environment_exit_3(monkeypatch, tmp_path):
 
 
 def test_tp_larger_than_gpus_says_how_to_share_one(monkeypatch, tmp_path):
-    monkeypatch.setattr(repro.doctor, "gpu_count", lambda *a, **k: 1)
+    monkeypatch.setattr(repro.gpus, "gpu_count", lambda *a, **k: 1)
     result = invoke("gemma4-mtp", "--tp", "2", "--device", "cuda", "--artifacts", str(tmp_path), "--json", "-")
     assert "--share-gpu" in json.loads(result.stdout)["trials"][0]["first_failure"]["detail"]
 
@@ -94,10 +94,22 @@ def test_tp_larger_than_gpus_says_how_to_share_one(monkeypatch, tmp_path):
     (0, ["--share-gpu"], "cpu"),               # auto on a CPU-only machine: gloo on the host
 ])
 def test_share_gpu_planning(monkeypatch, gpus, extra, device):
-    monkeypatch.setattr(repro.doctor, "gpu_count", lambda *a, **k: gpus)
+    monkeypatch.setattr(repro.gpus, "gpu_count", lambda *a, **k: gpus)
+    monkeypatch.setattr(repro.gpus, "visible_memory", lambda *a, **k: [140 << 30] * gpus)
     cfg = json.loads(invoke("gemma4-mtp", "--tp", "2", "--config", "gemma4-e2b", *extra, "--print-config").stdout)
     assert cfg["device"].split(":")[0] == device
     assert cfg["run"]["share_gpu"] is bool(extra) and cfg["run"]["num_speculative_tokens"] == 3
+
+
+def test_shared_gpu_must_hold_every_rank(monkeypatch):
+    from repro.config import apply_overrides, load_preset, validate
+    from repro.footprint import fit_reason, needed_bytes
+    cfg = validate(apply_overrides(load_preset("gemma4-e2b"), {"tp": 2, "share_gpu": True}, []))
+    per_rank = needed_bytes(cfg)
+    monkeypatch.setattr(repro.gpus, "visible_memory", lambda *a, **k: [int(per_rank * 1.5)])
+    assert "needs at least" in fit_reason(cfg, "cuda")          # two ranks do not fit on the one GPU
+    monkeypatch.setattr(repro.gpus, "visible_memory", lambda *a, **k: [per_rank * 2])
+    assert fit_reason(cfg, "cuda") == ""
 
 
 def test_share_gpu_ranks_use_gloo_on_gpu_0(monkeypatch):
