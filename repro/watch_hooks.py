@@ -328,20 +328,20 @@ class Watcher:
 
     def patch_keep_graph(self, cls: type) -> None:
         """Where the census runs, graphs must keep their cudaGraph_t past capture_end; we then
-        instantiate at the end of capture_end ourselves, exactly where torch would have."""
-        if "__new__" not in vars(cls):
-            return
-        original_new = cls.__new__
+        instantiate at the end of capture_end ourselves, exactly where torch would have.
+        keep_graph reaches the C++ graph through __init__ (pybind's constructor; torch's
+        Python __new__ passes it on but pybind's __new__ ignores it), so __init__ is wrapped."""
+        original_init = cls.__init__
         watcher = self
 
-        def __new__(klass, keep_graph: bool = False, *args, **kwargs):
+        def __init__(graph, *args, **kwargs):
             if not watcher.census_ready():
-                return original_new(klass, keep_graph, *args, **kwargs)
-            graph = original_new(klass, True, *args, **kwargs)
-            watcher.kept[graph] = not keep_graph
-            return graph
+                return original_init(graph, *args, **kwargs)      # exactly the program's call
+            asked = bool(args[0]) if args else bool(kwargs.pop("keep_graph", False))
+            original_init(graph, True, *args[1:], **kwargs)
+            watcher.kept[graph] = not asked
 
-        cls.__new__ = staticmethod(functools.wraps(original_new)(__new__))
+        cls.__init__ = functools.wraps(original_init)(__init__)
 
     # -- capture -------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ error is raised; `release` kills the worker.
 """
 import pytest
 
-from repro import doctor
+from repro import gpus
 from repro.outcome import Outcome
 from repro.runner import plan, run_planned
 
@@ -14,9 +14,9 @@ pytestmark = pytest.mark.gpu
 
 
 def shared_trial(tmp_path, **run):
-    if doctor.gpu_count() < 1:
+    if gpus.gpu_count() < 1:
         pytest.skip("needs a CUDA GPU")
-    p = plan("gemma4-mtp", "gemma4-e2b", {"tp": 2, "share_gpu": True, "steps": 14, **run}, [], doctor.gpu_count())
+    p = plan("gemma4-mtp", "gemma4-e2b", {"tp": 2, "share_gpu": True, "steps": 14, **run}, [], gpus.gpu_count())
     assert p.device == "cuda"
     return run_planned([p], tmp_path).report.trials[0]
 

@@ -27,8 +27,10 @@ vllm/model_executor/models/gemma4_mtp.py). Our code is written from their descri
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
@@ -76,15 +78,15 @@ class MaskedEmbedding(nn.Module):
     direction of its cluster's mean row.
     """
 
-    def __init__(self, dims: Gemma4Dims, dtype: torch.dtype, device: torch.device, rows: torch.Tensor,
+    def __init__(self, dims: Gemma4Dims, dtype: torch.dtype, device: torch.device, centroids: torch.Tensor,
                  order: torch.Tensor):
         super().__init__()
         self.hidden_size, self.vocab_size = dims.hidden_size, dims.vocab_size
         self.num_centroids, self.top_k = dims.num_centroids, dims.centroid_top_k
         self.centroids = nn.Linear(dims.hidden_size, dims.num_centroids, bias=False, device=device, dtype=dtype)
         with torch.no_grad():
-            self.centroids.weight.copy_(centroid_directions(rows, order, dims.num_centroids))
-        self.register_buffer("token_ordering", order)                       # [V] int64
+            self.centroids.weight.copy_(centroids)                          # [C, H]
+        self.register_buffer("token_ordering", order.clone())               # [V] int64, the module's own
 
     def get_top_tokens(self, h: torch.Tensor, lm_head_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h32 = h.float()                                                      # [T, H]
@@ -101,17 +103,25 @@ class MaskedEmbedding(nn.Module):
 class Gemma4Drafter(nn.Module):
     """The slice of Gemma4MTP the bug lives in: masked embedding + vocab-parallel lm_head."""
 
-    def __init__(self, dims: Gemma4Dims, tp: TP, mode: str, device: torch.device, seed: int):
+    def __init__(self, dims: Gemma4Dims, tp: TP, mode: str, device: torch.device, seed: int,
+                 scratch: Callable[[], ContextManager] = contextlib.nullcontext):
+        """scratch: where the checkpoint is made (the harness passes its own memory pool), so
+        that no build-time temporary shares an allocator segment with the drafter's tensors and
+        what happens to the freed gathered weight is decided by the after-free knob alone."""
         super().__init__()
         self.tp, self.fixes, self.vocab_size = tp, MODES[mode], dims.vocab_size
         self.dtype = getattr(torch, dims.dtype)
-        rows = full_lm_head(dims, seed, device)                              # [V, H], every rank
-        self.masked_embedding = MaskedEmbedding(dims, self.dtype, device, rows, token_ordering(dims, seed, device))
+        with scratch():                                                      # the checkpoint, as if read from disk
+            rows = full_lm_head(dims, seed, device)                          # [V, H], every rank
+            order = token_ordering(dims, seed, device)                       # [V]
+            centroids = centroid_directions(rows, order, dims.num_centroids) # [C, H]
+            shard = shard_of(rows, dims, tp)                                 # [V_pad / tp, H]
+        self.masked_embedding = MaskedEmbedding(dims, self.dtype, device, centroids, order)
         self.vocab_padded = padded_vocab(dims.vocab_size, tp.world_size)
         shard_rows = self.vocab_padded // tp.world_size
         self.lm_head = nn.Linear(dims.hidden_size, shard_rows, bias=False, device=device, dtype=self.dtype)
         self._stable_full_lm_head_weight: torch.Tensor | None = None        # fix (#43909)
-        self.load_weights(shard_of(rows, dims, tp))
+        self.load_weights(shard)
 
     def full_lm_head_weight(self) -> torch.Tensor:
         """[vocab, H]: a view of the parameter at TP = 1, a freshly gathered tensor at TP > 1."""
@@ -340,7 +350,7 @@ def run(ctx) -> None:
     run_cfg = ctx.cfg.run
     k = run_cfg.num_speculative_tokens
     with ctx.phase("build"):
-        drafter = Gemma4Drafter(dims, ctx.tp, run_cfg.mode, ctx.device, run_cfg.seed)
+        drafter = Gemma4Drafter(dims, ctx.tp, run_cfg.mode, ctx.device, run_cfg.seed, scratch=ctx.memory.use)
         proposer = Proposer(drafter, dims.batch_sizes, ctx.guard, ctx.device, on_replay=ctx.replaying,
                             census=ctx.census)
         with ctx.memory.use():   # the stand-in target never lands in, or frees, the drafter's blocks
@@ -354,7 +364,9 @@ def run(ctx) -> None:
         proposer.setup_centroid_graphs()
     if run_cfg.reload_drafter:
         with ctx.phase("reload"):
-            drafter.load_weights(make_lm_head_shard(dims, ctx.tp, ctx.device, run_cfg.seed, update=1))
+            with ctx.memory.use():
+                shard = make_lm_head_shard(dims, ctx.tp, ctx.device, run_cfg.seed, update=1)
+            drafter.load_weights(shard)
         ctx.manifest("after drafter reload")
     after_free = ctx.after_free("after drafter reload" if run_cfg.reload_drafter else "after set-up")
     with ctx.memory.use():
