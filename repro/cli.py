@@ -442,15 +442,9 @@ def watch_cmd(
     json_path: JsonOpt = None, junit: WatchJunitOpt = None, html: WatchHtmlOpt = None,
 ) -> int:
     """Run CMD unchanged with the stale-capture hooks in every Python process it starts: repro watch -- CMD [ARGS...]."""
-    from repro import watch, watch_report
-    try:
-        rep = watch.watch(list(ctx.args), run_dir or watch.default_run_dir(), on_finding)
-    except watch.WatchUsageError as e:
-        sys.stderr.write(f"repro: error: {e}\n")
-        return EXIT_USAGE
-    watch_report.render(rep, stderr_console())
-    watch_report.write_artifacts(rep, json_path, junit and str(junit), html and str(html))
-    return rep.exit
+    from repro import watch
+    return report_watch(lambda: watch.watch(list(ctx.args), run_dir or watch.default_run_dir(), on_finding),
+                        json_path, junit, html)
 
 
 @app.command("watch-report", epilog=WATCH_EXIT_CODES)
@@ -459,9 +453,15 @@ def watch_report_cmd(
     json_path: JsonOpt = None, junit: WatchJunitOpt = None, html: WatchHtmlOpt = None,
 ) -> int:
     """One report over the records of one or more `repro watch` runs (exit 1 if any finding)."""
+    from repro import watch
+    return report_watch(lambda: watch.merge(run_dirs), json_path, junit, html)
+
+
+def report_watch(make_report, json_path, junit, html) -> int:
+    """Build a watch report (running or merging), render it, write its files; its exit code."""
     from repro import watch, watch_report
     try:
-        rep = watch.merge(run_dirs)
+        rep = make_report()
     except watch.WatchUsageError as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_USAGE

@@ -32,3 +32,14 @@ def group_alive(pgid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+@pytest.fixture
+def cuda_only():
+    """GPU tests: skip without CUDA; run without autograd; wait for the GPU at the end."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    with torch.no_grad():
+        yield
+    torch.cuda.synchronize()

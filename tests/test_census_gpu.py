@@ -45,12 +45,8 @@ extern "C" __global__ void span_add_one(Span s) {
 
 
 @pytest.fixture(autouse=True)
-def cuda_only():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    with torch.no_grad():
-        yield
-    torch.cuda.synchronize()
+def _cuda(cuda_only):
+    yield
 
 
 def holds(finding, ptr: int) -> bool:

@@ -13,12 +13,8 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
-def cuda_only():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    with torch.no_grad():
-        yield
-    torch.cuda.synchronize()
+def _cuda(cuda_only):
+    yield
 
 
 def warm_up(fn) -> None:
