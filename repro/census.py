@@ -710,6 +710,8 @@ def start_trace(max_entries: int = TRACE_ENTRIES) -> None:
     recording serves the census as well, and this call would replace its settings.
     """
     import torch
+    # context=None: no entry gathers a stack (stacks only says what one would hold; "python" is
+    # the lighter choice). A gathered python stack holds code objects, never frames.
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
                                              max_entries=max_entries)
 

@@ -423,6 +423,19 @@ class CaptureGuard:
 
 # -- helpers: torch capability ------------------------------------------------------------------
 
+def warm_up() -> None:
+    """Make the recording mode's first dispatch now, on one op of no consequence.
+
+    torch wraps a dispatch mode's __torch_dispatch__ so that its first call imports
+    torch._dynamo (torch 2.13 and 2.14 do). That import would otherwise run at the first op of
+    the first capture, inside the caller's frames: whoever wants it to run elsewhere (the watch
+    hooks, on a thread of their own) calls this first. Records nothing.
+    """
+    probe = torch.zeros(1)
+    with _OpObserver(lambda *args: None):
+        probe.add_(0)
+
+
 def torch_supports_liveness() -> bool:
     """Whether this torch's torch.cuda.graph accepts check_input_liveness (torch >= 2.13)."""
     try:

@@ -168,24 +168,36 @@ def measure_layout() -> FrameLayout | None:
 def _measure(first: object, second: object) -> FrameLayout | None:
     # No comprehension may mention `first`/`second`/`frame`: before 3.12 that turns them into
     # cells, and their slots would hold the cells.
+    # `frame` is this function's own frame object, held by one of its own locals: a cycle. Were
+    # it still there at the return, CPython (3.11, 3.12) would give the frame object its own copy
+    # of the locals and link it to its caller's frame object (f_back), which then outlives its
+    # own return the same way, and so on down the whole stack: every frame below, with every
+    # local it holds, would stay alive until the cyclic GC happened to run. This module is
+    # imported lazily, by the watch hooks inside the program's CUDAGraph calls, so those frames
+    # include the program's capturing function: its tensors would outlive its return (the
+    # freed-buffer bugs `repro watch` exists to show would not happen while it watched). So the
+    # reference is dropped before returning, whichever way this returns.
     frame = sys._getframe()
-    ids = (id(first), id(second), id(frame.f_code), id(frame))
-    if hasattr(sys, "getobjects") or word(id(frame) + _WORD) != id(types.FrameType):
-        return None              # a Py_TRACE_REFS build has a longer object header
-    frame_data = 3 * _WORD
-    data = word(id(frame) + frame_data)
-    if not data:
-        return None
-    words = [word(data + i * _WORD) for i in range(12)]
-    pairs = [i for i in range(11) if (words[i], words[i + 1]) == ids[:2]]
-    if len(pairs) != 1:
-        return None
-    header = words[:pairs[0]]    # before the locals (which hold `frame` too)
-    code = [i for i, w in enumerate(header) if w == ids[2]]
-    owner = [i for i, w in enumerate(header) if w == ids[3]]
-    if len(code) != 1 or len(owner) != 1:
-        return None
-    return FrameLayout(frame_data, code[0] * _WORD, owner[0] * _WORD, pairs[0] * _WORD)
+    try:
+        ids = (id(first), id(second), id(frame.f_code), id(frame))
+        if hasattr(sys, "getobjects") or word(id(frame) + _WORD) != id(types.FrameType):
+            return None              # a Py_TRACE_REFS build has a longer object header
+        frame_data = 3 * _WORD
+        data = word(id(frame) + frame_data)
+        if not data:
+            return None
+        words = [word(data + i * _WORD) for i in range(12)]
+        pairs = [i for i in range(11) if (words[i], words[i + 1]) == ids[:2]]
+        if len(pairs) != 1:
+            return None
+        header = words[:pairs[0]]    # before the locals (which hold `frame` too)
+        code = [i for i, w in enumerate(header) if w == ids[2]]
+        owner = [i for i, w in enumerate(header) if w == ids[3]]
+        if len(code) != 1 or len(owner) != 1:
+            return None
+        return FrameLayout(frame_data, code[0] * _WORD, owner[0] * _WORD, pairs[0] * _WORD)
+    finally:
+        del frame
 
 
 def read_fast_locals(frame: types.FrameType, layout: FrameLayout) -> list[tuple[str, Any]]:

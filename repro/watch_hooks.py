@@ -32,6 +32,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -238,6 +239,7 @@ class Watcher:
         self.expired = None           # torch.UntypedStorage._expired once torch is in use
         self._hook = GraphsImportHook(self.on_graphs_module)
         self._t0 = time.perf_counter()
+        self._loaded = False          # load_modules ran
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -485,8 +487,47 @@ class Watcher:
                 handles.append(slot.ref.cdata)
         return tuple(handles)
 
+    def load_modules(self) -> None:
+        """Import, once, what the hooks use, on a thread of its own, before the first use.
+
+        The hooks first run inside the program's own calls (its ``CUDAGraph()``, its capture),
+        so an import made in place runs with the program's frames below it on the stack. Module
+        code that leaves a frame in a reference cycle (torch.fx keeps ``inspect.currentframe()``
+        in a local of its import-time ``wrap()``) then pins, on CPython 3.11/3.12, every frame
+        below that one through ``f_back``, each with all its locals: the program's capturing
+        function outlives its return until the cyclic GC happens to run, and the buffer it
+        frees on return is not freed while watched (the very bug watch exists to show would
+        not happen). A thread's stack holds its own frames only. The recording mode's first
+        dispatch is made there too (torch imports torch._dynamo at it). Only a message is kept
+        of an error, never the exception (its traceback would hold frames).
+        """
+        if self._loaded:
+            return
+        self._loaded = True
+        failed: list[str] = []
+
+        def load() -> None:
+            try:
+                load_census()
+                import repro.guard
+                repro.guard.warm_up()
+            except Exception as e:
+                failed.append(f"{type(e).__name__}: {e}")
+
+        try:
+            thread = threading.Thread(target=load, name="repro-watch-import", daemon=True)
+            thread.start()
+            thread.join()
+        except RuntimeError as e:     # no thread can be started: the hooks import in place
+            failed.append(f"no import thread ({e})")
+        if failed:
+            self.counters.internal_errors += 1
+            self.write({"kind": "internal", "where": "importing the hooks' modules",
+                        "error": failed[0]})
+
     def ensure_guard(self):
         if self.guard is None:
+            self.load_modules()
             import torch
             from repro.guard import CaptureGuard
             # StorageWeakRef.expired() goes through two Python calls; the C function is ~20x faster.
@@ -507,6 +548,7 @@ class Watcher:
     def census_ready(self) -> bool:
         """Whether the census runs in this process (decided once, on first use)."""
         if self.census_mod is None and self.census_state.startswith("not checked"):
+            self.load_modules()
             census = load_census()
             if census is None:
                 self.census_state = "unavailable: repro.census is not in this install"

@@ -468,3 +468,17 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
     watcher.on_exit()
     assert json.loads(Path(watcher.recorder.path).read_text().splitlines()[-1])["census"].startswith("active")
     watcher.recorder.close()
+
+
+@pytest.mark.parametrize("path", ["guard", "census"])
+def test_capturing_function_locals_die_at_its_return_plumbing(path):
+    """The hooks import their modules at the program's first graph; nothing of that may keep a
+    frame alive (a frame in a reference cycle pins every frame below it through f_back: the
+    capturing function's locals would outlive its return until the cyclic GC ran, and a buffer
+    the program frees there would not be freed while watched). The program turns the GC off
+    first, so no collection can hide it; "census" also goes through the census path (forced
+    keep_graph, census at capture end) with a stand-in census."""
+    proc = run([sys.executable, str(PROGRAMS / "local_freed_on_return.py"), path])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.decode().split() == ["alive=False", "frames=0",
+                                            f"kept={path == 'census'}"], proc.stderr

@@ -1,0 +1,98 @@
+"""Plumbing program: does a capturing function's local die when the function returns, watched?
+
+The watch hooks first run inside the program's own calls (its graph constructor, its capture),
+which is where their modules get imported. Anything those imports leave in a reference cycle
+with a frame pins, through f_back, every frame below it, the capturing function's included:
+its locals then outlive its return until the cyclic GC happens to run. The GC is off here, so
+"happens to run" cannot hide it. A graph stand-in (no CUDA on CPU) goes through the hooks;
+argv[1] == "census" routes it through the census path with a stand-in census (graphs forced to
+keep_graph, a census added at capture end). Prints one line: `alive=<bool> frames=<n>`.
+"""
+import gc
+import sys
+import tempfile
+import weakref
+
+import torch
+
+gc.disable()                  # before anything of the hooks is imported
+
+from repro import watch_hooks  # noqa: E402  (imports no torch, nothing of the guard yet)
+
+
+class Graph:
+    """torch.cuda.CUDAGraph's shape, as far as the hooks use it."""
+
+    def __new__(cls, keep_graph=False):
+        return super().__new__(cls)
+
+    def __init__(self, keep_graph=False):
+        self.keep_graph = keep_graph
+
+    def capture_begin(self, *args, **kwargs):
+        pass
+
+    def capture_end(self):
+        pass
+
+    def instantiate(self):
+        pass
+
+    def replay(self):
+        pass
+
+    def reset(self):
+        pass
+
+
+class Book:
+    """A census that reads nothing (the real one needs a GPU)."""
+
+    def __init__(self, rank, trace):
+        pass
+
+    def add(self, graph, label):
+        return object()
+
+    def check(self, when, graph):
+        return []
+
+    def summary_line(self):
+        return "graph census: stand-in"
+
+
+def stand_in_census():
+    fake = type(sys)("stand_in_census")
+    fake.census_supported = lambda: (True, "")
+    fake.CensusBook = Book
+    fake.merge_findings = lambda guard, census, slots, guard_on, book: guard + census
+    return fake
+
+
+refs = {}
+
+
+def capture(dst):
+    src = torch.arange(4.0)            # held by this local only: freed on return
+    refs["src"] = weakref.ref(src)
+    graph = Graph()
+    graph.capture_begin()
+    dst.add_(src)
+    graph.capture_end()
+    return graph
+
+
+def main(argv):
+    if argv[:1] == ["census"]:
+        watch_hooks.load_census = stand_in_census
+    watcher = watch_hooks.activate(watch_hooks.WatchSettings(tempfile.mkdtemp(), "warn", "api"))
+    watcher.patch(Graph)
+    graph = capture(torch.zeros(4))
+    frames = sum(1 for o in gc.get_objects()
+                 if type(o).__name__ == "frame" and o.f_code is capture.__code__)
+    print(f"alive={refs['src']() is not None} frames={frames} kept={getattr(graph, 'keep_graph')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
