@@ -4,7 +4,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from repro.cli import main  # noqa: E402
+from repro.__main__ import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -27,6 +27,7 @@ from repro.files import write_text_atomic
 from repro.outcome import Outcome, Report, to_jsonable
 from repro.preflight import check_outputs
 from repro.protocol import FAULTS
+from repro.launch import RankServer
 from repro.runner import Planned, RunResult, Terminated, plan, run_planned
 from repro.scenarios import SCENARIOS, RunKeySpec, ScenarioSpec
 from repro.watch_hooks import ON_FINDING
@@ -227,7 +228,7 @@ def exit_code(result: RunResult, allow_unsupported: bool = False) -> int:
 
 def execute(planned: list[Planned], artifacts: Path | None, json_path: str | None, junit: Path | None,
             html: Path | None, summary_only: bool = False, allow_unsupported: bool = False,
-            jobs: int = 1) -> int:
+            jobs: int = 1, server: RankServer | None = None) -> int:
     for text in cpu_warnings(planned):
         warn(text)
     with report.Progress(stderr_console()) as progress:
@@ -235,7 +236,7 @@ def execute(planned: list[Planned], artifacts: Path | None, json_path: str | Non
             planned, artifacts or runs.default_root(dict(os.environ)),
             on_start=lambda tid, p: progress.add(tid, tid, p.cfg.run.steps),
             on_tick=lambda tid, n: progress.update(tid, n, "running"),
-            on_done=lambda t: progress.finish(t.id, t.outcome), jobs=jobs)
+            on_done=lambda t: progress.finish(t.id, t.outcome), jobs=jobs, server=server)
     console = results_console(json_path)
     if summary_only:
         report.render_summary(result.report, console)
@@ -250,7 +251,7 @@ def execute(planned: list[Planned], artifacts: Path | None, json_path: str | Non
 
 def run_scenario(scenario: str, config: str | None, run: dict[str, Any], sets: list[str] | None,
                  json_path: str | None, junit: Path | None, html: Path | None, artifacts: Path | None,
-                 print_config: bool, fault: str | None = None) -> int:
+                 print_config: bool, fault: str | None = None, server: RankServer | None = None) -> int:
     try:
         p = plan(scenario, config, run, sets or [], gpus.gpu_count())
         p.fault = parse_fault(fault)
@@ -263,7 +264,7 @@ def run_scenario(scenario: str, config: str | None, run: dict[str, Any], sets: l
         resolved = {**p.cfg.to_dict(), "device": p.device or f"UNSUPPORTED: {p.reason}"}
         sys.stdout.write(json.dumps(resolved, indent=2, allow_nan=False) + "\n")
         return EXIT_OK
-    return execute([p], artifacts, json_path, junit, html)
+    return execute([p], artifacts, json_path, junit, html, server=server)
 
 
 def scenario_command(spec: ScenarioSpec) -> Callable[..., int]:
@@ -272,7 +273,8 @@ def scenario_command(spec: ScenarioSpec) -> Callable[..., int]:
     Typer reads a command's options from its signature, so the signature is built from the
     registry entry: a new scenario gets its command without code here.
     """
-    options: list[tuple[str, Any, Any]] = [("config", ConfigOpt, None), ("mode", mode_opt(spec), None)]
+    options: list[tuple[str, Any, Any]] = [("ctx", typer.Context, inspect.Parameter.empty),
+                                           ("config", ConfigOpt, None), ("mode", mode_opt(spec), None)]
     if spec.tensor_parallel:
         options.append(("tp", TpOpt, None))
     options += [("steps", steps_opt(spec), None), ("seed", SeedOpt, None), ("after_free", after_free_opt(spec), None),
@@ -295,7 +297,7 @@ def scenario_command(spec: ScenarioSpec) -> Callable[..., int]:
         else:
             del run["tp"]
         return run_scenario(spec.name, kw["config"], run, kw["set_"], kw["json_path"], kw["junit"], kw["html"],
-                            kw["artifacts"], kw["print_config"], kw["inject_fault"])
+                            kw["artifacts"], kw["print_config"], kw["inject_fault"], kw["ctx"].obj)
 
     command.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=ann, default=default)
@@ -312,16 +314,17 @@ for _spec in SCENARIOS.values():
 
 @app.command("selftest", epilog=EXIT_CODES, help=SCENARIOS["selftest"].help)
 def selftest(
-    tp: TpOpt = None, steps: steps_opt(SCENARIOS["selftest"]) = None, device: DeviceOpt = None, deadline: DeadlineOpt = None,
+    ctx: typer.Context, tp: TpOpt = None, steps: steps_opt(SCENARIOS["selftest"]) = None, device: DeviceOpt = None, deadline: DeadlineOpt = None,
     json_path: JsonOpt = None, junit: JunitOpt = None, artifacts: ArtifactsOpt = None,
     inject_fault: FaultOpt = None,
 ) -> int:
     run = dict(tp=tp, steps=steps, device=device, deadline_s=deadline)
-    return run_scenario("selftest", None, run, [], json_path, junit, None, artifacts, False, inject_fault)
+    return run_scenario("selftest", None, run, [], json_path, junit, None, artifacts, False, inject_fault, ctx.obj)
 
 
 @app.command("matrix", epilog=EXIT_CODES)
 def matrix(
+    ctx: typer.Context,
     config: Annotated[str, typer.Option("--config", "-c", metavar="NAME|FILE", help="Matrix file or name: ci-smoke (CPU), gpu-1, gpu-2.")] = "ci-smoke",
     allow_unsupported: Annotated[bool, typer.Option("--allow-unsupported", help="UNSUPPORTED trials do not fail the run (they never pass).")] = False,
     json_path: JsonOpt = None, junit: JunitOpt = None, html: HtmlOpt = None,
@@ -345,7 +348,7 @@ def matrix(
         sys.stdout.write("".join(line + "\n" for line in listing(planned)))
         return EXIT_OK
     return execute(planned, artifacts, json_path, junit, html, summary_only=True,
-                   allow_unsupported=allow_unsupported, jobs=jobs)
+                   allow_unsupported=allow_unsupported, jobs=jobs, server=ctx.obj)
 
 
 @app.command("presets")
@@ -470,9 +473,10 @@ def report_watch(make_report, json_path, junit, html) -> int:
     return rep.exit
 
 
-def main() -> None:
+def main(server: RankServer | None = None) -> None:
+    """server: a rank server already started for this command line (repro/__main__.py)."""
     noise.silence_known_warnings()
-    app()
+    app(obj=server)
 
 
 if __name__ == "__main__":

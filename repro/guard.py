@@ -154,8 +154,18 @@ _UNCHANGED = _Status("unchanged")
 
 
 class _OpObserver(TorchDispatchMode):
-    """Runs every op unchanged, then hands (op, args, kwargs, out) to a callback."""
+    """Runs every op unchanged, then hands (op, args, kwargs, out) to a callback.
+
+    Visible to torch.compile: for processes that never compile (the scenario ranks). torch
+    otherwise wraps a mode's __torch_dispatch__ in torch._disable_dynamo, whose first call
+    imports torch._dynamo: 0.9 s with bytecode on a CPU box, several seconds on an image
+    without it, paid inside the first capture of every trial (benchmarks/startup.py).
+    """
     supports_higher_order_operators = True
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
 
     def __init__(self, on_op: Callable[[Any, tuple, dict, Any], None]):
         super().__init__()
@@ -168,6 +178,17 @@ class _OpObserver(TorchDispatchMode):
         return out
 
 
+class _HiddenOpObserver(_OpObserver):
+    """The same observer, hidden from torch.compile as torch hides every mode by default: for
+    programs that may compile (repro watch). Its first dispatch imports torch._dynamo."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return True
+
+    __torch_dispatch__ = _OpObserver.__torch_dispatch__     # wrapped by TorchDispatchMode.__init_subclass__
+
+
 class CaptureGuard:
     """Records tensors a capture baked in and checks, before replay, that they are still there.
 
@@ -175,14 +196,19 @@ class CaptureGuard:
     symptom still shows); "raise" makes check() raise StaleCaptureError on the first finding.
     plumbing: source files of the caller's own helpers (capture wrappers, collectives) whose
     frames must not be named as the site: a site names the line that asked for the tensor.
+    compiles: whether the process may run torch.compile (the default, as for any program);
+    False keeps the recording visible to it and its first use free of the torch._dynamo import.
     """
     _not_an_owner = True          # naming never walks into a guard
 
-    def __init__(self, mode: str = "warn", rank: int = 0, plumbing: Iterable[str] = ()):
+    def __init__(self, mode: str = "warn", rank: int = 0, plumbing: Iterable[str] = (), compiles: bool = True):
         if mode not in MODES:
             raise ValueError(f"guard mode {mode!r} is not one of {', '.join(MODES)}")
         self.mode = mode
         self.rank = rank
+        # compiles=False: the process never runs torch.compile, so the recording need not be
+        # hidden from it (and its first use need not import torch._dynamo).
+        self._observer = _HiddenOpObserver if compiles else _OpObserver
         self._plumbing = sites.plumbing_set(plumbing, OWN_FILES)
         self._owners: list[Owner] = []
         self._slots: dict[int, Slot] = {}
@@ -221,7 +247,7 @@ class CaptureGuard:
         if self.mode == "off":
             yield
             return
-        with _OpObserver(self._note_births):
+        with self._observer(self._note_births):
             yield
         self._prune_births()
 
@@ -233,7 +259,7 @@ class CaptureGuard:
             return
         rec = _Recording(label=graph, capturing=cuda_capturing())
         try:
-            with _OpObserver(functools.partial(self._observe, rec)):
+            with self._observer(functools.partial(self._observe, rec)):
                 yield
         finally:
             self._live_refs.clear()
@@ -432,7 +458,7 @@ def warm_up() -> None:
     hooks, on a thread of their own) calls this first. Records nothing.
     """
     probe = torch.zeros(1)
-    with _OpObserver(lambda *args: None):
+    with _HiddenOpObserver(lambda *args: None):
         probe.add_(0)
 
 

@@ -1,13 +1,13 @@
 """Run one trial as an isolated group of rank processes and classify how it ended.
 
-The parent never imports torch's CUDA state: it spawns `python -m repro.worker` per rank
-(a fresh interpreter, never a fork), watches exit codes and a deadline, kills the whole
-group as soon as one rank dies (a peer blocked in a collective after its neighbour's illegal
-memory access must never hang the harness), then reads the ranks' JSONL records back.
+The parent never imports torch or touches CUDA: it starts one process per rank (forked by the
+run's rank server, which imported torch once and never initialises CUDA, or a fresh
+`python -m repro.worker`), watches exit codes and a deadline, kills the whole group as soon
+as one rank dies (a peer blocked in a collective after its neighbour's illegal memory access
+must never hang the harness), then reads the ranks' JSONL records back.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import signal
@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from repro import stacks
 from repro.config import TrialConfig, default_expectation
+from repro.launch import RankServer, ServerUnavailable, child_env
 from repro.outcome import (REPRODUCED, FirstFailure, Outcome, RankExit, TrialRecord, finding_from_dict,
                            manifest_from_dict, parse_expectation, speculative_metrics, step_from_dict, worst)
 from repro.protocol import (STACKS_SIGNAL, Event, RankRecords, StepCounter, TrialSpec, log_path, read_records,
@@ -32,7 +33,6 @@ GRACE_S = 2.0
 # At a deadline, ranks get up to this long to dump their stacks before the kill.
 STACKS_WAIT_S = 1.0
 TAIL_CHARS = 3000
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Specific phrases only: PyTorch's illegal-address message itself ends with "Compile with
 # TORCH_USE_CUDA_DSA to enable device-side assertions", so "device-side assert" alone is not
@@ -45,15 +45,6 @@ ERROR_PATTERNS = [
         r"illegal memory access|cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS|"
         r"Invalid __global__ (read|write)", re.I)),
 ]
-
-
-# Children inherit these; NVLink multicast must stay off on shared hosts. This module is the
-# parent's and must not import torch (seconds of start-up before the first rank is spawned).
-MULTICAST_OFF = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
 
 
 # A rank that died of these died because a peer went away first: collateral, not the cause.
@@ -73,8 +64,8 @@ class Interrupted(Exception):
 @dataclass
 class Rank:
     rank: int
-    proc: subprocess.Popen
-    log: Any
+    proc: Any                          # subprocess.Popen, or launch.RemoteRank (same interface)
+    log: Any                           # the log file we opened; None when the rank opened its own
     pgid: int
     exited_at: float | None = None
     killed: bool = False
@@ -90,61 +81,33 @@ class Waited:
     stacks: dict[int, str] = field(default_factory=dict)   # rank -> its faulthandler dump, when asked
 
 
-def cache_root(env: dict[str, str]) -> Path:
-    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "repro"
-
-
-def with_bytecode_cache(env: dict[str, str], torch_origin: str | None) -> dict[str, str]:
-    """Let workers reuse compiled bytecode where torch's install has none.
-
-    An install made without .pyc files in a place Python cannot (or is told not to) write
-    makes every worker compile ~1600 torch/sympy modules from source: 5-6 s of each trial
-    (profiled on the GPU image: builtins.compile, 1600 calls per worker). Then the workers
-    get a bytecode cache of our own (PYTHONPYCACHEPREFIX), written once and read by every
-    later worker; the install itself is never written to. A prefix the user chose is kept.
-    """
-    if "PYTHONPYCACHEPREFIX" in env or torch_origin is None:
-        return env
-    if Path(importlib.util.cache_from_source(torch_origin)).exists():
-        return env                                  # the install's own bytecode is there: use it
-    out = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}   # writes go to our cache
-    out["PYTHONPYCACHEPREFIX"] = str(cache_root(env) / "pycache")
-    return out
-
-
-def torch_origin() -> str | None:
-    """torch/__init__.py, located without importing torch."""
-    spec = importlib.util.find_spec("torch")
-    return spec.origin if spec else None
-
-
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = with_bytecode_cache({**os.environ, **(extra or {})}, torch_origin())
-    for key, value in MULTICAST_OFF.items():
-        env.setdefault(key, value)
-    env["PYTHONUNBUFFERED"] = "1"
-    # The worker must import this very checkout, also when run as `python cli.py`.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    return env
-
-
 def spawn_ranks(spec: TrialSpec, spec_file: Path, wrapper: list[str],
-                extra_env: dict[str, str] | None = None) -> list[Rank]:
+                extra_env: dict[str, str] | None = None, server: RankServer | None = None) -> list[Rank]:
+    """One process per rank: forked by the run's rank server where it serves this trial,
+    else a fresh `python -m repro.worker` (always under a wrapper program)."""
     ranks: list[Rank] = []
     env = child_env(extra_env)
+    use_server = server is not None and server.serves(env, wrapper)
     try:
         for r in range(spec.world_size):
-            log = open(log_path(spec.out_dir, r), "wb")
-            cmd = [*wrapper, sys.executable, "-m", "repro.worker", str(spec_file), str(r)]
             # Rank 0 leads a new process group (not in the terminal's foreground, so Ctrl-C
             # reaches only the parent); the others join it so one killpg ends the trial.
             # If rank 0 is already gone, a rank leads its own group.
             joins = bool(ranks) and ranks[0].proc.poll() is None
             pgid = ranks[0].pgid if joins else 0
+            log_file = log_path(spec.out_dir, r)
+            if use_server:
+                try:
+                    proc, pgid = server.start_rank(str(spec_file), r, env, str(log_file), pgid)
+                    ranks.append(Rank(rank=r, proc=proc, log=None, pgid=pgid))
+                    continue
+                except ServerUnavailable:
+                    use_server = False           # this rank and the rest the old way
+            log = open(log_file, "wb")
+            cmd = [*wrapper, sys.executable, "-m", "repro.worker", str(spec_file), str(r)]
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, cwd=os.getcwd(), process_group=pgid)
-            pgid = pgid or proc.pid
-            ranks.append(Rank(rank=r, proc=proc, log=log, pgid=pgid))
+            ranks.append(Rank(rank=r, proc=proc, log=log, pgid=pgid or proc.pid))
     except BaseException:
         kill_group(ranks)
         raise
@@ -166,7 +129,8 @@ def kill_group(ranks: list[Rank]) -> None:
             r.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-        r.log.close()
+        if r.log is not None:
+            r.log.close()
 
 
 def request_stacks(ranks: list[Rank], out_dir: str) -> list[int]:
@@ -463,9 +427,10 @@ def unsupported_record(trial_id: str, cfg: TrialConfig, reason: str) -> TrialRec
 def run_trial(cfg: TrialConfig, device: str, out_root: Path, trial_id: str,
               fault: dict[str, Any] | None = None, wrapper: list[str] | None = None,
               on_tick: Callable[[str, int], None] | None = None, env: dict[str, str] | None = None,
-              stop: threading.Event | None = None) -> TrialRecord:
+              stop: threading.Event | None = None, server: RankServer | None = None) -> TrialRecord:
     """Spawn, watch, kill, classify. Raises Interrupted (with the partial record) on Ctrl-C
-    or once `stop` is set. env: extra variables for the ranks (the runner's GPU lanes)."""
+    or once `stop` is set. env: extra variables for the ranks (the runner's GPU lanes).
+    server: the run's rank server, which forks the ranks where it can (repro/rankserver.py)."""
     out_dir = out_root / trial_id
     out_dir.mkdir(parents=True, exist_ok=True)
     world = cfg.run.tp
@@ -477,7 +442,7 @@ def run_trial(cfg: TrialConfig, device: str, out_root: Path, trial_id: str,
     for k in range(world):
         stacks_path(out_dir, k).unlink(missing_ok=True)
     spawned_at = time.monotonic()
-    ranks = spawn_ranks(spec, spec_path(out_dir), wrapper or [], env)
+    ranks = spawn_ranks(spec, spec_path(out_dir), wrapper or [], env, server)
     rank0_steps = StepCounter(records_path(out_dir, 0))
 
     def tick() -> None:
@@ -488,6 +453,8 @@ def run_trial(cfg: TrialConfig, device: str, out_root: Path, trial_id: str,
     recs = read_records(out_dir, world)
     exits = [rank_exit(r, rr, str(out_dir), waited.stacks.get(r.rank, "")) for r, rr in zip(ranks, recs)]
     trial = build_record(trial_id, cfg, device, recs, exits, waited, str(out_dir), fault)
+    if any(getattr(r.proc, "lost", False) for r in ranks):
+        trial.notes.append("the rank server died during the trial; its ranks died with it (SIGKILL)")
     if waited.interrupted:
         trial.notes.append("interrupted; records up to that point kept")
         raise Interrupted(trial)

@@ -1,7 +1,7 @@
 """What the parent (isolate.py) and a rank (worker.py) say to each other, in one place.
 
-The parent writes the trial's TrialSpec to spec.json and spawns one `python -m repro.worker`
-per rank; each rank appends one JSON object per line to rank<R>.jsonl, flushed as soon as it
+The parent writes the trial's TrialSpec to spec.json and starts one rank process per rank
+(`repro.worker.main`, forked by the rank server or spawned as `python -m repro.worker`); each rank appends one JSON object per line to rank<R>.jsonl, flushed as soon as it
 has it, so a crash loses nothing already produced. Every line carries "event" (an Event), the
 rank and a wall-clock "t"; the other fields depend on the event. Neither side imports the
 other: both import this module (plain data, no torch).
@@ -21,7 +21,7 @@ from repro.outcome import to_jsonable
 
 
 class Event(str, Enum):
-    START = "start"              # pid, device, world_size: the interpreter is up
+    START = "start"              # pid, device, world_size, visible_gpus: the rank is up
     RUNTIME = "runtime"          # rank 0, once torch is imported: torch/CUDA/NCCL facts
     PHASE = "phase"              # name, seconds
     BEGIN = "begin"              # step: a death from here on belongs to this step

@@ -21,6 +21,7 @@ from repro import doctor, gpus
 from repro.config import SCENARIOS, TrialConfig, apply_overrides, load_preset, validate
 from repro.footprint import fit_reason
 from repro.isolate import Interrupted, run_trial, unsupported_record
+from repro.launch import RankServer, child_env
 from repro.outcome import Report, TrialRecord
 
 
@@ -117,16 +118,29 @@ def lane_env(slot: int, lanes: list[str]) -> dict[str, str] | None:
 def run_planned(planned: list[Planned], out_root: Path, on_start: Callable[[str, Planned], None] | None = None,
                 on_tick: Callable[[str, int], None] | None = None,
                 on_done: Callable[[TrialRecord], None] | None = None,
-                wrapper: list[str] | None = None, jobs: int = 1) -> RunResult:
-    """Run every planned trial, `jobs` at a time; the report keeps the plan's order."""
+                wrapper: list[str] | None = None, jobs: int = 1, server: RankServer | None = None) -> RunResult:
+    """Run every planned trial, `jobs` at a time; the report keeps the plan's order.
+
+    Ranks are forked from one rank server per run (torch imported once; repro/rankserver.py):
+    `server` when the caller started it (and closes it), else one started here. Under a
+    wrapper program every rank is a fresh interpreter (the wrapper must exec it).
+    """
     stamp = dt.datetime.now(dt.timezone.utc)
     run_dir = out_root / stamp.strftime("%Y%m%d-%H%M%S-%f")
+    own = server is None and not wrapper and any(p.device is not None for p in planned)
+    if own:
+        # From this (the main) thread, first: its torch import overlaps everything below.
+        server = RankServer.start(child_env())
     # NVML on many GPUs takes a while; take the inventory while the first trial's ranks start.
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        env = pool.submit(environment)
-        lanes = gpus.gpu_lanes(gpus.gpu_count(), dict(os.environ)) if jobs > 1 else []
-        result = run_all(planned, run_dir, Hooks(on_start, on_tick, on_done), wrapper, jobs, lanes)
-        result.report.environment = with_runtime(env.result(), result.report.trials)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            env = pool.submit(environment)
+            lanes = gpus.gpu_lanes(gpus.gpu_count(), dict(os.environ)) if jobs > 1 else []
+            result = run_all(planned, run_dir, Hooks(on_start, on_tick, on_done), wrapper, jobs, lanes, server)
+            result.report.environment = with_runtime(env.result(), result.report.trials)
+    finally:
+        if own:
+            server.close()
     result.report.command = shlex.join(sys.argv)
     result.report.created = stamp.isoformat(timespec="seconds")
     result.run_dir = run_dir
@@ -141,7 +155,8 @@ class Hooks:
 
 
 def run_one(i: int, p: Planned, run_dir: Path, hooks: Hooks, wrapper: list[str] | None,
-            slots: queue.SimpleQueue, lanes: list[str], stop: threading.Event) -> TrialRecord | None:
+            slots: queue.SimpleQueue, lanes: list[str], stop: threading.Event,
+            server: RankServer | None = None) -> TrialRecord | None:
     """One trial on a pool thread. The thread lives until its trial's ranks are reaped, which
     matters: PR_SET_PDEATHSIG fires when the *thread* that spawned a worker exits."""
     if stop.is_set():
@@ -155,7 +170,7 @@ def run_one(i: int, p: Planned, run_dir: Path, hooks: Hooks, wrapper: list[str] 
         slot = slots.get()
         try:
             trial = run_trial(p.cfg, p.device, run_dir, tid, fault=p.fault, wrapper=wrapper,
-                              on_tick=hooks.on_tick, env=lane_env(slot, lanes), stop=stop)
+                              on_tick=hooks.on_tick, env=lane_env(slot, lanes), stop=stop, server=server)
         finally:
             slots.put(slot)
     if hooks.on_done:
@@ -164,7 +179,7 @@ def run_one(i: int, p: Planned, run_dir: Path, hooks: Hooks, wrapper: list[str] 
 
 
 def run_all(planned: list[Planned], run_dir: Path, hooks: Hooks, wrapper: list[str] | None,
-            jobs: int, lanes: list[str]) -> RunResult:
+            jobs: int, lanes: list[str], server: RankServer | None = None) -> RunResult:
     stop = threading.Event()
     slots: queue.SimpleQueue = queue.SimpleQueue()
     for k in range(max(1, jobs)):
@@ -172,7 +187,7 @@ def run_all(planned: list[Planned], run_dir: Path, hooks: Hooks, wrapper: list[s
     records: list[TrialRecord | None] = [None] * len(planned)
     interrupted_by = None
     with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="trial") as pool:
-        futures = {pool.submit(run_one, i, p, run_dir, hooks, wrapper, slots, lanes, stop): i
+        futures = {pool.submit(run_one, i, p, run_dir, hooks, wrapper, slots, lanes, stop, server): i
                    for i, p in enumerate(planned)}
         pending = set(futures)
         while pending:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from repro.isolate import cache_root
+from repro.launch import cache_root
 
 LATEST = "latest"
 

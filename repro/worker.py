@@ -147,14 +147,15 @@ class WorkerContext:
         self.sink.emit(Event.DETAIL, **fields)
 
 
-def die_with_parent() -> None:
-    """Linux: SIGKILL this worker if the harness dies, so no rank outlives it."""
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: SIGKILL this process when its parent (the harness, or the rank server) dies, so
+    no rank outlives it. parent_pid: the parent as it was before this call."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)    # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-    if os.getppid() == 1:                # parent already gone before prctl took effect
+    if os.getppid() != parent_pid:       # parent already gone before prctl took effect
         os._exit(1)
 
 
@@ -173,10 +174,17 @@ def build_context(spec: TrialSpec, rank: int, sink: RecordSink) -> WorkerContext
     from repro import dist, forensics, graphs, guard
     cfg = TrialConfig.from_dict(spec.config)
     torch.manual_seed(cfg.run.seed)
+    start = time.perf_counter()
     device = pick_device(spec, rank)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)   # the CUDA context now, so "cuda" times its creation
+        sink.emit(Event.PHASE, name="cuda", seconds=time.perf_counter() - start)
     # The harness's capture and collective helpers are plumbing: sites and stacks name the
     # scenario line that asked for a tensor, not the helper that allocated it.
-    stale_guard = guard.CaptureGuard(mode=cfg.run.guard, rank=rank, plumbing=(dist.__file__, graphs.__file__))
+    # No scenario compiles: the recording need not hide from torch.compile (which costs the
+    # torch._dynamo import, seconds of every trial).
+    stale_guard = guard.CaptureGuard(mode=cfg.run.guard, rank=rank, plumbing=(dist.__file__, graphs.__file__),
+                                     compiles=False)
     history = forensics.MemoryHistory(enabled=cfg.run.forensics and device.type == "cuda",
                                       plumbing=stale_guard.plumbing)
     history.start()
@@ -221,7 +229,8 @@ def dump_forensics(ctx: WorkerContext) -> None:
 def run_rank(spec: TrialSpec, rank: int) -> int:
     from repro.scenarios import load_scenario
     sink = RecordSink(records_path(spec.out_dir, rank), rank)
-    sink.emit(Event.START, pid=os.getpid(), device=spec.device, world_size=spec.world_size)
+    sink.emit(Event.START, pid=os.getpid(), device=spec.device, world_size=spec.world_size,
+              visible_gpus=os.environ.get("CUDA_VISIBLE_DEVICES"))
     ctx = None
     try:
         start = time.perf_counter()
@@ -263,8 +272,9 @@ def answer_stack_requests(spec: TrialSpec, rank: int) -> None:
     faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
 
 
-def main(argv: list[str]) -> None:
-    die_with_parent()
+def main(argv: list[str], parent_pid: int | None = None) -> None:
+    """parent_pid: the rank server's pid when forked from it (repro/rankserver.py)."""
+    die_with_parent(os.getppid() if parent_pid is None else parent_pid)
     silence_known_warnings()             # before torch is imported: it warns once, at import
     faulthandler.enable()                # a segfault still prints the Python stack to the log
     spec = TrialSpec.load(Path(argv[0]))

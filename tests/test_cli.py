@@ -173,11 +173,13 @@ def test_vllm_audit_cli_states_and_require(tmp_path):
 def test_parent_never_imports_torch_before_spawning():
     """The CLI, planning and the trial runner stay torch-free: a CUDA torch import takes seconds,
     and every one of them would come before the first rank starts (time to verdict). The parent
-    talks to the ranks through repro.protocol only, never importing the worker's entry module."""
-    code = ("import sys, repro.cli, repro.runner, repro.isolate, repro.matrix\n"
+    talks to the ranks through repro.protocol only, never importing the worker's entry module
+    (nor the rank server's: it imports torch in its own process)."""
+    code = ("import sys, repro.__main__, repro.cli, repro.runner, repro.isolate, repro.launch, repro.matrix\n"
             "from repro.runner import plan\n"
             "plan('gemma4-mtp', None, {'device': 'cpu', 'tp': 2}, [], 0)\n"
-            "print(sorted(m for m in sys.modules if m in ('torch', 'repro.worker') or m.startswith('torch.')))")
+            "print(sorted(m for m in sys.modules if m in ('torch', 'repro.worker', 'repro.rankserver')"
+            " or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.stdout.strip() == "[]"

@@ -595,3 +595,26 @@ def test_liveness_fast_path_sees_deaths_after_a_clean_check_and_new_recordings()
     del a
     assert [f.status for f in guard.check("r3", graph="G", deep=False)] == ["freed"]
     assert guard.check("r4", graph="G", deep=False) == []
+
+
+def test_a_rank_guard_records_without_importing_dynamo_and_the_default_stays_hidden_from_compile():
+    """torch wraps a dispatch mode in torch._disable_dynamo, whose first call imports torch._dynamo
+    (about 1 s warm, 4 s cold on the GPU image): the scenario ranks never compile and skip it;
+    a guard for an arbitrary program (repro watch) keeps torch's wrapper."""
+    import subprocess
+    import sys
+    code = ("import sys, torch\n"
+            "from repro.guard import CaptureGuard\n"
+            "guard = CaptureGuard('warn', compiles=False)\n"
+            "weight = torch.ones(4)\n"
+            "with guard.recording('g'):\n"
+            "    out = weight * 2\n"
+            "print('torch._dynamo' in sys.modules, [s.name for s in guard.slots])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    dynamo_imported, slots = out.stdout.split(" ", 1)
+    assert dynamo_imported == "False" and "weight" in slots
+    from repro.guard import _HiddenOpObserver, _OpObserver
+    hidden = _HiddenOpObserver.__torch_dispatch__
+    assert hidden is not _OpObserver.__torch_dispatch__ and hidden.__wrapped__ is _OpObserver.__torch_dispatch__
+    assert CaptureGuard("warn")._observer is _HiddenOpObserver

@@ -1,7 +1,9 @@
 """The trial runner under injected faults: classification, deadline, no process left behind.
 
 Each trial is the harness self-test at TP=2 on gloo: every step all-gathers across ranks, so a
-dead rank leaves its peer blocked in a real collective.
+dead rank leaves its peer blocked in a real collective. The fault tests run twice: ranks
+spawned as fresh interpreters, and ranks forked by a rank server (the CLI's default); the
+guarantees are the same.
 """
 import json
 import os
@@ -10,18 +12,33 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import REPO, alive, group_alive
 from repro.isolate import GRACE_S, run_trial
+from repro.launch import RankServer, child_env
 from repro.outcome import Outcome
 from repro.runner import plan
 
 DEADLINE = 20.0
 
 
-def selftest(tmp_path, fault=None, steps=3, deadline=DEADLINE):
+@pytest.fixture(params=["fresh", "forked"])
+def launcher(request):
+    return request.param
+
+
+def selftest(tmp_path, fault=None, steps=3, deadline=DEADLINE, server="fresh"):
+    """server "forked": the ranks come from a rank server started in the test itself (its
+    environment must be the test's own: pytest changes PYTEST_CURRENT_TEST per phase)."""
     p = plan("selftest", None, {"tp": 2, "steps": steps, "device": "cpu", "deadline_s": deadline}, [], gpus=0)
     start = time.monotonic()
-    trial = run_trial(p.cfg, "cpu", tmp_path, "t", fault=fault)
+    if server == "fresh":
+        trial = run_trial(p.cfg, "cpu", tmp_path, "t", fault=fault)
+    else:
+        with RankServer.start(child_env()) as rank_server:
+            trial = run_trial(p.cfg, "cpu", tmp_path, "t", fault=fault, server=rank_server)
+        assert {r.pid for r in trial.ranks} <= set(rank_server.started), "the server forked every rank"
     return trial, time.monotonic() - start
 
 
@@ -36,8 +53,8 @@ def steps_of(trial, rank):
     return sorted(s.step for s in trial.steps if s.rank == rank)
 
 
-def test_clean_run(tmp_path):
-    trial, _ = selftest(tmp_path)
+def test_clean_run(tmp_path, launcher):
+    trial, _ = selftest(tmp_path, server=launcher)
     assert trial.outcome == Outcome.CLEAN and trial.met
     assert steps_of(trial, 0) == [0, 1, 2] and steps_of(trial, 1) == [0, 1, 2]
     assert all(r.exitcode == 0 and not r.killed_by_harness for r in trial.ranks)
@@ -45,8 +62,8 @@ def test_clean_run(tmp_path):
     assert_nothing_left(trial)
 
 
-def test_segfault_is_crash_with_signal(tmp_path):
-    trial, elapsed = selftest(tmp_path, {"kind": "segv", "rank": 0, "step": 1})
+def test_segfault_is_crash_with_signal(tmp_path, launcher):
+    trial, elapsed = selftest(tmp_path, {"kind": "segv", "rank": 0, "step": 1}, server=launcher)
     assert trial.outcome == Outcome.CRASH
     assert trial.first_failure.rank == 0 and trial.first_failure.step == 1
     assert trial.ranks[0].signal == "SIGSEGV"
@@ -57,9 +74,9 @@ def test_segfault_is_crash_with_signal(tmp_path):
     assert_nothing_left(trial)
 
 
-def test_hang_is_killed_at_deadline_and_blames_the_rank_outside_the_collective(tmp_path):
+def test_hang_is_killed_at_deadline_and_blames_the_rank_outside_the_collective(tmp_path, launcher):
     deadline = 10.0
-    trial, elapsed = selftest(tmp_path, {"kind": "hang", "rank": 1, "step": 1}, deadline=deadline)
+    trial, elapsed = selftest(tmp_path, {"kind": "hang", "rank": 1, "step": 1}, server=launcher, deadline=deadline)
     assert trial.outcome == Outcome.HANG
     # Rank 0 waits in the step's all-gather, rank 1 never gets there: rank 1 is to blame.
     assert trial.first_failure.rank == 1 and trial.first_failure.step == 1
@@ -90,8 +107,8 @@ def test_injected_fault_is_recorded_and_never_counts_as_reproduced(tmp_path):
     assert_nothing_left(trial)
 
 
-def test_cuda_700_message_is_illegal_address(tmp_path):
-    trial, elapsed = selftest(tmp_path, {"kind": "ima-message", "rank": 0, "step": 0})
+def test_cuda_700_message_is_illegal_address(tmp_path, launcher):
+    trial, elapsed = selftest(tmp_path, {"kind": "ima-message", "rank": 0, "step": 0}, server=launcher)
     assert trial.outcome == Outcome.ILLEGAL_ADDRESS
     assert trial.first_failure.rank == 0 and trial.first_failure.step == 0
     assert "illegal memory access" in trial.ranks[0].stderr_tail
@@ -99,8 +116,8 @@ def test_cuda_700_message_is_illegal_address(tmp_path):
     assert_nothing_left(trial)
 
 
-def test_rank_dies_while_peer_waits_in_gloo_all_gather(tmp_path):
-    trial, elapsed = selftest(tmp_path, {"kind": "exit", "rank": 1, "step": 1})
+def test_rank_dies_while_peer_waits_in_gloo_all_gather(tmp_path, launcher):
+    trial, elapsed = selftest(tmp_path, {"kind": "exit", "rank": 1, "step": 1}, server=launcher)
     assert trial.outcome == Outcome.CRASH
     assert trial.first_failure.rank == 1 and trial.first_failure.step == 1
     assert trial.ranks[1].exitcode == 3
@@ -110,16 +127,16 @@ def test_rank_dies_while_peer_waits_in_gloo_all_gather(tmp_path):
     assert_nothing_left(trial)
 
 
-def test_sigkill_keeps_earlier_records(tmp_path):
-    trial, _ = selftest(tmp_path, {"kind": "sigkill", "rank": 0, "step": 2})
+def test_sigkill_keeps_earlier_records(tmp_path, launcher):
+    trial, _ = selftest(tmp_path, {"kind": "sigkill", "rank": 0, "step": 2}, server=launcher)
     assert trial.outcome == Outcome.CRASH
     assert trial.ranks[0].signal == "SIGKILL"
     assert steps_of(trial, 0) == [0, 1]              # written before the kill, still there
     assert_nothing_left(trial)
 
 
-def test_exception_is_recorded(tmp_path):
-    trial, _ = selftest(tmp_path, {"kind": "raise", "rank": 0, "step": 0})
+def test_exception_is_recorded(tmp_path, launcher):
+    trial, _ = selftest(tmp_path, {"kind": "raise", "rank": 0, "step": 0}, server=launcher)
     assert trial.outcome == Outcome.CRASH
     assert trial.ranks[0].error == "RuntimeError: injected fault"
     assert_nothing_left(trial)
@@ -179,16 +196,25 @@ def test_ctrl_c_exits_130_keeps_records_no_orphans(tmp_path):
     assert not any(alive(p) for p in pids)
 
 
-def test_harness_killed_takes_workers_with_it(tmp_path):
+def parent_of(pid):
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+
+
+def test_harness_killed_takes_workers_and_rank_server_with_it(tmp_path):
     proc = cli("selftest", "--tp", "2", "--device", "cpu", "--deadline", "60",
                "--inject-fault", "hang@0:0", "--artifacts", str(tmp_path / "a"))
     pids = wait_for_pids(tmp_path / "a", 2)
-    proc.kill()
+    servers = {parent_of(p) for p in pids}
+    assert len(servers) == 1 and proc.pid not in servers, "the CLI forks its ranks from one rank server"
+    server = servers.pop()
+    assert parent_of(server) == proc.pid
+    proc.kill()                                      # SIGKILL: no cleanup code of ours runs
     proc.wait(timeout=10)
+    everyone = pids + [server]
     end = time.monotonic() + 10
-    while time.monotonic() < end and any(alive(p) for p in pids):
+    while time.monotonic() < end and any(alive(p) for p in everyone):
         time.sleep(0.1)
-    assert not any(alive(p) for p in pids)
+    assert not any(alive(p) for p in everyone)
 
 
 # Verbatim from torch 2.11 on an H200 (matrix gpu-2): the IMA text mentions "device-side
@@ -212,7 +238,7 @@ def test_real_cuda_messages_classify():
 
 
 def test_bytecode_cache_only_where_torch_has_none(tmp_path):
-    from repro.isolate import with_bytecode_cache
+    from repro.launch import with_bytecode_cache
     src = tmp_path / "torch" / "__init__.py"
     src.parent.mkdir()
     src.write_text("")
@@ -233,14 +259,14 @@ def test_bytecode_cache_only_where_torch_has_none(tmp_path):
 def test_workers_write_their_bytecode_cache_where_told(tmp_path, monkeypatch):
     """End to end: with an uncompiled torch, a worker writes bytecode under our cache, even
     where the user's environment forbids writing bytecode next to the sources."""
-    import repro.isolate
+    import repro.launch
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text("")
-    monkeypatch.setattr(repro.isolate, "torch_origin", lambda: str(tmp_path / "torch" / "__init__.py"))
+    monkeypatch.setattr(repro.launch, "torch_origin", lambda: str(tmp_path / "torch" / "__init__.py"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
-    env = repro.isolate.child_env()
+    env = repro.launch.child_env()
     subprocess.run([sys.executable, "-c", "import repro.config"], env=env, check=True)
     assert list((tmp_path / "cache" / "repro" / "pycache").rglob("config*.pyc"))
 

@@ -36,7 +36,7 @@ CPU_FORENSICS_NOTE = "--forensics was ignored: CUDA memory history exists only o
 EXIT_OUTCOMES = frozenset({Outcome.CRASH, Outcome.HANG, Outcome.ILLEGAL_ADDRESS, Outcome.DEVICE_ASSERT})
 
 # Phases in the order a trial runs them; keys a trial adds beyond these follow in its own order.
-TIMING_ORDER = ("start", "import", "init", "build", "capture", "reload", "replays", "oracle", "total")
+TIMING_ORDER = ("start", "import", "cuda", "init", "build", "capture", "reload", "replays", "oracle", "total")
 
 MAX_STEP_ROWS = 20       # a 500-step nvfp4 run must not bury the verdict
 MAX_FINDING_GROUPS = 10  # distinct dead storages shown; one storage is often in 7+ graphs
