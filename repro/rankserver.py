@@ -31,6 +31,7 @@ import select
 import signal
 import sys
 import time
+import warnings
 from typing import Any
 
 from repro.worker import die_with_parent
@@ -104,7 +105,11 @@ class Server:
             self.reply(op="failed", id=req["id"], reason=reason)
             return
         server_pid = os.getpid()
-        pid = os.fork()
+        with warnings.catch_warnings():
+            # Python >= 3.12 warns on fork with other threads; here they are OpenBLAS's pool,
+            # which stops itself around fork (see unfit_reason).
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
         if pid == 0:
             become_rank(req, server_pid, (self.req_fd, self.rep.fileno()))
         pgid = join_group(pid, req["pgid"])
