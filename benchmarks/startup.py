@@ -31,7 +31,15 @@ SNIPPETS = {
         "import json, sys, time, os; t=time.perf_counter(); from repro import rankserver; rankserver.preload(); "
         "print(json.dumps({'preload_s': time.perf_counter()-t, "
         "'dynamo_imported': 'torch._dynamo' in sys.modules, 'threads': rankserver.thread_count(), "
-        "'libcuda_mapped': 'libcuda.so' in open('/proc/self/maps').read(), 'unfit': rankserver.unfit_reason()}))"),
+        "'libcuda_mapped': 'libcuda.so' in open('/proc/self/maps').read(), 'unfit': rankserver.unfit_reason(), "
+        "'driver_initialized': rankserver.driver_initialized()}))"),
+    "the rank server's CUDA check after CUDA is initialised": (
+        "import json, torch; from repro import rankserver; torch.cuda.init()\n"
+        "print(json.dumps({'driver_initialized': rankserver.driver_initialized(), 'unfit': rankserver.unfit_reason()}))"),
+    "the rank server's CUDA check after torch.cuda.is_available()": (
+        "import json, torch; from repro import rankserver; torch.cuda.is_available()\n"
+        "print(json.dumps({'torch_says_initialized': torch.cuda.is_initialized(), "
+        "'driver_initialized': rankserver.driver_initialized(), 'unfit': rankserver.unfit_reason()}))"),
     "modules a rank imports after the preload (nvfp4-reload, TP 1, in-process)": (
         "import json, sys, tempfile, time\n"
         "from repro import rankserver; rankserver.preload()\n"

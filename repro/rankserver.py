@@ -25,6 +25,7 @@ Server -> parent:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import select
@@ -37,6 +38,7 @@ from typing import Any
 from repro.worker import die_with_parent
 
 REAP_EVERY_S = 0.01
+CUDA_ERROR_NOT_INITIALIZED = 3
 
 
 def preload() -> None:
@@ -50,8 +52,22 @@ def preload() -> None:
 
 
 def cuda_initialized() -> bool:
+    """Whether torch, or anything else behind its back, initialised CUDA in this process."""
     torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_initialized())
+    return bool(torch is not None and torch.cuda.is_initialized()) or driver_initialized()
+
+
+def driver_initialized() -> bool:
+    """Whether cuInit ran here (a module that asked the driver directly, or through
+    torch.cuda.is_available()): children of a fork then get a CUDA they cannot use.
+    cuDeviceGetCount answers CUDA_ERROR_NOT_INITIALIZED (3) before cuInit and initialises
+    nothing; a libcuda nobody loaded cannot have been initialised."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD)
+    except OSError:
+        return False
+    count = ctypes.c_int()
+    return lib.cuDeviceGetCount(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED
 
 
 def thread_count() -> int:
@@ -70,7 +86,7 @@ def unfit_reason() -> str | None:
     nothing here runs a torch op, so no OpenMP pool exists yet. The count is reported.
     """
     if cuda_initialized():
-        return "CUDA was initialised in the rank server"
+        return "CUDA was initialised in the rank server (a fork would give ranks an unusable CUDA)"
     return None
 
 

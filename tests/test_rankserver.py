@@ -131,3 +131,13 @@ def test_an_unavailable_server_falls_back_to_fresh_ranks(tmp_path):
 ])
 def test_only_commands_that_run_trials_prestart_a_server(argv, runs):
     assert runs_trials(argv, frozenset({"gemma4-mtp", "nvfp4-reload", "selftest", "matrix"})) is runs
+
+
+def test_a_server_where_cuda_was_initialised_refuses_to_fork(monkeypatch):
+    """torch's own flag, or the driver's (cuInit by anything else, e.g. is_available()): either
+    makes a fork hand the ranks a CUDA they cannot use. On a GPU the driver check is measured
+    by benchmarks/startup.py (False after the preload, True after torch.cuda.init())."""
+    from repro import rankserver
+    assert rankserver.unfit_reason() is None and rankserver.driver_initialized() is False   # no GPU here
+    monkeypatch.setattr(rankserver, "driver_initialized", lambda: True)
+    assert "CUDA was initialised in the rank server" in rankserver.unfit_reason()
