@@ -24,10 +24,10 @@ import repro
 from repro import doctor, gpus, noise, report, runs
 from repro.config import AFTER_FREE, DEVICES, GUARD_MODES, ConfigError, preset_names
 from repro.files import write_text_atomic
+from repro.launch import RankServer
 from repro.outcome import Outcome, Report, to_jsonable
 from repro.preflight import check_outputs
 from repro.protocol import FAULTS
-from repro.launch import RankServer
 from repro.runner import Planned, RunResult, Terminated, plan, run_planned
 from repro.scenarios import SCENARIOS, RunKeySpec, ScenarioSpec
 from repro.watch_hooks import ON_FINDING

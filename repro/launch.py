@@ -104,14 +104,36 @@ class RemoteRank:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
+        """Until the server reaped the rank; a lost rank (its server died) until it is gone:
+        nobody of ours can reap it, and its SIGKILL takes a moment to end it."""
+        end = None if timeout is None else time.monotonic() + timeout
         if not self.exited.wait(timeout):
             raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+        while self.lost and not gone(self.pid):
+            if end is not None and time.monotonic() > end:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+            time.sleep(0.01)
         return self.returncode               # type: ignore[return-value]
 
     def set_exit(self, code: int, lost: bool = False) -> None:
         if self.returncode is None:
             self.returncode, self.lost = code, lost
             self.exited.set()
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for its reaper counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
 
 
 class RankServer:
