@@ -91,8 +91,9 @@ def unfit_reason() -> str | None:
 
 
 class Server:
-    def __init__(self, req_fd: int, rep_fd: int):
+    def __init__(self, req_fd: int, rep_fd: int, rank_sigint: Any):
         self.req_fd = req_fd
+        self.rank_sigint = rank_sigint          # what a fresh interpreter started here would have
         self.rep = os.fdopen(rep_fd, "w", buffering=1)
         self.buf = b""
         self.pgids: dict[int, int] = {}         # live rank pid -> its process group
@@ -127,7 +128,7 @@ class Server:
             warnings.simplefilter("ignore", DeprecationWarning)
             pid = os.fork()
         if pid == 0:
-            become_rank(req, server_pid, (self.req_fd, self.rep.fileno()))
+            become_rank(req, server_pid, (self.req_fd, self.rep.fileno()), self.rank_sigint)
         pgid = join_group(pid, req["pgid"])
         self.pgids[pid] = pgid
         self.reply(op="started", id=req["id"], pid=pid, pgid=pgid)
@@ -167,15 +168,17 @@ def join_group(pid: int, pgid: int) -> int:
         return pid
 
 
-def become_rank(req: dict[str, Any], server_pid: int, server_fds: tuple[int, int]) -> None:
+def become_rank(req: dict[str, Any], server_pid: int, server_fds: tuple[int, int], sigint: Any) -> None:
     """In the forked child: look like a fresh `python -m repro.worker SPEC RANK`, then run it.
+    sigint: the SIGINT handling such an interpreter would get (Python's, or ignored where the
+    harness itself was started with SIGINT ignored, as a background job of a script is).
     Never returns into the server's loop."""
     code = 70
     try:
         for fd in server_fds:
             os.close(fd)
         join_group(0, req["pgid"])
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, sigint)
         for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -203,8 +206,11 @@ def become_rank(req: dict[str, Any], server_pid: int, server_fds: tuple[int, int
 def main(argv: list[str]) -> None:
     parent = os.getppid()
     die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)     # the parent handles Ctrl-C for the run
-    server = Server(int(argv[0]), int(argv[1]))
+    # The ranks get SIGINT as this interpreter got it from the harness; the server itself
+    # ignores it (the parent handles Ctrl-C for the run).
+    rank_sigint = signal.getsignal(signal.SIGINT) or signal.default_int_handler   # None: set outside Python
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    server = Server(int(argv[0]), int(argv[1]), rank_sigint)
     start = time.perf_counter()
     try:
         preload()

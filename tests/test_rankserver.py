@@ -141,3 +141,27 @@ def test_a_server_where_cuda_was_initialised_refuses_to_fork(monkeypatch):
     assert rankserver.unfit_reason() is None and rankserver.driver_initialized() is False   # no GPU here
     monkeypatch.setattr(rankserver, "driver_initialized", lambda: True)
     assert "CUDA was initialised in the rank server" in rankserver.unfit_reason()
+
+
+def test_forked_ranks_get_sigint_as_a_fresh_interpreter_would(tmp_path):
+    """Started with SIGINT ignored (a script's background job), a spawned worker inherits the
+    ignore; a forked rank must too, while the server always ignores it itself."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        server = RankServer.start(child_env())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+    def interrupt_ranks():
+        for rank in (0, 1):
+            os.kill(start_record(tmp_path / "t", rank)["pid"], signal.SIGINT)
+
+    with server:
+        assert server.wait_ready(120)
+        timer = threading.Timer(4.0, interrupt_ranks)
+        timer.start()
+        trial = run_trial(selftest_cfg(deadline=8.0), "cpu", tmp_path, "t",
+                          fault={"kind": "hang", "rank": 1, "step": 1}, server=server)
+        timer.join()
+    assert trial.outcome == Outcome.HANG, "SIGINT stayed ignored: the ranks ran on to the deadline"
+    assert all(r.killed_by_harness for r in trial.ranks)
