@@ -5,7 +5,12 @@
 #   doctor       repro doctor, text and JSON
 #   matrix       repro matrix --config gpu-2 --jobs 8, timed (the <= 90 s target)
 #   replay       graph replay vs eager per region, guard overhead (benchmarks/replay.py)
-#   verdict      time to verdict per scenario x mode, median of 5 (benchmarks/time_to_verdict.py)
+#   verdict      time to verdict per scenario x mode, median of 5, plus one cold run each
+#                (benchmarks/time_to_verdict.py; with BEFORE=/path/to/older/checkout the two
+#                trees are interleaved and their ratios reported)
+#   startup      a rank's start-up, piece by piece (benchmarks/startup.py)
+#   specdec      tokens/s of the speculative loop at TP 2 over NCCL (benchmarks/specdec.py)
+#   watch        repro watch on the examples + the cross-check (benchmarks/watch_checks.sh)
 #   sanitizer    guard vs compute-sanitizer memcheck on unfixed gemma4-mtp TP=2 and nvfp4-reload
 #   determinism  N=20 seeds x after-free x unfixed/fixed, both scenarios (benchmarks/determinism.py)
 #   tests        the GPU tests (pytest -m "gpu or multi_gpu")
@@ -34,9 +39,17 @@ for part in "${parts[@]}"; do
       timeout 180 python3 benchmarks/replay.py --json "$out/replay.json" > /dev/null 2>> "$log" ;;
     verdict)
       g="gemma4-mtp --tp 2 --mode"; n="nvfp4-reload --steps 5 --mode"
-      timeout 420 python3 benchmarks/time_to_verdict.py --runs 5 --json "$out/time-to-verdict.json" \
+      trees=(); [ -n "${BEFORE:-}" ] && trees=(--tree "before=$BEFORE" --tree "after=$PWD")
+      timeout 540 python3 benchmarks/time_to_verdict.py --runs 5 --cold "${trees[@]}" \
+          --json "$out/time-to-verdict.json" \
           -- $g unfixed -- $g fixed -- $g reload-safe -- $n unfixed -- $n kernel-reuse -- $n fixed \
           > /dev/null 2>> "$log" ;;
+    startup)
+      timeout 180 python3 benchmarks/startup.py --runs 3 --json "$out/startup.json" > /dev/null 2>> "$log" ;;
+    specdec)
+      timeout 300 python3 benchmarks/specdec.py --tp 2 --rounds 5 --json "$out/specdec.json" > /dev/null 2>> "$log" ;;
+    watch)
+      timeout 480 bash benchmarks/watch_checks.sh "$out/watch" 2>&1 | tail -5 | tee -a "$log" ;;
     sanitizer)
       timeout 300 python3 benchmarks/sanitizer.py --json "$out/sanitizer-gemma.json" --deadline 120 \
           > /dev/null 2>> "$log"
