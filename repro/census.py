@@ -121,6 +121,18 @@ class Reference:
         return f"node {self.node} {what} {self.where}"
 
 
+@dataclass(frozen=True)
+class Word:
+    """A captured word that may point into allocator memory; matched to a block later."""
+    node: int
+    kind: str
+    kernel: str
+    where: str
+    offset: int
+    addr: int
+    pool: tuple[int, int]                  # the pool of its segment when read
+
+
 @dataclass
 class GraphCensus:
     """What one captured graph holds, and how it compares with the allocator at capture time."""
@@ -140,6 +152,14 @@ class GraphCensus:
     reported: dict[int, str] = field(default_factory=dict)      # block start -> status said
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    # Words into memory of the default or another pool, not yet matched to allocator blocks:
+    # matched at the first check, against the allocator then and its trace since the census
+    # (no snapshot per capture: an engine captures thousands of graphs).
+    pending: list[Word] = field(default_factory=list)
+    # Segments of the own pool the graph reads (start -> its first word there): while the graph
+    # lives its pool keeps them; one returned to the driver is a finding.
+    own_segments: dict[int, Reference] = field(default_factory=dict)
+    events_at: int | None = None           # allocator_events() at census time
 
     def blocks(self) -> list[Block]:
         """Distinct captured blocks (outside the own pool), by start address."""
@@ -156,6 +176,7 @@ class GraphCensus:
                 "own_pool": self.own_pool, "outside_allocator": self.outside,
                 "free_at_capture": self.free_at_capture,
                 "unreadable": len(self.unreadable), "foreign_pools": dict(self.foreign_pools),
+                "unmatched": len(self.pending),
                 "seconds": round(self.seconds, 6), "notes": list(self.notes)}
 
 
@@ -224,6 +245,12 @@ def marker_of(trace: list[dict[str, Any]]) -> dict[str, Any]:
     return {"length": len(trace), "last": tail or None}
 
 
+def clock_marker() -> dict[str, Any]:
+    """The trace position at census time by the clock, with no snapshot taken: torch stamps
+    every trace entry with Unix time in microseconds (``time_us``)."""
+    return {"time_us": time.time_ns() // 1000}
+
+
 def entry_key(entry: dict[str, Any]) -> tuple:
     return (entry.get("action"), entry.get("addr"), entry.get("size"), entry.get("stream"),
             entry.get("time_us"))
@@ -238,6 +265,8 @@ def events_since(trace: list[dict[str, Any]], marker: dict[str, Any] | None,
     """
     if marker is None:
         return None
+    if "time_us" in marker:
+        return events_after(trace, marker["time_us"], capacity)
     last = marker.get("last")
     if last is None:
         if capacity is not None and len(trace) >= capacity:
@@ -249,6 +278,18 @@ def events_since(trace: list[dict[str, Any]], marker: dict[str, Any] | None,
         if entry_key(trace[i]) == last[-1] and [entry_key(e) for e in trace[i - n + 1:i + 1]] == last:
             return trace[i + 1:]
     return None
+
+
+def events_after(trace: list[dict[str, Any]], time_us: int, capacity: int | None) -> list[dict[str, Any]] | None:
+    """Entries stamped after time_us; None when the ring (full) no longer reaches back to it."""
+    if not trace:
+        return []
+    if "time_us" not in trace[0]:
+        return None                    # an old torch: no stamps to place the census by
+    if capacity is not None and len(trace) >= capacity and trace[0]["time_us"] > time_us:
+        return None
+    i = bisect.bisect_right([e["time_us"] for e in trace], time_us)
+    return trace[i:]
 
 
 def overlaps(entry: dict[str, Any], block: Block) -> bool:
@@ -302,8 +343,11 @@ def aligned_words(buf: bytes, base: int) -> list[tuple[int, int]]:
     """(offset, value) of every 8-byte word of buf that is 8-byte aligned in the parameter
     buffer; base is buf's offset in that buffer."""
     first = -base % WORD
-    return [(base + i, int.from_bytes(buf[i:i + WORD], "little"))
-            for i in range(first, len(buf) - WORD + 1, WORD)]
+    n = (len(buf) - first) // WORD
+    if n <= 0:
+        return []
+    values = memoryview(buf)[first:first + n * WORD].cast("Q")     # little-endian hosts only
+    return list(zip(range(base + first, base + first + n * WORD, WORD), values))
 
 
 def plausible_address(value: int) -> bool:
@@ -320,7 +364,6 @@ class Matcher:
 
     def add(self, census: GraphCensus, node: int, kind: str, kernel: str, where: str,
             offset: int, value: int) -> None:
-        census.words += 1
         if not plausible_address(value):
             return
         block = self.index.find(value)
@@ -342,6 +385,193 @@ class Matcher:
             census.foreign_pools[name] = census.foreign_pools.get(name, 0) + 1
         census.references.append(Reference(node=node, kind=kind, kernel=kernel, where=where,
                                            offset=offset, addr=value, block=block))
+
+
+class PoolMap:
+    """Address -> graph pool of its segment, from the allocator's segments: a segment belongs
+    to one pool for its whole life, so the map is read again only when segments came or went
+    (the allocator's own counters say so) or an address falls outside every known segment."""
+
+    def __init__(self, device: int | None = None):
+        self.device = device
+        self.starts: list[int] = []
+        self.segments: list[tuple[int, int, tuple[int, int]]] = []   # (start, end, pool)
+        self.signature: tuple | None = None
+        self.refreshes = 0
+
+    def pool_of(self, addr: int) -> tuple[int, int] | None:
+        """The pool of the segment holding addr (DEFAULT_POOL for ordinary memory), or None
+        outside every segment of the caching allocator."""
+        found = self.find(addr)
+        if found is None and self.stale():
+            self.refresh()
+            found = self.find(addr)
+        return None if found is None else found[2]
+
+    def graph_pool_of(self, addr: int) -> tuple[int, int] | None:
+        """The graph pool (private or shared, MemPool included) holding addr; None for the
+        ordinary default pool and for memory outside the allocator."""
+        pool = self.pool_of(addr)
+        return None if pool is None or pool == DEFAULT_POOL else pool
+
+    def known_graph_pool(self, addr: int) -> tuple[int, int] | None:
+        """graph_pool_of without reading the segments again (safe inside a capture)."""
+        found = self.find(addr)
+        return None if found is None or found[2] == DEFAULT_POOL else found[2]
+
+    def segment_of(self, addr: int) -> int | None:
+        found = self.find(addr)
+        return None if found is None else found[0]
+
+    def find(self, addr: int) -> tuple[int, int, tuple[int, int]] | None:
+        i = bisect.bisect_right(self.starts, addr) - 1
+        if i >= 0 and addr < self.segments[i][1]:
+            return self.segments[i]
+        return None
+
+    def check(self) -> None:
+        """Before a census: read the segments again if the allocator says they changed."""
+        if self.signature is None or self.stale():
+            self.refresh()
+
+    def stale(self) -> bool:
+        return segment_signature(self.device) != self.signature
+
+    def refresh(self, snapshot: dict[str, Any] | None = None) -> None:
+        self.signature = segment_signature(self.device)
+        if snapshot is None:
+            snapshot, self.device = take_snapshot()
+        self.segments = sorted(
+            (seg["address"], seg["address"] + seg["total_size"],
+             tuple(int(x) for x in (seg.get("segment_pool_id") or DEFAULT_POOL)))
+            for seg in snapshot.get("segments", [])
+            if self.device is None or seg.get("device", self.device) == self.device)
+        self.starts = [seg[0] for seg in self.segments]
+        self.refreshes += 1
+
+
+def allocator_events(device: int | None = None) -> int | None:
+    """About how many entries the allocator's trace gained so far (allocs, two per free, segment
+    changes), from torch's counters: tells when pending words must be matched before the
+    bounded trace forgets their capture. None where the counters cannot be read."""
+    try:
+        import torch
+        stats = torch._C._cuda_memoryStats(torch.cuda.current_device() if device is None else device)
+        alloc, seg = stats["allocation"]["all"], stats["segment"]["all"]
+        return alloc["allocated"] + 2 * alloc["freed"] + seg["allocated"] + seg["freed"]
+    except Exception:
+        return None
+
+
+def segment_signature(device: int | None) -> tuple | None:
+    """Counters that change whenever a segment is made, freed or grown (torch's own stats)."""
+    try:
+        import torch
+        stats = torch._C._cuda_memoryStats(torch.cuda.current_device() if device is None else device)
+        seg, reserved = stats["segment"]["all"], stats["reserved_bytes"]["all"]
+        return (seg["allocated"], seg["freed"], reserved["current"], reserved["allocated"], reserved["freed"])
+    except Exception:
+        return None                        # unknown: every check reads the segments again
+
+
+@dataclass
+class Deferred:
+    """Sorts captured words by pool at capture time, with no snapshot: own-pool words are
+    counted, words outside the allocator counted, the rest kept to match at the first check."""
+    pools: PoolMap
+    own_pool: tuple[int, int] | None
+    is_device_address: Any = None          # callable(int) -> bool, or None: count nothing outside
+
+    def add(self, census: GraphCensus, node: int, kind: str, kernel: str, where: str,
+            offset: int, value: int) -> None:
+        if not plausible_address(value):
+            return
+        seg = self.pools.find(value)
+        if seg is None:
+            pool = self.pools.pool_of(value)     # a miss may mean new segments: read them once
+            seg = self.pools.find(value) if pool is not None else None
+        if seg is None:
+            if self.is_device_address is not None and self.is_device_address(value):
+                census.outside += 1
+            return
+        if self.own_pool is not None and seg[2] == self.own_pool:
+            census.own_pool += 1
+            if seg[0] not in census.own_segments:
+                block = Block(start=seg[0], size=seg[1] - seg[0], state="active_allocated", pool=seg[2], segment=seg[0])
+                census.own_segments[seg[0]] = Reference(node, kind, kernel, where, offset, value, block)
+            return
+        census.pending.append(Word(node, kind, kernel, where, offset, value, seg[2]))
+
+
+def match_pending(census: GraphCensus, now: BlockIndex, events: list[dict[str, Any]] | None,
+                  pool_names: dict[tuple[int, int], str]) -> None:
+    """Turn the census's pending words into references, as the allocator saw them at capture.
+
+    The allocator now, and its trace since the census, tell what each word's memory was then:
+    still the same block (live, no free since), a block freed or freed and taken again since
+    (a reference with that fate), a block already free at capture (stale bytes in a struct:
+    counted, not a reference), or a segment released since. When the trace no longer reaches
+    the census, a free block cannot be told from one that was free at capture: counted, noted.
+    """
+    lost = 0
+    first = first_events(census.pending, events)
+    for w in census.pending:
+        block = captured_block(w, now.find(w.addr), first.get(w.addr), events is not None)
+        if block is None:
+            if events is None and now.find(w.addr) is None:
+                census.outside += 1
+            elif events is None:
+                lost += 1
+                census.free_at_capture += 1
+            else:
+                census.free_at_capture += 1
+            continue
+        if block.pool == census.pool and census.pool is not None:
+            census.own_pool += 1
+            continue
+        if block.pool != DEFAULT_POOL:
+            name = pool_names.get(block.pool, f"pool {block.pool}")
+            census.foreign_pools[name] = census.foreign_pools.get(name, 0) + 1
+        census.references.append(Reference(node=w.node, kind=w.kind, kernel=w.kernel, where=w.where,
+                                           offset=w.offset, addr=w.addr, block=block))
+    census.pending = []
+    if lost:
+        census.notes.append(f"The allocator trace no longer reaches the capture: {lost} captured words "
+                            "into free blocks could not be told from stale struct bytes (not checked).")
+
+
+def first_events(words: list[Word], events: list[dict[str, Any]] | None) -> dict[int, dict[str, Any]]:
+    """address -> the first alloc or free since the census whose allocation holds it; one pass
+    over the trace with the addresses sorted, so a graph of thousands of words costs
+    O(events log words), not O(events x words)."""
+    if not events:
+        return {}
+    addrs = sorted({w.addr for w in words})
+    first: dict[int, dict[str, Any]] = {}
+    for e in events:
+        addr = e.get("addr")
+        if addr is None or e.get("action") not in FREE_ACTIONS + ALLOC_ACTIONS:
+            continue
+        lo = bisect.bisect_left(addrs, addr)
+        hi = bisect.bisect_left(addrs, addr + e.get("size", 0), lo)
+        for a in addrs[lo:hi]:
+            first.setdefault(a, e)
+    return first
+
+
+def captured_block(w: Word, current: Block | None, first: dict[str, Any] | None, traced: bool) -> Block | None:
+    """The allocator block w pointed into at capture, or None (free then, or not allocator memory).
+
+    The first alloc or free touching w since the census decides: a free means w's memory was
+    allocated at capture (that allocation is the captured block), an alloc that it was free.
+    Without the trace (traced False) a live block is taken as the captured one.
+    """
+    if first is not None and first["action"] in FREE_ACTIONS:
+        return Block(start=first["addr"], size=first.get("size", 0), state="active_allocated",
+                     pool=w.pool, segment=current.segment if current else first["addr"])
+    if first is not None or current is None or not current.live:
+        return None
+    return current
 
 
 def short_name(name: str, limit: int = 96) -> str:
@@ -418,7 +648,10 @@ def check_census(census: GraphCensus, when: str, snapshot: dict[str, Any] | None
     if snapshot is None:
         snapshot, device = take_snapshot()
     dev = 0 if device is None else device
-    fates, note = census_fates(census, BlockIndex.of(snapshot, device), trace_of(snapshot, dev), capacity)
+    now, trace = BlockIndex.of(snapshot, device), trace_of(snapshot, dev)
+    if census.pending:
+        match_pending(census, now, events_since(trace, census.marker, capacity), {})
+    fates, note = census_fates(census, now, trace, capacity)
     if note and note not in census.notes:
         census.notes.append(note)
     findings = []
@@ -484,6 +717,7 @@ class Driver:
         self.func_name = self.optional("cuFuncGetName")
         self.kernel_name = self.optional("cuKernelGetName")
         self.address_cache: dict[int, bool] = {}
+        self.function_cache: dict[int, tuple[str, Any]] = {}
 
     def optional(self, *names: str) -> Any:
         for name in names:
@@ -592,31 +826,71 @@ def load_driver() -> Driver:
 
 # -- reading a graph ----------------------------------------------------------------------------
 
+def function_info(driver: Driver, p: KernelNodeParams) -> tuple[str, list[tuple[int, int]] | DriverError]:
+    """(name, parameter layout or the error reading it) of a node's function, read once per
+    function: an engine's graphs launch the same few dozen kernels tens of thousands of times."""
+    key = p.func or p.kern
+    cache = getattr(driver, "function_cache", None)
+    if key and cache is not None and key in cache:
+        return cache[key]
+    name = driver.name(p)
+    try:
+        layout: list[tuple[int, int]] | DriverError = driver.param_layout(p) if p.kernelParams else []
+    except DriverError as e:
+        layout = e
+    if key and cache is not None:
+        cache[key] = (name, layout)
+    return name, layout
+
+
+def param_words(slots: Any, layout: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], str | None]:
+    """(offset, value) of every aligned word of the parameters, and the first unreadable one.
+
+    The driver hands a graph node's parameters back as pointers into one buffer laid out as
+    the layout says; where they are (the usual case), one read gets them all."""
+    if not layout:
+        return [], None
+    base, first = slots[0], layout[0][0]
+    end = max(off + size for off, size in layout)
+    if base and all(slots[i] == base + off - first for i, (off, _) in enumerate(layout)):
+        return aligned_words(ctypes.string_at(base, end - first), first), None
+    words = []
+    for i, (off, size) in enumerate(layout):
+        if not slots[i]:
+            return words, f"parameter {i} has no value"
+        words += aligned_words(ctypes.string_at(slots[i], size), off)
+    return words, None
+
+
 def read_kernel(driver: Driver, census: GraphCensus, match: Matcher, index: int, node: int) -> None:
     p = driver.kernel_params(node)
-    name = driver.name(p)
+    name, layout = function_info(driver, p)
     census.kernels += 1
     if p.kernelParams:
-        try:
-            layout = driver.param_layout(p)
-        except DriverError as e:
-            census.unreadable.append(f"node {index} kernel {short_name(name)}: {e}")
+        if isinstance(layout, DriverError):
+            census.unreadable.append(f"node {index} kernel {short_name(name)}: {layout}")
             return
         slots = (ctypes.c_void_p * max(len(layout), 1)).from_address(p.kernelParams)
-        for i, (off, size) in enumerate(layout):
-            if not slots[i]:
-                census.unreadable.append(f"node {index} kernel {short_name(name)}: parameter {i} has no value")
-                continue
-            for word_off, value in aligned_words(ctypes.string_at(slots[i], size), off):
-                match.add(census, index, "kernel", name, f"param {i} +{word_off - off}", word_off, value)
+        words, missing = param_words(slots, layout)
+        if missing:
+            census.unreadable.append(f"node {index} kernel {short_name(name)}: {missing}")
+        census.words += len(words)
+        starts = [off for off, _ in layout]
+        for word_off, value in words:
+            if MIN_ADDR <= value < MAX_ADDR:
+                i = bisect.bisect_right(starts, word_off) - 1
+                match.add(census, index, "kernel", name, f"param {i} +{word_off - starts[i]}", word_off, value)
     elif p.extra:
         buf = read_extra(p.extra)
         if buf is None:
             census.unreadable.append(f"node {index} kernel {short_name(name)}: 'extra' holds no "
                                      "CU_LAUNCH_PARAM_BUFFER_POINTER/SIZE pair")
             return
-        for word_off, value in aligned_words(buf, 0):
-            match.add(census, index, "kernel", name, f"extra +{word_off}", word_off, value)
+        words = aligned_words(buf, 0)
+        census.words += len(words)
+        for word_off, value in words:
+            if MIN_ADDR <= value < MAX_ADDR:
+                match.add(census, index, "kernel", name, f"extra +{word_off}", word_off, value)
     else:
         try:
             layout = driver.param_layout(p)
@@ -651,6 +925,7 @@ def memcpy_address(base: int, x: int, y: int, z: int, pitch: int, height: int) -
 
 def read_memcpy(driver: Driver, census: GraphCensus, match: Matcher, index: int, node: int) -> None:
     p = driver.memcpy_params(node)
+    census.words += 2
     if p.srcMemoryType in (CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_UNIFIED):
         match.add(census, index, "memcpy", "", "src", 0, memcpy_address(
             p.srcDevice, p.srcXInBytes, p.srcY, p.srcZ, p.srcPitch, p.srcHeight))
@@ -660,6 +935,7 @@ def read_memcpy(driver: Driver, census: GraphCensus, match: Matcher, index: int,
 
 
 def read_memset(driver: Driver, census: GraphCensus, match: Matcher, index: int, node: int) -> None:
+    census.words += 1
     match.add(census, index, "memset", "", "dst", 0, driver.memset_params(node).dst)
 
 
@@ -735,9 +1011,14 @@ def pool_id(pool: Any) -> tuple[int, int] | None:
 
 def take_census(graph: Any, label: str, pool: Any = None, snapshot: dict[str, Any] | None = None,
                 pool_names: dict[tuple[int, int], str] | None = None,
-                device: int | None = None, traced: bool = True) -> GraphCensus:
+                device: int | None = None, traced: bool = True, pools: PoolMap | None = None) -> GraphCensus:
     """Census of a graph captured with CUDAGraph(keep_graph=True); see the module docstring.
 
+    snapshot: an allocator snapshot taken right after the capture: every word is matched to
+    its block now. Without one (the usual way) no snapshot is taken: words are sorted by the
+    pool of their segment (``pools``, read again only when segments changed) and the rest are
+    matched at the first check, from the allocator then and its trace since this census; so a
+    census costs what the graph holds, not what the process allocated before it.
     traced: the allocator trace is recording (``start_trace()`` or memory history); without it
     the checks see freed and released blocks but not reuse at the same address.
     Raises DriverError when the graph cannot be read at all (then nothing can be said about it);
@@ -750,14 +1031,19 @@ def take_census(graph: Any, label: str, pool: Any = None, snapshot: dict[str, An
     except RuntimeError as e:
         raise DriverError(f"graph '{label}' has no raw CUDA graph ({e}); create it with "
                           "torch.cuda.CUDAGraph(keep_graph=True)") from None
-    if snapshot is None:
-        snapshot, device = take_snapshot()
     own = pool_id(pool if pool is not None else graph.pool())
     census = GraphCensus(label=label, pool=own)
-    match = Matcher(BlockIndex.of(snapshot, device), own, pool_names or {}, driver.is_device_address)
+    if snapshot is not None:
+        match: Any = Matcher(BlockIndex.of(snapshot, device), own, pool_names or {}, driver.is_device_address)
+        marker = marker_of(trace_of(snapshot, 0 if device is None else device))
+    else:
+        pools = pools or PoolMap()
+        pools.check()
+        match = Deferred(pools, own, driver.is_device_address)
+        marker = clock_marker()
     read_graph(driver, census, match, raw)
     if traced:
-        census.marker = marker_of(trace_of(snapshot, 0 if device is None else device))
+        census.marker = marker
     else:
         census.notes.append("no allocator trace: reuse at the same address cannot be seen")
     census.seconds = time.perf_counter() - start
@@ -790,19 +1076,53 @@ class CensusBook:
         self.checked: set[str] = set()             # labels checked at least once
         self.errors: list[str] = []
         self.said: dict[int, str] = {}             # block start -> status, across graphs
+        self.pools = PoolMap()
+        self.pool_names: dict[tuple[int, int], str] = {}   # pool -> "graph 'first label'"
+        self.snapshots = 0                         # allocator snapshots the book took
         if trace == "start":
             start_trace(capacity)
 
     def add(self, graph: Any, label: str, pool: Any = None) -> GraphCensus | None:
         """Census right after capture; a graph that cannot be read is noted, not raised."""
-        names = {c.pool: f"graph '{c.label}'" for c in self.censuses.values() if c.pool is not None}
         try:
-            census = take_census(graph, label, pool, pool_names=names, traced=self.traced)
+            census = take_census(graph, label, pool, traced=self.traced, pools=self.pools)
         except DriverError as e:
             self.errors.append(f"graph '{label}': {e}")
             return None
         self.censuses[label] = census
+        if census.pool is not None:
+            self.pool_names.setdefault(census.pool, f"graph '{label}'")
+        self.match_before_the_trace_forgets(census)
         return census
+
+    def match_before_the_trace_forgets(self, census: GraphCensus) -> None:
+        """Pending words are matched at the first check; when the allocator has been so busy
+        since the oldest pending capture that its trace (capacity entries) is half gone, match
+        them now, against one snapshot (a long capture phase takes one every few thousand
+        allocations, not one per graph)."""
+        census.events_at = allocator_events()
+        if not self.capacity or census.events_at is None:
+            return
+        waiting = [c for c in self.censuses.values() if c.pending and c.events_at is not None]
+        if waiting and census.events_at - min(c.events_at for c in waiting) > self.capacity // 2:
+            snapshot, device = self.snapshot()
+            self.match(waiting, snapshot, device)
+
+    def snapshot(self) -> tuple[dict[str, Any], int | None]:
+        self.snapshots += 1
+        snapshot, device = take_snapshot()
+        self.pools.refresh(snapshot)
+        return snapshot, device
+
+    def match(self, chosen: list[GraphCensus], snapshot: dict[str, Any], device: int | None) -> None:
+        """Match the pending words of the chosen censuses against one snapshot."""
+        if not any(c.pending for c in chosen):
+            return
+        now = BlockIndex.of(snapshot, device)
+        trace = trace_of(snapshot, 0 if device is None else device)
+        for census in chosen:
+            if census.pending:
+                match_pending(census, now, events_since(trace, census.marker, self.capacity), self.pool_names)
 
     def summary(self) -> list[dict[str, Any]]:
         return [c.summary() for c in self.censuses.values()]
@@ -812,19 +1132,33 @@ class CensusBook:
 
     def check(self, when: str, graph: str | None = None) -> list[Finding]:
         """One finding per captured block and status, listing every graph that holds it."""
-        chosen = [c for label, c in self.censuses.items() if graph is None or label == graph]
+        return self.check_graphs(when, [label for label in self.censuses if graph is None or label == graph])
+
+    def check_graphs(self, when: str, labels: list[str]) -> list[Finding]:
+        """Check several graphs against one snapshot (watch: every graph captured since the
+        last check, at the first replay after them)."""
+        chosen = [self.censuses[label] for label in labels if label in self.censuses]
         if not chosen:
             return []
-        snapshot, device = take_snapshot()
+        snapshot, device = self.snapshot()
         self.checked.update(c.label for c in chosen)
         return self.findings_from(chosen, snapshot, device, when)
 
     def findings_from(self, chosen: list[GraphCensus], snapshot: dict[str, Any], device: int | None,
                       when: str) -> list[Finding]:
+        self.match(chosen, snapshot, device)
         now = BlockIndex.of(snapshot, device)
         trace = trace_of(snapshot, 0 if device is None else device)
         by_block: dict[int, tuple[Fate, list[tuple[GraphCensus, list[Reference]]], str]] = {}
+        present = {seg["address"] for seg in snapshot.get("segments", [])}
         for census in chosen:
+            for start, ref in census.own_segments.items():
+                if start not in present and census.reported.get(start) != RELEASED:
+                    census.reported[start] = RELEASED
+                    fate = Fate(ref.block, RELEASED, None, "allocator state")
+                    entry = by_block.setdefault(start, (fate, [], "The graph's own pool segment: "
+                                                        "its graph still lives."))
+                    entry[1].append((census, [ref]))
             fates, note = census_fates(census, now, trace, self.capacity)
             if note and note not in census.notes:
                 census.notes.append(note)
@@ -853,7 +1187,7 @@ class CensusBook:
         """
         if not self.censuses:
             return [], []
-        snapshot, device = take_snapshot()
+        snapshot, device = self.snapshot()
         self.checked.update(self.censuses)
         findings = self.findings_from(list(self.censuses.values()), snapshot, device, when)
         now = BlockIndex.of(snapshot, device)

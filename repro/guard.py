@@ -119,10 +119,20 @@ class Slot:
     named: Named | None = field(default=None, repr=False, compare=False)
     reported: set[str] = field(default_factory=set, repr=False, compare=False)
     drop_ref: weakref.ref | None = field(default=None, repr=False, compare=False)
+    # The graph pool the storage's memory belongs to, where the caller told (assign_pools), and
+    # the graphs that allocate from that very pool: for them the storage is pool-managed.
+    pool: tuple[int, int] | None = None
+    managed_in: set[str] = field(default_factory=set, repr=False, compare=False)
 
     @property
     def graph(self) -> str:
         return self.graphs[0] if self.graphs else ""
+
+    def checked_in(self, graph: str | None) -> bool:
+        """Whether the slot's lifetime matters to `graph` (None: to any of its graphs)."""
+        if graph is None:
+            return not self.managed_in.issuperset(self.graphs)
+        return graph not in self.managed_in
 
 
 @dataclass(frozen=True)
@@ -139,8 +149,14 @@ class _Birth:
 class _Recording:
     label: str
     capturing: bool               # a real CUDA capture: host tensors are not in the graph
-    produced: dict[int, StorageWeakRef] = field(default_factory=dict)
+    # Storages made by an op inside the block: the capture's own (graph pool), never slots. Keys
+    # alone suffice: a key is reused only after its storage died, and whatever is allocated
+    # inside the block is the capture's own memory as well.
+    produced: set[int] = field(default_factory=set)
     index: dict[int, Named] | None = None
+    index_fresh: bool = False     # index built for this recording (a miss will not rebuild it)
+    pool: tuple[int, int] | None = None        # the capturing graph's pool
+    pool_of: Callable[[int], tuple[int, int] | None] | None = None   # address -> graph pool, cheap
 
 
 class _Status(NamedTuple):
@@ -218,6 +234,11 @@ class CaptureGuard:
         # graph label (or None: all) -> weak refs of its slots not yet reported freed; the
         # liveness check walks this tuple only. Cleared whenever the slots or their states change.
         self._live_refs: dict[str | None, tuple[StorageWeakRef | None, ...]] = {}
+        # graph label -> its slots, so a check costs what that graph captured, not what the
+        # process captured before it (an engine captures thousands of graphs).
+        self._by_graph: dict[str, list[Slot]] = {}
+        # Names of owners' tensors, reused across recordings until the owners change.
+        self._index: dict[int, Named] | None = None
 
     # -- public API -------------------------------------------------------------------------
 
@@ -240,6 +261,7 @@ class CaptureGuard:
         owners = [o for o in self._owners if o.name != name]
         owners.append(Owner(name, hold(obj)))
         self._owners = bind_owners(owners)
+        self._index = None
 
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:
@@ -252,12 +274,18 @@ class CaptureGuard:
         self._prune_births()
 
     @contextlib.contextmanager
-    def recording(self, graph: str) -> Iterator[None]:
-        """Record every tensor the block's ops touch that was allocated outside the block."""
+    def recording(self, graph: str, pool: tuple[int, int] | None = None,
+                  pool_of: Callable[[int], tuple[int, int] | None] | None = None) -> Iterator[None]:
+        """Record every tensor the block's ops touch that was allocated outside the block.
+
+        pool / pool_of: the capturing graph's pool and a cheap address -> pool lookup; a
+        storage already known to be in that pool is recorded as pool-managed at once, without
+        naming it (it is never a finding, and naming walks the caller's frames)."""
         if self.mode == "off":
             yield
             return
-        rec = _Recording(label=graph, capturing=cuda_capturing())
+        rec = _Recording(label=graph, capturing=cuda_capturing(), pool=pool, pool_of=pool_of)
+        self._by_graph.setdefault(graph, [])
         try:
             with self._observer(functools.partial(self._observe, rec)):
                 yield
@@ -292,11 +320,9 @@ class CaptureGuard:
         if self.mode == "off" or (not deep and self._all_alive(graph)):
             return []
         findings = []
-        for slot in self._slots.values():
-            if graph is not None and graph not in slot.graphs:
-                continue
-            if "freed" in slot.reported:
-                continue  # freed is final: nothing new can be said about this slot
+        for slot in self._slots.values() if graph is None else self._by_graph.get(graph, ()):
+            if "freed" in slot.reported or not slot.checked_in(graph):
+                continue  # freed is final; a pool-managed storage is its pool's business
             status = self._classify(slot) if deep else self._liveness(slot)
             if status.status == "unchanged" or status.status in slot.reported:
                 continue
@@ -312,6 +338,8 @@ class CaptureGuard:
         counts = {"freed": 0, "moved": 0, "rebound": 0, "unchanged": 0}
         if self.mode != "off":
             for slot in self._slots.values():
+                if not slot.checked_in(None):
+                    continue
                 status = "freed" if "freed" in slot.reported else self._classify(slot).status
                 counts[status] += 1
         return Manifest(when=when, rank=self.rank, **counts)
@@ -319,7 +347,41 @@ class CaptureGuard:
     def freed_blocks(self) -> list[tuple[int, int, str]]:
         """(storage data_ptr, storage nbytes, dtype) of every captured storage now freed."""
         return [(s.storage_ptr, s.storage_nbytes, s.dtype)
-                for s in self._slots.values() if s.ref is not None and s.ref.expired()]
+                for s in self._slots.values() if s.checked_in(None) and s.ref is not None and s.ref.expired()]
+
+    def slots_of(self, graph: str) -> list[Slot]:
+        """The storages one capture recorded (its slots), in the order first seen."""
+        return list(self._by_graph.get(graph, ()))
+
+    def assign_pools(self, graph: str, graph_pool: tuple[int, int] | None,
+                     pool_of: Callable[[int], tuple[int, int] | None]) -> list[Slot]:
+        """After a capture: which of its slots live in a graph pool, and which in its own.
+
+        A storage in the pool the graph itself allocates from (its private pool, or one it
+        shares with other graphs) is pool-managed for that graph: the pool keeps the memory
+        reserved while a graph of it lives, and graphs of one pool replayed in capture order
+        may hand each other intermediates whose Python references are gone (vLLM keeps only
+        weak references to piece outputs). Its Python lifetime is then no finding. A storage
+        in another graph's pool is a cross-pool dependency: returned from the list (and still
+        checked like any memory from outside). pool_of(address) -> pool id or None (not in a
+        graph pool).
+        """
+        cross = []
+        for slot in self._by_graph.get(graph, ()):
+            if slot.pool is None and (slot.ref is not None and not slot.ref.expired()):
+                slot.pool = pool_of(slot.storage_ptr)
+            if slot.pool is None:
+                continue
+            if graph_pool is not None and slot.pool == graph_pool:
+                slot.managed_in.add(graph)
+            else:
+                cross.append(slot)
+        self._live_refs.clear()
+        return cross
+
+    def pool_managed(self) -> int:
+        """Storages pool-managed for every graph that captured them (not checked)."""
+        return sum(1 for s in self._slots.values() if s.managed_in and not s.checked_in(None))
 
     @property
     def plumbing(self) -> frozenset[str]:
@@ -329,11 +391,13 @@ class CaptureGuard:
     # -- recording --------------------------------------------------------------------------
 
     def _observe(self, rec: _Recording, func, args, kwargs, out) -> None:
-        # Runs after every op of the capture: keep it to dict lookups for storages already seen.
+        # Runs after every op of the capture (a decoder step is ~1,500 of them): a storage
+        # already seen costs one storage lookup and two set/dict lookups.
         if func in _FRESH_OPS:
             note_produced(rec, op_tensors(args, kwargs), set(), self._slots)
             return
         input_keys = set()
+        produced, slots, label = rec.produced, self._slots, rec.label
         for t in op_tensors(args, kwargs):
             try:
                 storage = t.untyped_storage()
@@ -341,26 +405,26 @@ class CaptureGuard:
                 continue
             key = storage._cdata
             input_keys.add(key)
-            if key in rec.produced:
+            if key in produced:
                 continue
-            slot = self._slots.get(key)
+            slot = slots.get(key)
             if slot is None:
                 if storage.data_ptr() == 0 or not graph_visible(t, rec.capturing):
                     continue
                 slot = self._new_slot(rec, func, t, storage)
-                self._slots[key] = slot
+                slots[key] = slot
+                self._by_graph[label].append(slot)
                 listen_for_drop(slot, storage, self._plumbing)
-            else:
-                widen_slot(slot, t, rec.label)
-        note_produced(rec, out_tensors(out), input_keys, self._slots)
+            elif slot.graphs[-1] != label or t.nbytes > slot.nbytes:
+                if widen_slot(slot, t, label):
+                    self._by_graph[label].append(slot)
+        note_produced(rec, out_tensors(out), input_keys, slots)
 
     def _new_slot(self, rec: _Recording, func, t: torch.Tensor, storage) -> Slot:
         key = storage._cdata
-        if rec.index is None:
-            rec.index = build_index(self._owners)
-        named = rec.index.get(key)
-        if named is not None and named.storage_ptr != storage.data_ptr():
-            named = None  # a stale key from a storage that died during the recording
+        if rec.pool is not None and rec.pool_of is not None and rec.pool_of(storage.data_ptr()) == rec.pool:
+            return self._pool_slot(rec, func, t, storage)
+        named = self._named(rec, key, storage.data_ptr())
         frame = user_frame(sys._getframe(1), self._plumbing)
         birth = self._births.get(key)
         created_at = format_birth(birth) if birth is not None else None
@@ -375,6 +439,35 @@ class CaptureGuard:
         else:
             slot.name = local_slot_name(key, frame, birth, func, self._plumbing)
         return slot
+
+    def _pool_slot(self, rec: _Recording, func, t: torch.Tensor, storage) -> Slot:
+        """A storage in the capturing graph's own pool (an earlier piece's output, say)."""
+        site = frame_site(user_frame(sys._getframe(2), self._plumbing))
+        slot = Slot(
+            name=f"<storage of graph pool {rec.pool}, read by {getattr(func, 'overloadpacket', func)} at {site}>",
+            graphs=[rec.label], shape=list(t.shape), dtype=dtype_name(t.dtype), nbytes=t.nbytes,
+            data_ptr=t.data_ptr(), storage_ptr=storage.data_ptr(), storage_nbytes=storage.nbytes(),
+            device=str(t.device), version=version_of(t), captured_at=f"{site} ({func})",
+            ref=StorageWeakRef(storage), key=storage._cdata, pool=rec.pool)
+        slot.managed_in.add(rec.label)
+        return slot
+
+    def _named(self, rec: _Recording, key: int, storage_ptr: int) -> Named | None:
+        """The owner path of a storage. The index of every owner's tensors is built once and
+        kept while the owners stay the same; a storage it does not know rebuilds it once per
+        recording (an owner may have gained a tensor since)."""
+        if rec.index is None:
+            if self._index is None:
+                self._index, rec.index_fresh = build_index(self._owners), True
+            rec.index = self._index
+        named = rec.index.get(key)
+        if named is None and not rec.index_fresh:
+            self._index = rec.index = build_index(self._owners)
+            rec.index_fresh = True
+            named = rec.index.get(key)
+        if named is not None and named.storage_ptr != storage_ptr:
+            named = None  # a stale key from a storage that died since the index was built
+        return named
 
     def _note_births(self, func, args, kwargs, out) -> None:
         input_keys = {s._cdata for s in map(storage_of, op_tensors(args, kwargs)) if s is not None}
@@ -405,9 +498,9 @@ class CaptureGuard:
         """The per-replay fast path: one C call per storage, no allocation, no name lookups."""
         refs = self._live_refs.get(graph)
         if refs is None:
+            slots = self._slots.values() if graph is None else self._by_graph.get(graph, ())
             refs = self._live_refs[graph] = tuple(
-                s.ref for s in self._slots.values()
-                if (graph is None or graph in s.graphs) and "freed" not in s.reported)
+                s.ref for s in slots if "freed" not in s.reported and s.checked_in(graph))
         for ref in refs:
             if ref is None or ref.expired():
                 return False
@@ -519,15 +612,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def widen_slot(slot: Slot, t: torch.Tensor, label: str) -> None:
-    """Same storage seen again: keep the largest view, note another graph that uses it."""
-    if label not in slot.graphs:
+def widen_slot(slot: Slot, t: torch.Tensor, label: str) -> bool:
+    """Same storage seen again: keep the largest view, note another graph that uses it.
+    True when the graph is new to the slot (graphs are recorded one at a time, so a graph
+    already noted is the last one)."""
+    added = label not in slot.graphs[-1:]
+    if added:
         slot.graphs.append(label)
     if t.nbytes > slot.nbytes:
         slot.shape, slot.dtype, slot.nbytes = list(t.shape), dtype_name(t.dtype), t.nbytes
         slot.data_ptr = t.data_ptr()
         if slot.named is not None:
             slot.name = exposed_name(slot.named, t)
+    return added
 
 
 def note_produced(rec: _Recording, tensors: list[torch.Tensor], input_keys: set[int],
@@ -539,8 +636,8 @@ def note_produced(rec: _Recording, tensors: list[torch.Tensor], input_keys: set[
         if storage is None:
             continue
         key = storage._cdata
-        if key not in input_keys and key not in slots and key not in rec.produced:
-            rec.produced[key] = StorageWeakRef(storage)
+        if key not in input_keys and key not in slots:
+            rec.produced.add(key)
 
 
 def listen_for_drop(slot: Slot, storage: torch.UntypedStorage, plumbing: frozenset[str]) -> None:
@@ -613,6 +710,8 @@ def finding_message(slot: Slot, status: _Status) -> str:
     what = f"captured tensor {slot.name} ({slot.dtype}[{shape}], {format_bytes(slot.nbytes)}"
     if slot.created_at and "created by" not in slot.name:
         what += f", created at {slot.created_at}"
+    if slot.pool is not None:
+        what += f", in graph pool {slot.pool}: not this graph's own, a cross-pool dependency"
     head = f"{graphs} {what}) at {slot.data_ptr:#x}"
     owner = slot.named.name if slot.named is not None else ""
     if status.status == "freed":

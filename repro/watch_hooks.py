@@ -203,6 +203,46 @@ class GraphState:
     live: tuple[int, ...] | None = None   # storage handles the liveness fast path tests
     kept: bool | None = None      # cudaGraph_t kept past capture_end (census): True = forced by us
     captured: bool = False
+    pool: tuple[int, int] | None = None   # the graph pool it allocates from (graph.pool())
+
+
+class GraphStates:
+    """GraphState per graph object, keyed by id and dropped when the graph dies (a weak
+    reference; a graph class without them is held for the process's life)."""
+
+    def __init__(self):
+        self.by_id: dict[int, tuple[Any, GraphState]] = {}
+
+    def get(self, graph) -> GraphState | None:
+        entry = self.by_id.get(id(graph))
+        return entry[1] if entry is not None and entry[0]() is graph else None
+
+    def __getitem__(self, graph) -> GraphState:
+        state = self.get(graph)
+        if state is None:
+            raise KeyError(graph)
+        return state
+
+    def __setitem__(self, graph, state: GraphState) -> None:
+        key = id(graph)
+        try:
+            ref = weakref.ref(graph, lambda _, key=key, by_id=self.by_id: by_id.pop(key, None))
+        except TypeError:
+            ref = (lambda g: lambda: g)(graph)
+        self.by_id[key] = (ref, state)
+
+    def values(self) -> list[GraphState]:
+        return [state for _, state in list(self.by_id.values())]
+
+
+@dataclass
+class HookSeconds:
+    """Where the hooks' own time goes (seconds, summed over the process); the per-replay fast
+    path is left untimed (timing it would cost more than it does)."""
+    capture_begin: float = 0.0    # naming owners, starting the recording
+    capture_end: float = 0.0      # stopping the recording, records
+    census: float = 0.0           # reading the graph and matching its words
+    checks: float = 0.0           # deep checks and liveness checks that found something dead
 
 
 @dataclass
@@ -224,10 +264,10 @@ class Watcher:
         self.settings = settings
         self.recorder: Recorder | None = None
         self.guard = None
-        self.graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.graphs_by_id: dict[int, GraphState] = {}   # fallback, see state_of
+        self.graphs = GraphStates()
         self.patched: list[type] = []
         self.counters = Counters()
+        self.seconds = HookSeconds()
         self.census_mod: Any = None
         self.book: Any = None         # repro.census.CensusBook where the census runs
         self.census_state = "not checked yet (no capture)"
@@ -237,6 +277,12 @@ class Watcher:
         # graphs whose cudaGraph_t outlives capture_end (for the census): True where we forced it
         self.kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.expired = None           # torch.UntypedStorage._expired once torch is in use
+        self.pools: Any = None        # repro.census.PoolMap: which graph pool an address is in
+        # Graphs captured since the census last checked: checked together, against one
+        # allocator snapshot, at the first replay after them (not one snapshot per graph).
+        self.census_due: list[str] = []
+        self.cross_pool = 0           # captured storages in another graph's pool (checked)
+        self.groups_said: dict[tuple, int] = {}   # finding group -> findings of it so far
         self._hook = GraphsImportHook(self.on_graphs_module)
         self._t0 = time.perf_counter()
         self._loaded = False          # load_modules ran
@@ -267,6 +313,9 @@ class Watcher:
             record["forked"] = True
             self.recorder.write(record)
             self.counters = Counters()
+            self.seconds = HookSeconds()
+            self.groups_said = {}
+            self.cross_pool = 0
             if self.patched:
                 self.write({"kind": "hooked", "classes": [c.__qualname__ for c in self.patched],
                             "inherited": True})
@@ -298,7 +347,7 @@ class Watcher:
         def capture_begin(graph, *args, **kwargs):
             watcher.prepare()                 # imports happen before the capture, not inside it
             originals["capture_begin"](graph, *args, **kwargs)
-            watcher.on_capture_begin(graph, sys._getframe(1))
+            watcher.on_capture_begin(graph, sys._getframe(1), kwargs.get("pool", args[0] if args else None))
 
         @functools.wraps(originals["capture_end"])
         def capture_end(graph, *args, **kwargs):
@@ -307,11 +356,22 @@ class Watcher:
             watcher.on_capture_end(graph)
             return out
 
-        @functools.wraps(originals["replay"])
+        original_replay, states = originals["replay"], self.graphs.by_id
+
+        @functools.wraps(original_replay)
         def replay(graph, *args, **kwargs):
-            watcher.before_replay(graph)
+            # The per-replay path, inline: a graph checked since its capture, whose storages
+            # all live, costs a dict lookup and one C call per storage.
+            entry = states.get(id(graph))
+            state = entry[1] if entry is not None and entry[0]() is graph else None
+            if state is not None and state.deep_reason is None and state.live is not None \
+                    and state.captured and not state.managed and not any(map(watcher.expired, state.live)):
+                state.replays += 1
+                watcher.counters.replays += 1
+            else:
+                watcher.before_replay(graph)
             try:
-                return originals["replay"](graph, *args, **kwargs)
+                return original_replay(graph, *args, **kwargs)
             except RuntimeError as e:
                 watcher.on_replay_error(graph, e)
                 raise
@@ -354,33 +414,33 @@ class Watcher:
             self.internal("loading the guard", e)
 
     def state_of(self, graph) -> GraphState | None:
-        try:
-            return self.graphs.get(graph)
-        except TypeError:             # a graph class without weak references: keyed by id
-            return self.graphs_by_id.get(id(graph))
+        return self.graphs.get(graph)
 
     def set_state(self, graph, state: GraphState) -> None:
-        try:
-            self.graphs[graph] = state
-        except TypeError:
-            self.graphs_by_id[id(graph)] = state
+        self.graphs[graph] = state
 
-    def on_capture_begin(self, graph, frame) -> None:
+    def on_capture_begin(self, graph, frame, pool=None) -> None:
+        """pool: what the program passed to capture_begin (a shared pool's id); None means a
+        fresh private pool, which holds nothing made before this capture."""
+        t0 = time.perf_counter()
         try:
             guard = self.ensure_guard()
             self.counters.captures += 1
             site, managed = capture_site(frame, guard.plumbing)
             state = GraphState(label=f"#{self.counters.captures} {site}", site=site, managed=managed)
             state.kept = self.kept.get(graph)
+            state.pool = pool_id(pool)           # torch answers graph.pool() only after the capture
             self.set_state(graph, state)
             if managed:
                 self.counters.managed += 1
                 return
             self.watch_owners(frame)
-            state.recording = guard.recording(state.label)
+            state.recording = guard.recording(
+                state.label, state.pool, self.pools.known_graph_pool if self.pools is not None else None)
             state.recording.__enter__()
         except Exception as e:
             self.internal("capture_begin", e)
+        self.seconds.capture_begin += time.perf_counter() - t0
 
     def on_capture_stop(self, graph) -> None:
         state = self.state_of(graph)
@@ -397,20 +457,28 @@ class Watcher:
         if state is None:
             return
         state.captured = True
+        state.pool = graph_pool(graph) or state.pool
+        t0 = time.perf_counter()
         try:
             if state.kept is not None and not state.managed and self.book is not None:
-                state.census = self.book.add(graph, state.label)   # None: graph unreadable (noted)
+                state.census = self.book.add(graph, state.label, state.pool)   # None: unreadable (noted)
+                if state.census is not None:
+                    self.census_due.append(state.label)
         except Exception as e:
             self.internal("census at capture end", e)
+        t1 = time.perf_counter()
+        self.seconds.census += t1 - t0
+        self.assign_pools(state)
         if state.kept:
             graph.instantiate()   # where torch instantiates a graph without keep_graph
         try:
             rank = self.current_rank()
             self.write({"kind": "capture", "graph": state.label, "managed": state.managed,
-                        "rank": rank, "census": state.census is not None,
-                        "slots": sum(1 for s in self.guard.slots if state.label in s.graphs)})
+                        "rank": rank, "pool": list(state.pool) if state.pool else None, "census": state.census is not None,
+                        "slots": len(self.guard.slots_of(state.label))})
         except Exception as e:
             self.internal("capture_end", e)
+        self.seconds.capture_end += time.perf_counter() - t1
 
     # -- replay --------------------------------------------------------------------------------
 
@@ -424,6 +492,7 @@ class Watcher:
         if state.deep_reason is None and state.live is not None \
                 and not any(map(self.expired, state.live)):
             return
+        t0 = time.perf_counter()
         try:
             if state.deep_reason is None:
                 findings = self.guard.check("before replay", graph=state.label, deep=False)
@@ -433,6 +502,8 @@ class Watcher:
         except Exception as e:
             self.internal("replay check", e)
             return
+        finally:
+            self.seconds.checks += time.perf_counter() - t0
         if findings:
             self.report(findings)
             if self.settings.on_finding == "raise":
@@ -443,11 +514,36 @@ class Watcher:
         when, state.deep_reason = f"{state.deep_reason} (replay {state.replays})", None
         self.counters.checks_deep += 1
         findings = self.guard.check(when, graph=state.label, deep=True)
-        if state.census is not None:
-            census_findings = self.book.check(when, graph=state.label)
+        if self.book is not None and self.census_due:
+            # Every graph captured (or reset) since the last census check, in one snapshot.
+            live = {s.label for s in self.live_states() if s.census is not None}
+            due, self.census_due = [label for label in self.census_due if label in live], []
+            census_findings = self.book.check_graphs(when, due)
             findings = self.census_mod.merge_findings(findings, census_findings, self.guard.slots,
                                                       True, self.book)
         return findings
+
+    def live_states(self) -> list[GraphState]:
+        return [s for s in self.graphs.values() if s.captured]
+
+    def assign_pools(self, state: GraphState) -> None:
+        """Which captured storages live in a graph pool: in the graph's own pool they are the
+        pool's business (not checked); in another graph's pool, a cross-pool dependency."""
+        if state.managed or state.pool is None:
+            return
+        try:
+            if self.pools is None:
+                from repro.census import PoolMap
+                self.pools = self.book.pools if self.book is not None else PoolMap()
+            self.pools.check()
+            cross = self.guard.assign_pools(state.label, state.pool, self.pools.graph_pool_of)
+            self.cross_pool += len(cross)
+            if cross:
+                self.write({"kind": "cross_pool", "graph": state.label,
+                            "storages": [{"slot": s.name, "pool": list(s.pool)} for s in cross[:8]],
+                            "count": len(cross)})
+        except Exception as e:
+            self.internal("assigning graph pools", e)
 
     def on_replay_error(self, graph, error: RuntimeError) -> None:
         """torch's own check_input_liveness (where the program turned it on) raises here."""
@@ -466,9 +562,14 @@ class Watcher:
             state = self.state_of(graph)
             if state is not None:
                 state.captured = False    # nothing to check until it is captured again
-            for other in list(self.graphs.values()) + list(self.graphs_by_id.values()):
-                if other is not state and other.captured and not other.managed:
+                if state.census is not None and self.book is not None:
+                    self.book.censuses.pop(state.label, None)
+                    state.census = None
+            for other in self.live_states():
+                if other is not state and not other.managed:
                     other.deep_reason = f"first replay after a reset of {state.label if state else 'a graph'}"
+                    if other.census is not None and other.label not in self.census_due:
+                        self.census_due.append(other.label)
             self.write({"kind": "reset", "graph": state.label if state else None})
         except Exception as e:
             self.internal("reset", e)
@@ -480,8 +581,8 @@ class Watcher:
         if self.expired is None:
             return None
         handles = []
-        for slot in self.guard.slots:
-            if label in slot.graphs and "freed" not in slot.reported:
+        for slot in self.guard.slots_of(label):
+            if "freed" not in slot.reported and slot.checked_in(label):
                 if slot.ref is None:
                     return None
                 handles.append(slot.ref.cdata)
@@ -601,6 +702,9 @@ class Watcher:
         return self.rank
 
     def report(self, findings: list) -> None:
+        """Each finding to the record file; to stderr the first of each group only (one dead
+        tensor in 2,000 graphs is one line; the exit line counts the repeats)."""
+        from repro.report.groups import group_key
         rank = self.current_rank()
         for f in findings:
             self.counters.findings += 1
@@ -609,9 +713,14 @@ class Watcher:
             mechanism = f.mechanism
             self.write({"kind": "finding", "mechanism": mechanism, "rank": rank,
                         "finding": finding_dict(f)})
-            sys.stderr.write(f"repro watch [pid {os.getpid()}"
-                             f"{'' if rank is None else f' rank {rank}'}]: {f.message}\n")
+            key = group_key(f)
+            self.groups_said[key] = self.groups_said.get(key, 0) + 1
+            if self.groups_said[key] == 1:
+                sys.stderr.write(f"{self.prefix()}: {f.message}\n")
         sys.stderr.flush()
+
+    def prefix(self) -> str:
+        return f"repro watch [pid {os.getpid()}{'' if self.rank is None else f' rank {self.rank}'}]"
 
     def write(self, record: dict[str, Any]) -> None:
         if self.recorder is None:
@@ -633,8 +742,17 @@ class Watcher:
                 census = f"active; {self.book.summary_line()}"
             except Exception:
                 pass
+        repeated = sum(n - 1 for n in self.groups_said.values())
+        if repeated:
+            try:
+                sys.stderr.write(f"{self.prefix()}: {repeated} more findings like those above "
+                                 f"({len(self.groups_said)} groups; the report lists them all)\n")
+            except Exception:
+                pass
         self.write({"kind": "exit", "counters": vars(self.counters), "census": census,
-                    "rank": self.rank})
+                    "pool_managed": self.guard.pool_managed() if self.guard is not None else 0,
+                    "cross_pool": self.cross_pool,
+                    "rank": self.rank, "seconds": {k: round(v, 6) for k, v in vars(self.seconds).items()}})
 
 
 # -- pure helpers -------------------------------------------------------------------------------
@@ -650,6 +768,22 @@ def capture_site(frame, plumbing: frozenset[str] = frozenset()) -> tuple[str, bo
     managed = frame.f_code.co_filename.endswith(MANAGED_CALLERS)
     from repro.sites import frame_site, user_frame
     return frame_site(user_frame(frame, plumbing) or frame), managed
+
+
+def graph_pool(graph) -> tuple[int, int] | None:
+    """The id of the pool a captured graph allocates from (torch answers once the capture ended)."""
+    try:
+        return pool_id(graph.pool())
+    except Exception:
+        return None
+
+
+def pool_id(pool) -> tuple[int, int] | None:
+    try:
+        a, b = pool
+        return int(a), int(b)
+    except (TypeError, ValueError):
+        return None
 
 
 def owner_name(var: str, value: Any, torch) -> str | None:

@@ -21,9 +21,12 @@ from rich.text import Text
 from repro.outcome import Finding, finding_from_dict, to_jsonable
 from repro.files import write_text_atomic
 from repro.report.fmt import fmt_bytes, fmt_ptr
+from repro.report.groups import FindingGroup, group_findings
+from repro.report.junit import xml_text
 
 SCHEMA = "repro.watch/1"
-MAX_FINDINGS_SHOWN = 10
+MAX_GROUPS_SHOWN = 10         # groups printed in full; the rest are counted (all are in --json)
+MAX_NAMES_SHOWN = 4           # member names listed under a group
 
 
 @dataclass
@@ -49,6 +52,8 @@ class WatchedProcess:
     forked: bool = False
     internal_errors: list[str] = field(default_factory=list)
     record_file: str = ""
+    pool_managed: int = 0          # captured storages in their own graph's pool: not checked
+    cross_pool: int = 0            # captured storages in another graph's pool: checked
 
 
 @dataclass
@@ -73,6 +78,11 @@ class WatchReport:
     created: str = ""
     notes: list[str] = field(default_factory=list)
     schema: str = SCHEMA
+
+    def groups(self) -> list[FindingGroup]:
+        """One group per problem (name pattern, status, mechanism, drop site), in the order of
+        its first finding; members are the WatchFindings."""
+        return group_findings(self.findings, finding_of=lambda w: w.finding)
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -124,6 +134,8 @@ def apply_record(proc: WatchedProcess, r: dict[str, Any]) -> None:
     elif kind == "exit":
         proc.exited = True
         proc.replays = r.get("counters", {}).get("replays", 0)
+        proc.pool_managed = r.get("pool_managed", 0)
+        proc.cross_pool = r.get("cross_pool", 0)
         proc.census = r.get("census", proc.census)
         if r.get("rank") is not None:
             proc.rank = r["rank"]
@@ -204,22 +216,61 @@ def finding_facts(w: WatchFinding) -> list[tuple[str, str]]:
     return facts
 
 
+def group_headline(g: FindingGroup) -> str:
+    """'in 67 graphs' / 'in 3 graphs of 2 processes, ranks 0-1' for a group of findings."""
+    graphs = g.graphs()
+    procs = {(w.host, w.pid) for w in g.members}
+    where = f"in {len(graphs)} graph{'s' if len(graphs) != 1 else ''}"
+    if len(procs) > 1:
+        where += f" of {len(procs)} processes"
+    ranks = sorted({w.rank for w in g.members if w.rank is not None})
+    if ranks:
+        where += f", rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    return where
+
+
+def group_facts(g: FindingGroup) -> list[tuple[str, str]]:
+    """The first member's facts, with the group's extent in front of them."""
+    facts = [("found", f"{g.count} time{'s' if g.count != 1 else ''} {group_headline(g)}")]
+    names = g.names()
+    if len(names) > 1:
+        shown = ", ".join(names[:MAX_NAMES_SHOWN]) + (f" and {len(names) - MAX_NAMES_SHOWN} more"
+                                                        if len(names) > MAX_NAMES_SHOWN else "")
+        facts.append(("tensors", shown))
+    return facts + finding_facts(g.members[0])
+
+
 def findings_block(rep: WatchReport) -> list[Any]:
-    out: list[Any] = [Text(f"Findings ({len(rep.findings)})", style="bold")]
-    for w in rep.findings[:MAX_FINDINGS_SHOWN]:
-        f = w.finding
-        out.append(Text.assemble("  ", (f.status.upper(), "bold red" if f.status == "freed" else "bold yellow"),
-                                 " ", (f.slot, "bold")))
+    groups = rep.groups()
+    out: list[Any] = [Text(f"Findings ({len(rep.findings)} in {len(groups)} group{'s' if len(groups) != 1 else ''})",
+                           style="bold")]
+    for g in groups[:MAX_GROUPS_SHOWN]:
+        out.append(Text.assemble("  ", (g.status.upper(), "bold red" if g.status == "freed" else "bold yellow"),
+                                 " ", (g.pattern, "bold"), f" · {group_headline(g)}"))
         grid = Table.grid(padding=(0, 2))
         grid.add_column(style="dim", no_wrap=True)
         grid.add_column(overflow="fold")
-        for label, value in finding_facts(w):
+        for label, value in group_facts(g):
             grid.add_row(label, Text(value))
         out.append(Padding(grid, (0, 0, 0, 4)))
-    hidden = len(rep.findings) - MAX_FINDINGS_SHOWN
-    if hidden > 0:
-        out.append(Text(f"  {hidden} more findings (all are in --json)", style="dim"))
+    hidden = groups[MAX_GROUPS_SHOWN:]
+    if hidden:
+        out.append(Text(f"  {len(hidden)} more groups ({sum(g.count for g in hidden)} findings; all are in --json)",
+                        style="dim"))
     return out
+
+
+def pool_note(rep: WatchReport) -> str | None:
+    """What the verdict relied on: the shared-pool contract engines use."""
+    managed = sum(p.pool_managed for p in rep.processes)
+    cross = sum(p.cross_pool for p in rep.processes)
+    if not managed and not cross:
+        return None
+    text = (f"pool contract: {managed} captured storage(s) lived in their own graph's memory pool and "
+            "were not checked (correct as long as the graphs of one pool replay in capture order)")
+    if cross:
+        text += f"; {cross} lived in another graph's pool (a cross-pool dependency: checked)"
+    return text
 
 
 def verdict_line(rep: WatchReport) -> Text:
@@ -229,7 +280,7 @@ def verdict_line(rep: WatchReport) -> Text:
     if rep.interrupted:
         text.append("INTERRUPTED  ", style="bold yellow")
     if rep.findings:
-        text.append(f"{len(rep.findings)} finding(s)", style="bold red")
+        text.append(f"{len(rep.findings)} finding(s) in {len(rep.groups())} group(s)", style="bold red")
     else:
         text.append("no findings", style="bold green")
     text.append(f" · {len(rep.processes)} process(es) watched, {hooked} imported torch, "
@@ -249,6 +300,9 @@ def render(rep: WatchReport, console: Console) -> None:
     censuses = sorted({p.census for p in rep.processes if p.graphs})
     if censuses:
         console.print(Text("census: " + "; ".join(censuses), style="dim"))
+    note = pool_note(rep)
+    if note:
+        console.print(Text(note, style="dim"))
     for p in rep.processes:
         for err in p.internal_errors[:3]:
             console.print(Text(f"watch internal error in pid {p.pid}: {err}", style="yellow"))
@@ -260,8 +314,21 @@ def render(rep: WatchReport, console: Console) -> None:
 
 # -- files --------------------------------------------------------------------------------------
 
+def group_json(g: FindingGroup, rep: WatchReport) -> dict[str, Any]:
+    index = {id(w): i for i, w in enumerate(rep.findings)}
+    return {"pattern": g.pattern, "status": g.status, "mechanism": g.mechanism, "freed_at": g.freed_at,
+            "count": g.count, "graphs": g.graphs(), "names": g.names(),
+            "processes": sorted({f"{w.host}:{w.pid}" for w in g.members}),
+            "ranks": sorted({w.rank for w in g.members if w.rank is not None}),
+            "findings": [index[id(w)] for w in g.members]}
+
+
 def report_json(rep: WatchReport) -> str:
     doc = to_jsonable(rep)
+    doc["groups"] = [group_json(g, rep) for g in rep.groups()]     # indices into findings[]
+    note = pool_note(rep)
+    if note:
+        doc["notes"] = doc["notes"] + [note]
     return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
 
 
@@ -277,7 +344,8 @@ def write_json(rep: WatchReport, path: str) -> None:
 
 
 def junit_xml(rep: WatchReport) -> str:
-    """One testcase per watched process; a failure per finding."""
+    """One testcase per watched process; one failure per group of its findings (text XML-safe:
+    a program's argv or a tensor name may hold characters XML forbids)."""
     suite = ET.Element("testsuite", name="repro watch", tests=str(len(rep.processes)),
                        failures=str(sum(1 for p in rep.processes if p.findings)))
     by_process: dict[tuple[str, int], list[WatchFinding]] = {}
@@ -285,12 +353,12 @@ def junit_xml(rep: WatchReport) -> str:
         by_process.setdefault((w.host, w.pid), []).append(w)
     for p in rep.processes:
         name = f"{p.host}:{p.pid}" + ("" if p.rank is None else f"[rank {p.rank}]")
-        case = ET.SubElement(suite, "testcase", classname="repro.watch", name=name)
-        for w in by_process.get((p.host, p.pid), []):
-            failure = ET.SubElement(case, "failure", type=w.finding.status,
-                                    message=f"{w.finding.slot} in graph {w.finding.graph}")
-            failure.text = "\n".join(f"{k}: {v}" for k, v in finding_facts(w))
-        ET.SubElement(case, "system-out").text = " ".join(p.argv)
+        case = ET.SubElement(suite, "testcase", classname="repro.watch", name=xml_text(name))
+        for g in group_findings(by_process.get((p.host, p.pid), []), finding_of=lambda w: w.finding):
+            failure = ET.SubElement(case, "failure", type=g.status,
+                                    message=xml_text(f"{g.pattern} {group_headline(g)}"))
+            failure.text = xml_text("\n".join(f"{k}: {v}" for k, v in group_facts(g)))
+        ET.SubElement(case, "system-out").text = xml_text(" ".join(p.argv))
     return ET.tostring(suite, encoding="unicode") + "\n"
 
 
@@ -302,9 +370,9 @@ def report_html(rep: WatchReport) -> str:
         f"<td>{p.graphs}</td><td>{'?' if p.replays is None else p.replays}</td><td>{p.findings}</td></tr>"
         for p in rep.processes)
     blocks = "".join(
-        "<section><h3>" + e(w.finding.status.upper()) + " " + e(w.finding.slot) + "</h3><dl>"
-        + "".join(f"<dt>{e(k)}</dt><dd>{e(str(v))}</dd>" for k, v in finding_facts(w)) + "</dl></section>"
-        for w in rep.findings)
+        "<section><h3>" + e(g.status.upper()) + " " + e(g.pattern) + " · " + e(group_headline(g)) + "</h3><dl>"
+        + "".join(f"<dt>{e(k)}</dt><dd>{e(str(v))}</dd>" for k, v in group_facts(g)) + "</dl></section>"
+        for g in rep.groups())
     verdict = e(verdict_line(rep).plain)
     return ("<!doctype html><html><head><meta charset='utf-8'><title>repro watch</title><style>"
             "body{font-family:system-ui,sans-serif;margin:2em}td,th{padding:2px 8px;text-align:left}"

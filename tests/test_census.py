@@ -104,7 +104,6 @@ def test_matcher_sorts_words_into_references_own_pool_and_outside():
     m.add(census, 0, "kernel", "k", "param 3 +0", 24, 4096)               # an integer, no pointer
     m.add(census, 1, "memcpy", "", "dst", 0, SEG + 4 * MiB + 8)           # past the segment
     m.add(census, 1, "kernel", "k", "param 4 +88", 88, SEG + 3 * MiB + 64)  # a block free at capture
-    assert census.words == 6
     assert [(r.block.start, r.offset) for r in census.references] == [(LOCAL, 0)]
     assert (census.own_pool, census.outside, census.free_at_capture) == (1, 1, 1)
     assert census.blocks() == [census.references[0].block]
@@ -411,3 +410,107 @@ def test_summary_line_counts_what_is_not_a_finding():
     assert "1 graphs, 3 kernels, 1 captured addresses" in line
     assert "4 in the own pool, 1 outside the allocator, 2 into blocks already free at capture" in line
     assert "other pools (graph 'B')" in line and "not read: graph 'C'" in line
+
+
+# ------------------------------------------------------------------ no snapshot per capture
+
+def pools_of(snap):
+    pools = C.PoolMap(device=0)
+    pools.refresh(snap)
+    return pools
+
+
+def deferred_census(snap, words, own=GRAPH_POOL, capture_us=5):
+    """A census taken the fast way: words sorted by segment pool, the rest pending."""
+    census = C.GraphCensus(label="g", pool=own)
+    d = C.Deferred(pools_of(snap), own, is_device_address=lambda v: v == 0x7E00_0000_0000)
+    for i, value in enumerate(words):
+        d.add(census, 0, "kernel", "k", f"param {i} +0", 8 * i, value)
+    census.marker = {"time_us": capture_us}
+    return census
+
+
+def test_pool_map_names_the_pool_of_a_segment_and_nothing_outside():
+    pools = pools_of(AT_CAPTURE)
+    assert pools.pool_of(LOCAL + 8) == (0, 0)
+    assert pools.pool_of(POOL_SEG + MiB + 8) == GRAPH_POOL       # a free block: still the pool's segment
+    pools.signature = C.segment_signature(0)                      # nothing changed: a miss stays a miss
+    assert pools.pool_of(0x7E00_0000_0000) is None
+
+
+def test_deferred_census_counts_own_pool_and_outside_and_keeps_the_rest_pending():
+    census = deferred_census(AT_CAPTURE, [LOCAL + 64, POOL_SEG + 16, 0x7E00_0000_0000, 4096])
+    assert (census.own_pool, census.outside, len(census.pending)) == (1, 1, 1)
+    assert census.pending[0].addr == LOCAL + 64 and census.pending[0].pool == (0, 0)
+    assert list(census.own_segments) == [POOL_SEG]
+
+
+def test_pending_words_are_matched_as_the_allocator_saw_them_at_capture():
+    # After the capture (t > 5): the local is freed; a block that was free at capture gets taken.
+    later = snapshot([segment(SEG, [(2 * MiB, "active_allocated"), (MiB, "inactive"), (MiB, "active_allocated")]),
+                      segment(POOL_SEG, [(MiB, "active_allocated"), (MiB, "inactive")], pool=GRAPH_POOL)],
+                     trace=[ev("alloc", SEG, 2 * MiB, 1), ev("alloc", LOCAL, MiB, 2),
+                            ev("free_completed", LOCAL, MiB, 7), ev("alloc", SEG + 3 * MiB, MiB, 8)])
+    weight, stale = SEG + 128, SEG + 3 * MiB + 64      # stale: a struct's old bytes into a then-free block
+    census = deferred_census(AT_CAPTURE, [weight, LOCAL + 64, stale])
+    [finding] = C.check_census(census, "before replay", later, device=0, capacity=None)
+    assert (finding.status, finding.census["block_start"], finding.census["block_size"]) == ("freed", LOCAL, MiB)
+    assert sorted(r.block.start for r in census.references) == [SEG, LOCAL]
+    assert census.free_at_capture == 1 and census.pending == []
+
+
+def test_pending_words_into_free_blocks_are_not_findings_when_the_trace_is_lost():
+    later = snapshot([segment(SEG, [(2 * MiB, "active_allocated"), (2 * MiB, "inactive")])],
+                     trace=[ev("alloc", SEG, 64, 100 + i) for i in range(4)])   # full ring, all after capture
+    census = deferred_census(AT_CAPTURE, [LOCAL + 64])
+    assert C.check_census(census, "x", later, device=0, capacity=4) == []
+    assert census.free_at_capture == 1 and "could not be told" in census.notes[0]
+
+
+def test_events_after_places_the_census_by_the_clock():
+    trace = [ev("alloc", SEG, 64, t) for t in (1, 2, 3, 9)]
+    assert [e["time_us"] for e in C.events_since(trace, {"time_us": 2}, capacity=None)] == [3, 9]
+    assert C.events_since(trace, {"time_us": 0}, capacity=4) is None        # the ring wrapped past it
+    assert C.events_since(trace, {"time_us": 0}, capacity=8) == trace
+
+
+def test_own_pool_segment_returned_to_the_driver_is_a_finding(monkeypatch):
+    book = C.CensusBook(rank=0, trace="none")
+    book.censuses["g"] = deferred_census(AT_CAPTURE, [POOL_SEG + 16])
+    gone = snapshot([segment(SEG, [(4 * MiB, "inactive")])])
+    monkeypatch.setattr(C, "take_snapshot", lambda: (gone, 0))
+    [finding] = book.check("before replay")
+    assert finding.status == "released" and finding.census["block_start"] == POOL_SEG
+    assert book.check("again") == []                                          # said once
+
+
+def test_function_info_is_read_once_per_function():
+    class Driver:
+        function_cache: dict = {}
+        calls = 0
+
+        def name(self, p):
+            Driver.calls += 1
+            return "k"
+
+        def param_layout(self, p):
+            Driver.calls += 1
+            return [(0, 8)]
+
+    p = C.KernelNodeParams()
+    p.func, p.kernelParams = 0x1234, 0x10
+    d = Driver()
+    assert C.function_info(d, p) == C.function_info(d, p) == ("k", [(0, 8)])
+    assert Driver.calls == 2
+
+
+def test_param_words_reads_one_contiguous_buffer_or_each_parameter():
+    buf = ctypes.create_string_buffer((7).to_bytes(4, "little") + bytes(4) + (LOCAL).to_bytes(8, "little"), 16)
+    base = ctypes.addressof(buf)
+    contiguous = (ctypes.c_void_p * 2)(base, base + 8)
+    assert C.param_words(contiguous, [(0, 4), (8, 8)]) == ([(0, 7), (8, LOCAL)], None)
+    apart = ctypes.create_string_buffer((LOCAL).to_bytes(8, "little"), 8)
+    scattered = (ctypes.c_void_p * 2)(base, ctypes.addressof(apart))
+    assert C.param_words(scattered, [(0, 4), (8, 8)]) == ([(8, LOCAL)], None)
+    missing = (ctypes.c_void_p * 2)(base, None)
+    assert C.param_words(missing, [(0, 4), (8, 8)])[1] == "parameter 1 has no value"

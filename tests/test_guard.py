@@ -618,3 +618,96 @@ def test_a_rank_guard_records_without_importing_dynamo_and_the_default_stays_hid
     hidden = _HiddenOpObserver.__torch_dispatch__
     assert hidden is not _OpObserver.__torch_dispatch__ and hidden.__wrapped__ is _OpObserver.__torch_dispatch__
     assert CaptureGuard("warn")._observer is _HiddenOpObserver
+
+
+# ------------------------------------------------------------------ the shared-pool contract
+
+POOL, OTHER = (1, 7), (1, 9)
+
+
+def piece_chain(guard: CaptureGuard, pieces: int) -> list[torch.Tensor]:
+    """Piecewise capture on CPU: piece i+1 reads piece i's output, made inside piece i."""
+    outs, x = [], STATIC_IN
+    for i in range(pieces):
+        with guard.recording(f"piece {i}"):
+            x = x * 2.0 + 1.0
+        outs.append(x)
+    return outs
+
+
+def in_pool(tensors: list[torch.Tensor], pool):
+    """pool_of over the storages of `tensors` (stand-in for the allocator's segment map)."""
+    addrs = {t.untyped_storage().data_ptr(): pool for t in tensors}
+    return lambda ptr: addrs.get(ptr)
+
+
+def test_a_freed_intermediate_in_the_graphs_own_pool_is_no_finding():
+    guard = CaptureGuard(mode="warn")
+    outs = piece_chain(guard, 4)
+    pool_of = in_pool(outs, POOL)
+    for i in range(4):
+        guard.assign_pools(f"piece {i}", POOL, pool_of)
+    del outs                                   # weak references only, as engines keep them
+    assert guard.check("before replay") == []
+    assert all(guard.check("before replay", graph=f"piece {i}", deep=False) == [] for i in range(4))
+    assert guard.pool_managed() == 3           # pieces 1..3 each read the piece before
+    assert guard.manifest("x").freed == 0
+
+
+def test_without_pools_the_same_chain_reports_every_freed_intermediate():
+    guard = CaptureGuard(mode="warn")
+    outs = piece_chain(guard, 4)
+    del outs
+    assert len(guard.check("before replay")) == 3
+
+
+def test_memory_of_another_graphs_pool_is_a_cross_pool_dependency_and_checked():
+    guard = CaptureGuard(mode="warn")
+    outs = piece_chain(guard, 2)
+    pool_of = in_pool(outs, OTHER)              # piece 0's output lives in another graph's pool
+    guard.assign_pools("piece 0", POOL, pool_of)
+    cross = guard.assign_pools("piece 1", POOL, pool_of)
+    assert [s.pool for s in cross] == [OTHER]
+    del outs
+    [finding] = guard.check("before replay", graph="piece 1", deep=False)
+    assert finding.status == "freed" and "in graph pool (1, 9)" in finding.message
+
+
+def test_a_storage_pool_managed_for_one_graph_is_still_checked_for_another():
+    guard = CaptureGuard(mode="warn")
+    outs = piece_chain(guard, 2)
+    with guard.recording("other pool graph"):
+        outs[0] + 1.0                           # a graph of another pool reads piece 0's output
+    pool_of = in_pool(outs, POOL)
+    for label, pool in (("piece 1", POOL), ("other pool graph", OTHER)):
+        guard.assign_pools(label, pool, pool_of)
+    del outs
+    assert guard.check("r", graph="piece 1") == []
+    assert [f.graph for f in guard.check("r", graph="other pool graph")] == ["piece 1 (+1 more)"]
+
+
+def test_a_check_of_one_graph_costs_what_that_graph_captured():
+    guard = CaptureGuard(mode="warn")
+    weights = [torch.full((8,), float(i)) for i in range(50)]
+    for i, w in enumerate(weights):
+        with guard.recording(f"g{i}"):
+            STATIC_IN[:, :8] * w
+    assert [len(guard.slots_of(f"g{i}")) for i in (0, 49)] == [2, 2]   # STATIC_IN and its weight
+    assert len(guard.slots) == 51
+    del weights[7]
+    assert [f.graph for f in guard.check("r", graph="g7", deep=False)] == ["g7"]
+    assert guard.check("r", graph="g8", deep=False) == []
+
+
+def test_a_storage_known_to_be_in_the_capturing_pool_is_recorded_managed_without_naming(monkeypatch):
+    guard = CaptureGuard(mode="warn")
+    outs = piece_chain(guard, 1)
+    calls = []
+    monkeypatch.setattr("repro.guard.holder_of", lambda *a: calls.append(a))   # naming would scan frames
+    with guard.recording("piece 1", pool=POOL, pool_of=in_pool(outs, POOL)):
+        outs[0] * 2.0
+    [slot] = guard.slots_of("piece 1")
+    assert slot.managed_in == {"piece 1"} and slot.pool == POOL and calls == []
+    assert slot.name.startswith("<storage of graph pool (1, 7), read by aten.mul")
+    del outs
+    assert guard.check("r", graph="piece 1") == []

@@ -422,14 +422,16 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
     class Book:
         def __init__(self, rank, trace):
             calls.append(("book", trace))
+            self.censuses = {}
 
-        def add(self, graph, label):
+        def add(self, graph, label, pool=None):
             calls.append(("add", label, graph.instantiated))
-            return object()
+            self.censuses[label] = object()
+            return self.censuses[label]
 
-        def check(self, when, graph):
-            calls.append(("check", graph, when))
-            return [Finding(slot="<block 0x10 read by k+8>", graph=graph, status="reused", when=when,
+        def check_graphs(self, when, labels):
+            calls.append(("check", tuple(labels), when))
+            return [Finding(slot="<block 0x10 read by k+8>", graph=labels[0], status="reused", when=when,
                             rank=0, shape=[], dtype="", nbytes=64, old_ptr=0x10, mechanism="census")]
 
         def summary_line(self):
@@ -458,10 +460,14 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
     for _ in range(3):
         a.replay()
     checks = [c for c in calls if c[0] == "check"]
-    assert checks == [("check", label_a, "first replay after capture (replay 1)")]
-    b.reset()
+    # One census check for every graph captured since the last one, at the first replay after them.
+    assert checks == [("check", (label_a, label_b), "first replay after capture (replay 1)")]
+    b.reset()                                                 # b's census goes; a is due again
+    assert label_b not in watcher.book.censuses
     a.replay()
-    assert [c[1] for c in calls if c[0] == "check"] == [label_a, label_a]
+    assert [c[1] for c in calls if c[0] == "check"] == [(label_a, label_b), (label_a,)]
+    a.replay()                                                # nothing new: no census check
+    assert len([c for c in calls if c[0] == "check"]) == 2
     assert watcher.counters.findings == 2
     lines = [json.loads(line) for line in Path(watcher.recorder.path).read_text().splitlines()]
     assert {r["mechanism"] for r in lines if r["kind"] == "finding"} == {"census"}

@@ -1,0 +1,188 @@
+"""What `repro watch` costs an engine-shaped program, at the scale engines capture: side by side
+in one run, plain vs watched, on one GPU.
+
+    PYTHONPATH=. python3 benchmarks/engine_capture.py [--cases full,piecewise] [--sizes 67]
+        [--layers 32] [--hidden 1024] [--repeats 3] [--out DIR] [--profile]
+
+Each case runs examples/engine_shapes.py SHAPE (67 batch sizes, 32 layers, hidden 1024, one
+shared pool: 67 full graphs, or 67 x 33 = 2,211 piecewise graphs) in fresh processes,
+alternating plain and `repro watch` runs. From the program's own JSON line: capture seconds
+(the capture loop only; warm-ups excluded, in both), the first round (every graph's first
+replay: where watch's deep checks run), the steady decode step (median over rounds), and
+max |graph - eager|. From watch's records: findings (a correct program must have none), the
+hooks' own time per part (recording, census, checks) and the watched process's peak RSS,
+against the plain process's. Ratios are of medians. --profile also runs one watched process
+per case under cProfile (top functions by cumulative time, in --out). GPU only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import emit  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+PROGRAM = REPO / "examples" / "engine_shapes.py"
+
+
+def env_with_repo() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPRO_WATCH")}
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def program_args(args, shape: str) -> list[str]:
+    return [str(PROGRAM), shape, "--sizes", str(args.sizes), "--layers", str(args.layers),
+            "--hidden", str(args.hidden), "--steps", str(args.steps)]
+
+
+def maxrss_cmd(cmd: list[str]) -> list[str]:
+    """Run cmd under a tiny wrapper that prints the child's peak RSS (KiB) to stderr last."""
+    wrapper = ("import resource,subprocess,sys;r=subprocess.call(sys.argv[1:]);"
+               "sys.stderr.write('maxrss_kb=%d\\n'%resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss);"
+               "sys.exit(r)")
+    return [sys.executable, "-c", wrapper] + cmd
+
+
+def last_json(text: str) -> dict:
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"no JSON line in the program's output:\n{text[-2000:]}")
+
+
+def maxrss(stderr: str) -> int | None:
+    for line in reversed(stderr.splitlines()):
+        if line.startswith("maxrss_kb="):
+            return int(line.split("=")[1])
+    return None
+
+
+def watch_records(run_dir: Path) -> dict:
+    """Findings and the hooks' exit counters from one watched run's record files."""
+    findings, exits, names = 0, [], {}
+    for path in run_dir.glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if r.get("kind") == "finding":
+                findings += 1
+                slot = r.get("finding", {}).get("slot", "?")
+                names[slot] = names.get(slot, 0) + 1
+            elif r.get("kind") == "exit":
+                exits.append(r)
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:5]
+    return {"findings": findings, "top_names": top,
+            "hooks": exits[0].get("seconds") if exits else None,
+            "counters": exits[0].get("counters") if exits else None}
+
+
+def run_once(args, shape: str, watched: bool, workdir: Path, tag: str) -> dict:
+    cmd = [sys.executable] + program_args(args, shape)
+    result: dict = {"watched": watched}
+    if watched:
+        run_dir = workdir / f"watch-{shape}-{tag}"
+        cmd = [sys.executable, "-m", "repro", "watch", "--run-dir", str(run_dir), "--"] + cmd
+    proc = subprocess.run(maxrss_cmd(cmd), env=env_with_repo(), capture_output=True, text=True,
+                          timeout=args.timeout)
+    result.update(last_json(proc.stdout))
+    result["maxrss_kb"] = maxrss(proc.stderr)
+    result["exit"] = proc.returncode
+    if watched:
+        result.update(watch_records(run_dir))
+    return result
+
+
+def profile_once(args, shape: str, workdir: Path) -> str:
+    """One watched process under cProfile; the top of its cumulative-time table."""
+    prof = workdir / f"{shape}.prof"
+    inner = [sys.executable, "-m", "cProfile", "-o", str(prof)] + program_args(args, shape)
+    cmd = [sys.executable, "-m", "repro", "watch", "--run-dir", str(workdir / f"prof-{shape}"), "--"] + inner
+    subprocess.run(cmd, env=env_with_repo(), capture_output=True, text=True, timeout=args.timeout)
+    import io
+    import pstats
+    out = io.StringIO()
+    stats = pstats.Stats(str(prof), stream=out)
+    stats.sort_stats("cumulative").print_stats(45)
+    stats.sort_stats("tottime").print_stats(25)
+    return out.getvalue()
+
+
+def median(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(shape: str, plain: list[dict], watched: list[dict]) -> dict:
+    row = {"shape": shape, "graphs": plain[0].get("graphs"), "runs": len(plain)}
+    for key in ("capture_s", "first_round_s", "step_us", "maxrss_kb"):
+        p, w = median(plain, key), median(watched, key)
+        row[key] = {"plain": p, "watch": w, "ratio": (w / p) if p and w else None}
+    row["findings"] = [w.get("findings") for w in watched]
+    row["top_names"] = watched[-1].get("top_names")
+    row["max_abs_err"] = {"plain": median(plain, "max_abs_err"), "watch": median(watched, "max_abs_err")}
+    row["hooks"] = watched[-1].get("hooks")
+    graphs = row["graphs"] or 1
+    rss = row["maxrss_kb"]
+    if rss["plain"] and rss["watch"]:
+        row["watch_kib_per_graph"] = (rss["watch"] - rss["plain"]) / graphs
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| shape | graphs | capture plain / watch (x) | first round plain / watch (x) | "
+             "step plain / watch us (x) | findings | watch host KiB/graph |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c, f, s = r["capture_s"], r["first_round_s"], r["step_us"]
+        lines.append(f"| {r['shape']} | {r['graphs']} | {c['plain']:.2f} / {c['watch']:.2f} s ({c['ratio']:.2f}x) | "
+                     f"{f['plain']:.2f} / {f['watch']:.2f} s ({f['ratio']:.2f}x) | "
+                     f"{s['plain']:.0f} / {s['watch']:.0f} ({s['ratio']:.3f}x) | {r['findings']} | "
+                     f"{r.get('watch_kib_per_graph', float('nan')):.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default="full,piecewise")
+    p.add_argument("--sizes", type=int, default=67)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--out", default=None, help="folder for the JSON, the table and profiles")
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args(argv)
+    out = Path(args.out or tempfile.mkdtemp(prefix="engine-capture-"))
+    out.mkdir(parents=True, exist_ok=True)
+    rows, raw = [], {}
+    for shape in args.cases.split(","):
+        plain, watched = [], []
+        for i in range(args.repeats):                      # interleaved: drift hits both alike
+            plain.append(run_once(args, shape, False, out, str(i)))
+            watched.append(run_once(args, shape, True, out, str(i)))
+            sys.stderr.write(f"{shape} {i}: plain {plain[-1].get('capture_s')} s, "
+                             f"watch {watched[-1].get('capture_s')} s, findings {watched[-1].get('findings')}\n")
+        raw[shape] = {"plain": plain, "watch": watched}
+        rows.append(summarize(shape, plain, watched))
+        if args.profile:
+            (out / f"profile-{shape}.txt").write_text(profile_once(args, shape, out))
+    doc = {"config": vars(args), "rows": rows, "raw": raw}
+    (out / "table.md").write_text(table(rows) + "\n")
+    emit(doc, str(out / "engine_capture.json"))
+    sys.stderr.write(table(rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

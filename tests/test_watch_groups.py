@@ -1,0 +1,85 @@
+"""The watch report at engine scale: repeated findings grouped, lines capped, pool contract said."""
+from __future__ import annotations
+
+import io
+import json
+import xml.etree.ElementTree as ET
+
+from rich.console import Console
+
+from repro import watch_report as W
+from repro.outcome import Finding, to_jsonable
+
+
+def finding(slot, graph, status="freed", freed_at="decoder.py:88 in capture (reassigned)"):
+    return Finding(slot=slot, graph=graph, status=status, when="first replay after capture (replay 1)",
+                   rank=0, shape=[8, 1024], dtype="bfloat16", nbytes=16384, old_ptr=0x7F0000000000,
+                   freed_at=freed_at, message=f"graph '{graph}' captured tensor {slot} ...")
+
+
+def write_process(run_dir, pid, findings, argv=("python", "engine.py"), pool_managed=0):
+    lines = [{"kind": "process", "pid": pid, "host": "h", "argv": list(argv), "started": pid}]
+    lines += [{"kind": "finding", "mechanism": "guard", "rank": 0, "finding": to_jsonable(f)} for f in findings]
+    lines.append({"kind": "exit", "counters": {"replays": 10}, "census": "active", "pool_managed": pool_managed,
+                  "cross_pool": 0})
+    (run_dir / f"h-{pid}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def engine_report(tmp_path):
+    repeated = [finding(f"<local a of capture_pieces>", f"#{i} piece {i % 33} bs={8 * (i // 33 + 1)}")
+                for i in range(2046)]
+    real = [finding("model.layers.7.rotary", f"#{i} bs={i}", status="freed", freed_at="run.py:9 in reload")
+            for i in (1, 2)]
+    write_process(tmp_path, 11, repeated[:1000] + real[:1])
+    write_process(tmp_path, 12, repeated[1000:] + real[1:], pool_managed=2211)
+    return W.load_report([tmp_path])
+
+
+def rendered(rep, width=100):
+    out = io.StringIO()
+    W.render(rep, Console(file=out, width=width, color_system=None))
+    return out.getvalue()
+
+
+def test_thousands_of_repeated_findings_read_as_one_line_each_group(tmp_path):
+    rep = engine_report(tmp_path)
+    groups = rep.groups()
+    assert [(g.pattern, g.count) for g in groups] == [("<local a of capture_pieces>", 2046),
+                                                     ("model.layers.*.rotary", 2)]
+    text = rendered(rep)
+    assert "Findings (2048 in 2 groups)" in text
+    assert "in 2046 graphs of 2 processes" in text
+    assert text.count("FREED") == 2                       # one headline per group, not per finding
+    assert len(text.splitlines()) < 60
+
+
+def test_groups_past_the_cap_are_counted_not_printed(tmp_path):
+    findings = [finding(f"w{i}", f"g{i}", freed_at=f"f.py:{i} in f") for i in range(W.MAX_GROUPS_SHOWN + 5)]
+    write_process(tmp_path, 11, findings)
+    text = rendered(W.load_report([tmp_path]))
+    assert text.count("FREED") == W.MAX_GROUPS_SHOWN
+    assert "5 more groups (5 findings; all are in --json)" in text
+
+
+def test_json_keeps_every_finding_and_groups_point_at_them(tmp_path):
+    rep = engine_report(tmp_path)
+    doc = json.loads(W.report_json(rep))
+    assert len(doc["findings"]) == 2048 and doc["schema"] == "repro.watch/1"
+    first, second = doc["groups"]
+    assert first["count"] == 2046 and len(first["findings"]) == 2046
+    assert {doc["findings"][i]["finding"]["slot"] for i in second["findings"]} == {"model.layers.7.rotary"}
+    assert second["processes"] == ["h:11", "h:12"]
+    assert any(n.startswith("pool contract: 2211 captured storage(s)") for n in doc["notes"])
+
+
+def test_junit_has_one_failure_per_group_and_survives_control_characters(tmp_path):
+    write_process(tmp_path, 11, [finding("cache.k", f"g{i}") for i in range(50)], argv=("python", "x\x01y.py"))
+    root = ET.fromstring(W.junit_xml(W.load_report([tmp_path])))
+    [case] = root.findall("testcase")
+    assert len(case.findall("failure")) == 1
+    assert "in 50 graphs" in case.find("failure").get("message")
+
+
+def test_pool_contract_is_said_in_the_console(tmp_path):
+    write_process(tmp_path, 11, [], pool_managed=64)
+    assert "pool contract: 64 captured storage(s) lived in their own graph's memory pool" in rendered(W.load_report([tmp_path]), 200)
