@@ -401,11 +401,8 @@ class PoolMap:
 
     def pool_of(self, addr: int) -> tuple[int, int] | None:
         """The pool of the segment holding addr (DEFAULT_POOL for ordinary memory), or None
-        outside every segment of the caching allocator."""
+        outside every segment of the caching allocator, as of the last check()."""
         found = self.find(addr)
-        if found is None and self.stale():
-            self.refresh()
-            found = self.find(addr)
         return None if found is None else found[2]
 
     def graph_pool_of(self, addr: int) -> tuple[int, int] | None:
@@ -413,11 +410,6 @@ class PoolMap:
         ordinary default pool and for memory outside the allocator."""
         pool = self.pool_of(addr)
         return None if pool is None or pool == DEFAULT_POOL else pool
-
-    def known_graph_pool(self, addr: int) -> tuple[int, int] | None:
-        """graph_pool_of without reading the segments again (safe inside a capture)."""
-        found = self.find(addr)
-        return None if found is None or found[2] == DEFAULT_POOL else found[2]
 
     def segment_of(self, addr: int) -> int | None:
         found = self.find(addr)
@@ -486,10 +478,7 @@ class Deferred:
             offset: int, value: int) -> None:
         if not plausible_address(value):
             return
-        seg = self.pools.find(value)
-        if seg is None:
-            pool = self.pools.pool_of(value)     # a miss may mean new segments: read them once
-            seg = self.pools.find(value) if pool is not None else None
+        seg = self.pools.find(value)            # the map is current: take_census checked it
         if seg is None:
             if self.is_device_address is not None and self.is_device_address(value):
                 census.outside += 1
@@ -1079,6 +1068,7 @@ class CensusBook:
         self.pools = PoolMap()
         self.pool_names: dict[tuple[int, int], str] = {}   # pool -> "graph 'first label'"
         self.snapshots = 0                         # allocator snapshots the book took
+        self.paused = False                        # trace stopped by pause_trace()
         if trace == "start":
             start_trace(capacity)
 
@@ -1107,6 +1097,30 @@ class CensusBook:
         if waiting and census.events_at - min(c.events_at for c in waiting) > self.capacity // 2:
             snapshot, device = self.snapshot()
             self.match(waiting, snapshot, device)
+
+    def resolve(self) -> None:
+        """Match every pending word now, against one snapshot (then each census's references
+        are complete; a check does this itself)."""
+        waiting = [c for c in self.censuses.values() if c.pending]
+        if waiting:
+            snapshot, device = self.snapshot()
+            self.match(waiting, snapshot, device)
+
+    def pause_trace(self) -> bool:
+        """Stop the allocator trace while no census waits on it (watch, between capture phases):
+        recording it costs every allocation the program makes. Reuse at the same address of a
+        block only the census sees is then not seen until the next capture resumes it."""
+        if self.capacity is None or self.paused or any(c.pending for c in self.censuses.values()):
+            return False
+        import torch
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.paused = True
+        return True
+
+    def resume_trace(self) -> None:
+        if self.paused:
+            start_trace(self.capacity)
+            self.paused = False
 
     def snapshot(self) -> tuple[dict[str, Any], int | None]:
         self.snapshots += 1

@@ -410,6 +410,8 @@ class Watcher:
     def prepare(self) -> None:
         try:
             self.ensure_guard()
+            if self.book is not None:
+                self.book.resume_trace()          # a capture phase: the census needs the trace
         except Exception as e:
             self.internal("loading the guard", e)
 
@@ -436,7 +438,7 @@ class Watcher:
                 return
             self.watch_owners(frame)
             state.recording = guard.recording(
-                state.label, state.pool, self.pools.known_graph_pool if self.pools is not None else None)
+                state.label, state.pool, self.pools.graph_pool_of if self.pools is not None else None)
             state.recording.__enter__()
         except Exception as e:
             self.internal("capture_begin", e)
@@ -521,6 +523,8 @@ class Watcher:
             census_findings = self.book.check_graphs(when, due)
             findings = self.census_mod.merge_findings(findings, census_findings, self.guard.slots,
                                                       True, self.book)
+            if self.book.pause_trace():
+                self.write({"kind": "trace", "state": "paused until the next capture"})
         return findings
 
     def live_states(self) -> list[GraphState]:
