@@ -65,7 +65,7 @@ import ctypes
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from repro.outcome import Finding
 
@@ -121,9 +121,9 @@ class Reference:
         return f"node {self.node} {what} {self.where}"
 
 
-@dataclass(frozen=True)
-class Word:
-    """A captured word that may point into allocator memory; matched to a block later."""
+class Word(NamedTuple):
+    """A captured word that may point into allocator memory; matched to a block later (a
+    tuple: a full decoder graph holds thousands)."""
     node: int
     kind: str
     kernel: str
