@@ -162,6 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default=None, help="folder for the JSON, the table and profiles")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile-cases", default="", help="profile only these shapes (comma-separated)")
     args = p.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="engine-capture-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -175,7 +176,7 @@ def main(argv=None) -> int:
                              f"watch {watched[-1].get('capture_s')} s, findings {watched[-1].get('findings')}\n")
         raw[shape] = {"plain": plain, "watch": watched}
         rows.append(summarize(shape, plain, watched))
-        if args.profile:
+        if args.profile and (not args.profile_cases or shape in args.profile_cases.split(",")):
             (out / f"profile-{shape}.txt").write_text(profile_once(args, shape, out))
     doc = {"config": vars(args), "rows": rows, "raw": raw}
     (out / "table.md").write_text(table(rows) + "\n")

@@ -6,14 +6,15 @@ set -u
 out=${1:?usage: benchmarks/gpu_engine_session.sh OUTDIR}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# The GPU tests alone first (a capture that fails leaves torch's generator mid-capture for
+# every later test in that process; nothing else on the GPU meanwhile).
 timeout ${TESTS_S:-280} python3 -m pytest -q -m "gpu or multi_gpu" -p no:cacheprovider \
   --deselect tests/test_engine_corpus_gpu.py::test_engine_corpus_correct_twins_clean_buggy_twins_exact \
-  > "$out/gpu_tests.log" 2>&1 &
-tests=$!
+  > "$out/gpu_tests.log" 2>&1
+echo "gpu tests: $(tail -1 "$out/gpu_tests.log")"; grep -E "^(FAILED|ERROR)" "$out/gpu_tests.log" | head -20
 CORPUS_S=${CORPUS_S:-240} JOBS=${JOBS:-6} benchmarks/watch_engine.sh "$out" corpus > /dev/null 2>&1
-wait $tests; echo "gpu tests: $(tail -1 "$out/gpu_tests.log")"
 tail -26 "$out/corpus.log"
-SCALE_S=${SCALE_S:-240} REPEATS=${REPEATS:-2} benchmarks/watch_engine.sh "$out" scale > /dev/null 2>&1
+SCALE_S=${SCALE_S:-240} REPEATS=${REPEATS:-2} benchmarks/watch_engine.sh "$out" scale ${PROFILE:+profile} > /dev/null 2>&1
 cat "$out/scale/table.md" 2>/dev/null || tail -5 "$out/scale.log"
 for m in gpu-1 gpu-1-shared; do
   timeout 90 python3 -m repro matrix --config $m --jobs ${MATRIX_JOBS:-4} --json "$out/$m.json" > "$out/$m.txt" 2>&1

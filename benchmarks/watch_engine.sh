@@ -17,7 +17,7 @@ if has corpus; then
   tail -40 "$out/corpus.log"
 fi
 if has scale; then
-  prof=""; has profile && prof="--profile"
+  prof=""; has profile && prof="--profile --profile-cases ${PROFILE_CASES:-full,piecewise}"
   timeout ${SCALE_S:-500} python3 benchmarks/engine_capture.py --repeats "${REPEATS:-2}" --out "$out/scale" $prof > /dev/null 2> "$out/scale.log"
   tail -8 "$out/scale.log"
 fi
