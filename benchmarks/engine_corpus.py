@@ -7,7 +7,6 @@ Also runs full and piecewise with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:Tr
 JSON document (every case: findings by name, status, mechanism; verdict) and a table. GPU only
 (without CUDA every program says so and captures nothing: the verdicts then say 'no graph').
 """
-from __future__ import annotations
 
 import argparse
 import fnmatch
