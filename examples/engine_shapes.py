@@ -349,26 +349,26 @@ def shape_compiled(torch, args, engine):
     return {"capture_s": capture_s, **decode(torch, args, engine.replay_full, sizes, ref)}
 
 
-def run_each_size(torch, args, engine, capture_one, reference) -> dict:
-    """One graph per size, made by capture_one(b) -> (graph, output), then the decode rounds."""
-    sizes = vllm_sizes(args.sizes)
-    t0 = time.perf_counter()
-    for b in sizes:
-        engine.full[b] = capture_one(b)
-        engine.graphs += 1
-    capture_s = time.perf_counter() - t0
-    return {"capture_s": capture_s, **decode(torch, args, engine.replay_full, sizes, reference)}
-
-
 def shape_mempool(torch, args, engine):
     """Graphs captured into a user MemPool; their static scale lives in it too."""
     pool = torch.cuda.MemPool()
     engine.pool = pool.id
+    sizes = vllm_sizes(args.sizes)
     with torch.cuda.use_mem_pool(pool):
         scale = torch.full((args.hidden,), 0.5, device="cuda", dtype=torch.bfloat16)
+    graphs = {}
+    t0 = time.perf_counter()
+    for b in sizes:
+        graphs[b] = capture_scaled(torch, engine, b, scale, outside=args.bug)
+    capture_s = time.perf_counter() - t0
+
+    def step(b):
+        graph, out = graphs[b]
+        graph.replay()
+        return out
     ref = lambda b: full_step(torch, engine.model, engine.kv, engine.inputs[b], engine.pos) * scale
-    result = run_each_size(torch, args, engine, lambda b: capture_scaled(torch, engine, b, scale, args.bug), ref)
-    engine.full.clear()                                    # the graphs go before their pool
+    result = {"capture_s": capture_s, **decode(torch, args, step, sizes, ref)}
+    graphs.clear()
     return result
 
 
@@ -379,17 +379,30 @@ def capture_scaled(torch, engine, b, scale, outside: bool):
     factor = scale.clone() if outside else scale          # clone: default pool, outside capture
     body = lambda: full_step(torch, engine.model, engine.kv, x, engine.pos) * factor
     body()
-    return capture(torch, body, engine.pool)
+    graph, out = capture(torch, body, engine.pool)
+    engine.graphs += 1
+    return graph, out
 
 
 def shape_side_stream(torch, args, engine):
-    """Inside the capture a projection of the step's output runs on a side stream and joins back."""
+    """Inside the capture the MLP of the last layer runs on a side stream and joins back."""
+    sizes = vllm_sizes(args.sizes)
     side = torch.cuda.Stream()
+    graphs = {}
+    t0 = time.perf_counter()
+    for b in sizes:
+        graphs[b] = capture_forked(torch, engine, b, side, local_weight=args.bug)
+    capture_s = time.perf_counter() - t0
+
+    def step(b):
+        graph, out = graphs[b]
+        graph.replay()
+        return out
 
     def ref(b):
         x = full_step(torch, engine.model, engine.kv, engine.inputs[b], engine.pos)
         return x + x @ engine.model.layers[-1].o.weight.t()
-    return run_each_size(torch, args, engine, lambda b: capture_forked(torch, engine, b, side, args.bug), ref)
+    return {"capture_s": capture_s, **decode(torch, args, step, sizes, ref)}
 
 
 def capture_forked(torch, engine, b, side, local_weight: bool):
@@ -406,7 +419,9 @@ def capture_forked(torch, engine, b, side, local_weight: bool):
         return h + extra
     body()
     torch.cuda.synchronize()
-    return capture(torch, body, engine.pool)
+    graph, out = capture(torch, body, engine.pool)
+    engine.graphs += 1
+    return graph, out
 
 
 def shape_lora(torch, args, engine):
