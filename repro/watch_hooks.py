@@ -523,9 +523,17 @@ class Watcher:
             census_findings = self.book.check_graphs(when, due)
             findings = self.census_mod.merge_findings(findings, census_findings, self.guard.slots,
                                                       True, self.book)
+            self.pause_trace()
+        return findings
+
+    def pause_trace(self) -> None:
+        """Every graph matched: the trace can rest until the next capture (its own errors
+        never cost the findings of the check that led here)."""
+        try:
             if self.book.pause_trace():
                 self.write({"kind": "trace", "state": "paused until the next capture"})
-        return findings
+        except Exception as e:
+            self.internal("pausing the allocator trace", e)
 
     def live_states(self) -> list[GraphState]:
         return [s for s in self.graphs.values() if s.captured]

@@ -437,6 +437,13 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
         def summary_line(self):
             return "graph census: stand-in"
 
+        def pause_trace(self):
+            calls.append(("pause",))
+            return True
+
+        def resume_trace(self):
+            calls.append(("resume",))
+
     def merge_findings(guard, census, slots, guard_on, book):
         return guard + census
 
@@ -469,6 +476,8 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
     a.replay()                                                # nothing new: no census check
     assert len([c for c in calls if c[0] == "check"]) == 2
     assert watcher.counters.findings == 2
+    # The trace rests after each census check and resumes when a capture begins.
+    assert [c[0] for c in calls if c[0] in ("pause", "resume")][:3] == ["resume", "resume", "pause"]
     lines = [json.loads(line) for line in Path(watcher.recorder.path).read_text().splitlines()]
     assert {r["mechanism"] for r in lines if r["kind"] == "finding"} == {"census"}
     watcher.on_exit()
