@@ -12,16 +12,19 @@ API (all CUDA work is lazy: importing this module needs neither CUDA nor a drive
       CUDA is available, libcuda can be loaded, and this torch has
       ``torch.cuda.CUDAGraph(keep_graph=True)`` / ``raw_cuda_graph()``. reason says what is missing.
 
-  take_census(graph, label, pool=None, snapshot=None) -> GraphCensus
+  take_census(graph, label, pool=None, snapshot=None, pools=None) -> GraphCensus
       Call after capture_end on a graph made with ``CUDAGraph(keep_graph=True)`` (before or after
       ``graph.instantiate()``: the raw graph is kept either way). Reads every node: for kernel
       nodes the whole parameter buffer (per-parameter offsets and sizes from
       ``cuFuncGetParamInfo`` / ``cuKernelGetParamInfo``, or the single ``extra`` buffer that
       cuBLASLt's kernels pass), for memcpy/memset nodes their device pointers; child graphs are
-      walked. Each 8-byte aligned word is matched against the allocator's blocks of ONE snapshot
-      (taken here unless given): kept are kernel name, node index, parameter offset, block start/
-      size/pool and whether the block is in the graph's own pool. pool: the graph's private pool
-      handle (default ``graph.pool()``).
+      walked. Each 8-byte aligned word is sorted by the pool of its allocator segment (a
+      ``PoolMap``, read again only when the allocator's counters say segments changed): words in
+      the graph's own pool are counted (the pool's business), words outside the allocator
+      counted, the rest kept as ``pending`` and matched to their blocks at the first check, from
+      the allocator then and its trace since the census (no snapshot per capture: an engine
+      captures thousands of graphs). Given ``snapshot``, every word is matched at once instead.
+      pool: the graph's pool handle (default ``graph.pool()``).
 
   check_census(census, when, snapshot=None) -> list[Finding]
       Deep check of the captured blocks against the allocator now: a block freed (cached,
@@ -31,11 +34,12 @@ API (all CUDA work is lazy: importing this module needs neither CUDA nor a drive
       (NCCL buffers, static device memory) are not findings; GraphCensus counts them. Each block
       is reported once per status. Nothing here runs per replay.
 
-  CensusBook: the censuses of one process (one per graph label) and the allocator trace they
-      share; ``dead_blocks()`` gives the after-free knob its targets, ``check()`` checks several
-      graphs against one snapshot, ``merge()`` joins census and guard findings into one list
-      (mechanism "guard" | "census" | "both"), naming census findings after the guard's storage
-      where the guard knows it and saying where the two disagree.
+  CensusBook: the censuses of one process (one per graph label), the allocator trace and the
+      segment map they share; ``dead_blocks()`` gives the after-free knob its targets,
+      ``check()`` / ``check_graphs()`` check several graphs against one snapshot, ``resolve()``
+      matches every pending word now; ``merge_findings()`` joins census and guard findings into
+      one list (mechanism "guard" | "census" | "both"), naming census findings after the guard's
+      storage where the guard knows it and saying where the two disagree.
 
 Driver access: ctypes on libcuda, not cuda-bindings. The parameter buffers are raw host memory
 (``void** kernelParams``, the ``extra`` key/value array and the buffer it points to) that must be
