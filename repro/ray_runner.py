@@ -24,6 +24,8 @@ import datetime as dt
 import logging
 import shlex
 import shutil
+import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -36,8 +38,9 @@ from typing import Any, Callable
 from repro.config import TrialConfig, default_expectation
 from repro.isolate import Interrupted, run_trial, unsupported_record
 from repro.launch import MULTICAST_OFF
-from repro.outcome import FirstFailure, Outcome, TrialRecord, parse_expectation, to_jsonable, trial_from_dict
-from repro.protocol import StepCounter, records_path
+from repro.outcome import (FirstFailure, Outcome, TrialRecord, parse_expectation, step_from_dict, to_jsonable,
+                           trial_from_dict)
+from repro.protocol import Event, StepCounter, read_records, records_path
 from repro.runner import Hooks, Planned, RunResult, environment, run_all, trial_id, with_runtime
 
 RAY_MISSING = "--ray needs Ray, which is not installed here: pip install 'repro[ray]' (or pip install ray)"
@@ -46,6 +49,7 @@ POLL_S = 0.5
 # After Ctrl-C an actor gets this long to stop its trial and hand back the partial record.
 STOP_WAIT_S = 15.0
 SNAPSHOT_TIMEOUT_S = 10.0
+PROBE_TIMEOUT_S = 5.0
 
 
 class RayUnavailable(Exception):
@@ -104,6 +108,13 @@ def connect(address: str) -> "Cluster":
     """Join the cluster at `address` ('auto': the running one; 'local': start one here)."""
     ray = import_ray()
     local = address == "local"
+    refused = unreachable(address)
+    if refused:
+        raise RayUnavailable(f"--ray {address}: cannot reach a Ray cluster ({refused}); start one with "
+                             "`ray start --head` and pass its address, or use --ray local")
+    # Ray's core worker installs its own fatal-signal handler for SIGTERM (it aborts the
+    # process); the CLI's must stay, so a CI cancel still stops every remote trial cleanly.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         ray.init(address=None if local else address, runtime_env=runtime_env(), logging_level=logging.ERROR,
                  log_to_driver=False, **({"include_dashboard": False} if local else {}))
@@ -111,7 +122,25 @@ def connect(address: str) -> "Cluster":
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise RayUnavailable(f"--ray {address}: cannot reach a Ray cluster ({first}); start one with "
                              "`ray start --head` and pass its address, or use --ray local") from None
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in handlers.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
     return Cluster(address=address, nodes=alive_nodes(ray))
+
+
+def unreachable(address: str) -> str:
+    """Why a host:port address cannot be a cluster ('' when it answers, or is not host:port):
+    Ray itself retries a dead address for minutes before giving up."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return ""
+    try:
+        with socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S):
+            return ""
+    except OSError as e:
+        return f"nothing answers at {host}:{port}: {e.strerror or type(e).__name__}"
 
 
 @dataclass
@@ -168,6 +197,9 @@ class TrialHost:
                 trial, interrupted = run_trial(cfg, device, root, tid, fault=fault, stop=self.stop), False
             except Interrupted as e:
                 trial, interrupted = e.trial, True
+            if device == "cuda":
+                import ray
+                trial.notes.append(f"Ray gave this trial GPU(s) {', '.join(map(str, ray.get_gpu_ids()))} of its node")
             return {"trial": to_jsonable(trial), "interrupted": interrupted, "dir": str(self.dir),
                     "files": read_new(self.dir, {})}
         finally:
@@ -203,7 +235,7 @@ def read_new(folder: Path, offsets: dict[str, int]) -> dict[str, tuple[int, byte
                 data = f.read()
         except OSError:
             continue
-        if data:
+        if data or path.name not in offsets:        # an empty log is still a file of the trial
             out[path.name] = (start, data)
     return out
 
@@ -232,12 +264,15 @@ class Mirror:
 
 
 def failed_record(tid: str, cfg: TrialConfig, device: str, outcome: Outcome, detail: str,
-                  notes: list[str]) -> TrialRecord:
-    """A trial whose node-side record never came back (node lost, actor killed)."""
+                  notes: list[str], node: str, folder: Path) -> TrialRecord:
+    """A trial whose node-side record never came back (node lost, actor killed): its outcome,
+    and the steps of the records copied to the driver before that."""
     expected = parse_expectation(default_expectation(cfg))
-    return TrialRecord(id=tid, scenario=cfg.scenario, mode=cfg.run.mode, config=cfg.to_dict(), outcome=outcome,
+    recs = read_records(folder, cfg.run.tp)
+    steps = sorted((step_from_dict(e) for r in recs for e in r.of(Event.STEP)), key=lambda s: (s.step, s.rank))
+    return TrialRecord(steps=steps, id=tid, scenario=cfg.scenario, mode=cfg.run.mode, config=cfg.to_dict(), outcome=outcome,
                        expected=expected, met=False, graph_replayed=False, device=device,
-                       first_failure=FirstFailure(outcome, None, None, detail), notes=notes)
+                       first_failure=FirstFailure(outcome, None, None, detail), notes=notes, node=node)
 
 
 def relocate(trial: TrialRecord, node_dir: str, local_dir: Path) -> None:
@@ -297,12 +332,14 @@ def attempt(cluster: Cluster, p: Planned, tid: str, folder: Path, stop: threadin
             if halted_at is not None:
                 return Attempt(failed_record(tid, p.cfg, p.device, Outcome.INTERRUPTED,
                                              f"interrupted; the actor on {node} did not stop in time and was killed",
-                                             [f"records received before the kill are in {folder}"]), interrupted=True)
+                                             [f"records received before the kill are in {folder}"], node, folder),
+                           interrupted=True)
             gone = not node_alive(ray, node_id)
             what = f"node {node} was lost during the trial" if gone else \
                 f"the Ray worker running the trial on {node} died ({type(e).__name__})"
             notes = [f"records received before that are in {folder}"]
-            return Attempt(failed_record(tid, p.cfg, p.device, Outcome.CRASH, what, notes), lost=True)
+            return Attempt(failed_record(tid, p.cfg, p.device, Outcome.CRASH, what, notes, node, folder),
+                           lost=True)
         mirror.apply(out["files"])
         trial = trial_from_dict(out["trial"])
         relocate(trial, out["dir"], folder)
