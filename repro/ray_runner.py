@@ -42,6 +42,7 @@ from repro.outcome import (FirstFailure, Outcome, TrialRecord, parse_expectation
                            trial_from_dict)
 from repro.protocol import Event, StepCounter, read_records, records_path
 from repro.runner import Hooks, Planned, RunResult, environment, run_all, trial_id, with_runtime
+from repro.watch_ray import append_chunks, read_new
 
 RAY_MISSING = "--ray needs Ray, which is not installed here: pip install 'repro[ray]' (or pip install ray)"
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -221,25 +222,6 @@ def actor_class(ray: Any) -> Any:
     return ray.remote(TrialHost)
 
 
-def read_new(folder: Path, offsets: dict[str, int]) -> dict[str, tuple[int, bytes]]:
-    out = {}
-    try:
-        files = sorted(p for p in folder.iterdir() if p.is_file())
-    except OSError:
-        return out
-    for path in files:
-        start = offsets.get(path.name, 0)
-        try:
-            with open(path, "rb") as f:
-                f.seek(start)
-                data = f.read()
-        except OSError:
-            continue
-        if data or path.name not in offsets:        # an empty log is still a file of the trial
-            out[path.name] = (start, data)
-    return out
-
-
 # --------------------------------------------------------------------------------------------
 # On the driver
 
@@ -254,13 +236,7 @@ class Mirror:
         self.steps = StepCounter(records_path(folder, 0))
 
     def apply(self, chunks: dict[str, tuple[int, bytes]]) -> None:
-        for name, (start, data) in chunks.items():
-            path = self.folder / Path(name).name
-            with open(path, "r+b" if path.exists() else "wb") as f:
-                f.seek(start)
-                f.write(data)
-                f.truncate()
-            self.offsets[name] = start + len(data)
+        append_chunks(self.folder, chunks, self.offsets)
 
 
 def failed_record(tid: str, cfg: TrialConfig, device: str, outcome: Outcome, detail: str,

@@ -182,6 +182,37 @@ def test_an_unreachable_cluster_is_exit_3_in_one_line(tmp_path):
     assert done.stderr.count("\n") == 1 and "cannot reach a Ray cluster" in done.stderr
 
 
+def test_watch_reaches_actors_on_every_node_and_ships_their_records(cluster, tmp_path):
+    program = [sys.executable, str(REPO / "tests" / "watch_programs" / "ray_actors.py"), cluster]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("REPRO_WATCH")}, "PYTHONPATH": str(REPO)}
+    plain = subprocess.run(program, capture_output=True, text=True, env=env, timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    run_dir = tmp_path / "run"
+    watched = subprocess.run([sys.executable, "-m", "repro", "watch", "--run-dir", str(run_dir), "--json",
+                              str(tmp_path / "w.json"), "--", *program], capture_output=True, text=True, env=env,
+                             timeout=300)
+    assert watched.returncode == 1, watched.stderr          # the stale capture on worker-a's actor
+    assert watched.stdout == plain.stdout                   # the program's output is its own
+    assert "program_var mine" in plain.stdout               # its runtime_env reached the actors, watched too
+    assert watched.stderr.count("watched=True") == 2 and plain.stderr.count("watched=False") == 2
+    doc = json.loads((tmp_path / "w.json").read_text())
+    actor_pids = {int(line.split()[2]): line.split()[0] for line in watched.stderr.splitlines()
+                  if line.startswith("worker-") and " pid " in line}
+    assert sorted(actor_pids.values()) == ["worker-a", "worker-b"]
+    # Records of each node's actor came back to the driver's run directory, one folder per node.
+    for node in ("worker-a", "worker-b"):
+        files = list((run_dir / f"ray-{node}").glob("*.jsonl"))
+        assert files, f"no records shipped from {node}"
+    listed = {p["pid"]: p for p in doc["processes"]}
+    for pid, node in actor_pids.items():
+        assert pid in listed and listed[pid]["record_file"].startswith(str(run_dir / f"ray-{node}"))
+        assert listed[pid]["torch_hooked"]
+    assert [f["pid"] for f in doc["findings"]] and {f["pid"] for f in doc["findings"]} == \
+        {pid for pid, node in actor_pids.items() if node == "worker-a"}
+    assert any(n.startswith("Ray node worker-a: 1 watched process") for n in doc.get("notes", [])), doc.get("notes")
+    assert any(n.startswith("Ray node worker-b: 1 watched process") for n in doc.get("notes", []))
+
+
 def worker_pids(marker: str) -> list[int]:
     """Rank processes (`python -m repro.worker SPEC RANK`) of the node-local trial folders
     (repro-trial-*) whose path holds marker."""
@@ -288,3 +319,39 @@ def test_a_node_lost_mid_trial_is_crash_naming_it_and_a_retry_runs_it_elsewhere(
     assert any(n.startswith("run again (--retries 1) after: node ") and n.endswith(" was lost during the trial")
                for n in long["notes"])
     assert not any(alive(p) for p in ranks)
+
+
+def test_runtime_env_hook_keeps_what_the_program_set_and_chains_its_hooks(monkeypatch, tmp_path):
+    from repro import watch_ray
+    started = []
+    monkeypatch.setattr(watch_ray, "start_collector_thread", lambda run_dir, name: started.append(name))
+    calls = []
+    monkeypatch.setitem(sys.modules, "chained_mod", type(sys)("chained_mod"))
+    sys.modules["chained_mod"].hook = lambda env: {**(env or {}), "working_dir": "theirs", "seen": calls.append("hook")}
+    sys.modules["chained_mod"].setup = lambda: calls.append("their setup")
+    monkeypatch.setenv("REPRO_WATCH", "1")
+    monkeypatch.setenv("REPRO_WATCH_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("REPRO_WATCH_ON_FINDING", "raise")
+    monkeypatch.setenv(watch_ray.ENV_CHAIN, "chained_mod.hook")
+    env = watch_ray.runtime_env_hook({"env_vars": {"MINE": "1"}, "py_modules": ["/x/mine"],
+                                      "worker_process_setup_hook": "chained_mod.setup"})
+    assert calls == ["hook"] and env["working_dir"] == "theirs"          # theirs ran first, kept
+    assert env["env_vars"]["MINE"] == "1" and env["env_vars"]["REPRO_WATCH_ON_FINDING"] == "raise"
+    assert env["env_vars"]["REPRO_WATCH_RAY_DIR"].endswith("repro-watch-run")
+    assert env["py_modules"] == ["/x/mine", str(watch_ray.PACKAGE_DIR)]
+    assert started == ["repro-watch-collector-run"]
+    monkeypatch.setattr(watch_ray, "setup_worker", lambda: calls.append("our setup"))
+    env["worker_process_setup_hook"]()
+    assert calls == ["hook", "our setup", "their setup"]
+    monkeypatch.delenv("REPRO_WATCH")
+    monkeypatch.delenv(watch_ray.ENV_CHAIN)
+    untouched = {"env_vars": {"MINE": "1"}}
+    assert watch_ray.runtime_env_hook(untouched) is untouched          # not watched: as given
+
+
+def test_watch_sets_rays_hook_and_keeps_one_already_set(tmp_path):
+    from repro.watch import watch_env
+    env = watch_env({"RAY_RUNTIME_ENV_HOOK": "their.hook"}, tmp_path, "warn")
+    assert env["RAY_RUNTIME_ENV_HOOK"] == "repro.watch_ray.runtime_env_hook"
+    assert env["REPRO_WATCH_RAY_CHAIN"] == "their.hook"
+    assert "REPRO_WATCH_RAY_CHAIN" not in watch_env({}, tmp_path, "warn")
