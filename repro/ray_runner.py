@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import shlex
 import shutil
 import signal
@@ -131,9 +132,21 @@ def connect(address: str) -> "Cluster":
     return Cluster(address=address, nodes=alive_nodes(ray))
 
 
+def current_cluster(environ: dict[str, str]) -> str:
+    """Where `auto` leads: $RAY_ADDRESS, else the address `ray start` left in Ray's temp folder."""
+    if environ.get("RAY_ADDRESS"):
+        return environ["RAY_ADDRESS"]
+    try:
+        return (Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster").read_text().strip()
+    except OSError:
+        return ""
+
+
 def unreachable(address: str) -> str:
     """Why a host:port address cannot be a cluster ('' when it answers, or is not host:port):
     Ray itself retries a dead address for minutes before giving up."""
+    if address == "auto":
+        address = current_cluster(dict(os.environ))
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or "://" in address:
         return ""
