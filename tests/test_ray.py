@@ -68,9 +68,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Token authentication off, said explicitly: with the mode unset Ray turns it on wherever a
+# ~/.ray/auth_token exists (any local ray.init() writes one), and nodes started otherwise
+# then cannot join.
+NO_AUTH = {"RAY_AUTH_MODE": "disabled"}
+
+
 def node_env() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return {**env, **HEALTH}
+    return {**env, **HEALTH, **NO_AUTH}
+
+
+def driver_env() -> dict:
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("REPRO_WATCH")}, "PYTHONPATH": str(REPO),
+            **NO_AUTH}
 
 
 def ray_start(*args) -> None:
@@ -103,12 +114,12 @@ def cluster():
 
 def repro(*args, cwd, timeout=300):
     return subprocess.run([sys.executable, "-m", "repro", *args], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=timeout)
+                          env=driver_env(), timeout=timeout)
 
 
 def spawn(*args, cwd):
     return subprocess.Popen([sys.executable, "-m", "repro", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            stderr=subprocess.PIPE, text=True, env=driver_env())
 
 
 def outcomes(doc):
@@ -184,7 +195,7 @@ def test_an_unreachable_cluster_is_exit_3_in_one_line(tmp_path):
 
 def test_watch_reaches_actors_on_every_node_and_ships_their_records(cluster, tmp_path):
     program = [sys.executable, str(REPO / "tests" / "watch_programs" / "ray_actors.py"), cluster]
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("REPRO_WATCH")}, "PYTHONPATH": str(REPO)}
+    env = driver_env()
     plain = subprocess.run(program, capture_output=True, text=True, env=env, timeout=300)
     assert plain.returncode == 0, plain.stderr
     run_dir = tmp_path / "run"

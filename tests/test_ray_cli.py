@@ -26,3 +26,19 @@ def test_the_parent_modules_import_neither_torch_nor_ray():
                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_watched_program_can_load_rays_hook_from_this_copy_without_repro_on_its_path(tmp_path):
+    # Ray imports RAY_RUNTIME_ENV_HOOK by name inside the program's ray.init(), where the
+    # program's own sys.path need not reach this copy of repro: the package the sitecustomize
+    # imported (for the hooks) is what the import finds.
+    code = ("import importlib, os, sys; "
+            "m = importlib.import_module(os.environ['RAY_RUNTIME_ENV_HOOK'].rpartition('.')[0]); "
+            "print(m.__file__, any(p and os.path.samefile(p, sys.argv[1]) for p in sys.path if os.path.isdir(p)))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("REPRO_WATCH")}
+    done = subprocess.run([sys.executable, str(REPO / "cli.py"), "watch", "--run-dir", str(tmp_path / "run"), "--",
+                           sys.executable, "-c", code, str(REPO)], cwd=tmp_path, capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    path, on_path = done.stdout.split()
+    assert path == str(REPO / "repro" / "watch_ray.py") and on_path == "False"

@@ -16,8 +16,10 @@ pytestmark = pytest.mark.ray
 
 def test_watch_reaches_the_actor_of_a_cluster_the_program_starts(tmp_path):
     program = [sys.executable, str(REPO / "tests" / "watch_programs" / "ray_local.py")]
+    # RAY_AUTH_MODE=disabled: a new local cluster would otherwise turn token authentication on and
+    # leave a ~/.ray/auth_token behind, which later `ray start`s of this machine would pick up.
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("REPRO_WATCH", "RAY_ADDRESS"))},
-           "PYTHONPATH": str(REPO)}
+           "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
     run_dir = tmp_path / "run"
     try:
         done = subprocess.run([sys.executable, "-m", "repro", "watch", "--run-dir", str(run_dir), "--json",
