@@ -10,6 +10,7 @@ import importlib
 import inspect
 import json
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -28,6 +29,7 @@ from repro.launch import RankServer
 from repro.outcome import Outcome, Report, to_jsonable
 from repro.preflight import check_outputs
 from repro.protocol import FAULTS
+from repro.ray_runner import RayUnavailable
 from repro.runner import Planned, RunResult, Terminated, plan, run_planned
 from repro.scenarios import SCENARIOS, RunKeySpec, ScenarioSpec
 from repro.watch_hooks import ON_FINDING
@@ -228,15 +230,19 @@ def exit_code(result: RunResult, allow_unsupported: bool = False) -> int:
 
 def execute(planned: list[Planned], artifacts: Path | None, json_path: str | None, junit: Path | None,
             html: Path | None, summary_only: bool = False, allow_unsupported: bool = False,
-            jobs: int = 1, server: RankServer | None = None) -> int:
+            jobs: int = 1, server: RankServer | None = None, shard: dict[str, Any] | None = None,
+            run: Callable[..., RunResult] = run_planned) -> int:
+    """run: the runner (run_planned here; repro/ray_runner.py's for --ray); shard: the
+    report's shard record under --shard."""
     for text in cpu_warnings(planned):
         warn(text)
     with report.Progress(stderr_console()) as progress:
-        result = run_planned(
+        result = run(
             planned, artifacts or runs.default_root(dict(os.environ)),
             on_start=lambda tid, p: progress.add(tid, tid, p.cfg.run.steps),
             on_tick=lambda tid, n: progress.update(tid, n, "running"),
             on_done=lambda t: progress.finish(t.id, t.outcome), jobs=jobs, server=server)
+    result.report.shard = shard
     console = results_console(json_path)
     if summary_only:
         report.render_summary(result.report, console)
@@ -332,23 +338,84 @@ def matrix(
     only: Annotated[Optional[list[str]], typer.Option("--only", metavar="PATTERN", help="Run only the trials whose id contains PATTERN (a shell glob: 'reload-safe', 'nvfp4*identity', '07-'); repeatable. `--list` shows the ids.")] = None,
     list_: Annotated[bool, typer.Option("--list", help="List the trials (id, expectation, device) and exit without running them.")] = False,
     jobs: Annotated[int, typer.Option("--jobs", "-j", metavar="N", help="Trials run at once. Each trial still gets its own processes; concurrent trials share the GPUs (TP=1 trials are spread over them), so per-trial timings are not those of a --jobs 1 run.")] = 1,
+    shard: ShardOpt = None, balance: BalanceOpt = None, ray: RayOpt = None, retries: RetriesOpt = 0,
 ) -> int:
     """CI smoke check: every scenario x mode with its expected outcome; exit 0 only if all hold."""
     from repro.matrix import listing, load_matrix, select
+    cluster = None
     try:
         if jobs < 1:
             raise ConfigError(f"--jobs {jobs}: must be >= 1 (1 runs the trials one after another)")
-        _, planned = load_matrix(config, gpus.gpu_count())
+        check_past_one_host(shard, balance, ray, retries)
+        if ray:
+            from repro import ray_runner
+            cluster = ray_runner.connect(ray)
+        _, planned = load_matrix(config, cluster.largest_gpus() if cluster else gpus.gpu_count())
         planned = select(planned, only or [], config)
+        record = None
+        if shard:
+            from repro.shard import select_shard
+            planned, record = select_shard(planned, shard, balance, dict(os.environ))
         check_outputs(json_path, junit, html, artifacts or runs.default_root(dict(os.environ)))
     except ConfigError as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_USAGE
+    except RayUnavailable as e:           # no Ray installed, no cluster reached: exit 3
+        sys.stderr.write(f"repro: error: {e}\n")
+        return EXIT_ENV
     if list_:
         sys.stdout.write("".join(line + "\n" for line in listing(planned)))
         return EXIT_OK
+    run = run_planned
+    if cluster:
+        refusal = cluster.refusal(planned)
+        if refusal:
+            sys.stderr.write(f"repro: error: {refusal}\n")
+            return EXIT_ENV
+        run = cluster.runner(retries)
     return execute(planned, artifacts, json_path, junit, html, summary_only=True,
-                   allow_unsupported=allow_unsupported, jobs=jobs, server=ctx.obj)
+                   allow_unsupported=allow_unsupported, jobs=jobs, server=ctx.obj,
+                   shard=record.to_dict() if record else None, run=run)
+
+
+# Past one host (repro/shard.py, repro/merge.py, repro/ray_runner.py): options of `repro matrix`
+# and the `repro merge` command, kept together here.
+ShardOpt = Annotated[Optional[str], typer.Option("--shard", metavar="K/N|auto", help="Run shard K of N (1 <= K <= N): a stable 1/N of the trials by trial id, the same on every machine. auto: from Buildkite's BUILDKITE_PARALLEL_JOB / BUILDKITE_PARALLEL_JOB_COUNT, else REPRO_SHARD=K/N. Join the shards' --json reports with `repro merge`.")]
+BalanceOpt = Annotated[Optional[Path], typer.Option("--balance", metavar="PREVIOUS.json", help="With --shard: split by the trial durations a previous JSON report recorded (longest first onto the least loaded shard), still the same on every machine.")]
+RayOpt = Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS|auto|local", help="Run every trial as Ray work on a cluster, placed by its GPU count (all ranks of a trial on one node): a cluster address (host:port, ray://...), auto (the running cluster, $RAY_ADDRESS) or local (a cluster of this machine). Needs `pip install 'repro[ray]'`.")]
+RetriesOpt = Annotated[int, typer.Option("--retries", metavar="N", help="With --ray: run a trial whose node was lost up to N more times (0: it is CRASH naming the node).")]
+
+
+def check_past_one_host(shard: str | None, balance: Path | None, ray: str | None, retries: int) -> None:
+    if balance and not shard:
+        raise ConfigError(f"--balance {balance}: only splits shards; add --shard K/N (or --shard auto)")
+    if retries and not ray:
+        raise ConfigError(f"--retries {retries}: only retries trials on a Ray cluster; add --ray ADDRESS")
+    if retries < 0:
+        raise ConfigError(f"--retries {retries}: must be >= 0")
+
+
+@app.command("merge", epilog=EXIT_CODES)
+def merge_cmd(
+    reports: Annotated[list[Path], typer.Argument(metavar="REPORT.json", help="The JSON reports of every shard of one split (`repro matrix --shard K/N --json PATH`).")],
+    json_path: JsonOpt = None, junit: JunitOpt = None, html: HtmlOpt = None,
+    allow_unsupported: Annotated[bool, typer.Option("--allow-unsupported", help="UNSUPPORTED trials do not fail the run (they never pass).")] = False,
+) -> int:
+    """One report over the shard reports of one matrix, exit code as if it had been one run; a missing or duplicated shard fails it."""
+    from repro.merge import merge
+    try:
+        check_outputs(json_path, junit, html, None)
+        merged = merge(reports)
+    except ConfigError as e:
+        sys.stderr.write(f"repro: error: {e}\n")
+        return EXIT_USAGE
+    merged.command = shlex.join(sys.argv)
+    console = results_console(json_path)
+    report.render_summary(merged, console)
+    console.print(report.summary_line(merged))
+    write_artifacts(merged, json_path, junit, html)
+    code = exit_code(RunResult(report=merged, interrupted=merged.interrupted), allow_unsupported)
+    return EXIT_FAILED if merged.shard_problems() and code in (EXIT_OK, EXIT_ENV) else code
 
 
 @app.command("presets")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 SCHEMA = "repro.report/1"
 
@@ -192,6 +192,12 @@ class TrialRecord:
     mean_accepted_length: float | None = None   # tokens emitted per target pass, bonus included
     lossless: bool | None = None                # emitted == target-only greedy decoding, every step
     tokens_per_s: float | None = None           # emitted tokens / decode-loop seconds (propose + verify)
+    # The cluster node that ran it (`repro matrix --ray`, or the shard's host after `repro merge`);
+    # None on a local run, whose JSON then has no such key.
+    node: str | None = None
+    # Keys carried only where they apply (absent, not null, elsewhere): a local run's JSON is
+    # what it always was.
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("node",)
 
 
 @dataclass
@@ -204,9 +210,18 @@ class Report:
     schema: str = SCHEMA
     interrupted_by: str | None = None   # "SIGINT" | "SIGTERM"
     not_run: int = 0                    # planned trials that never started (an interrupt came first)
+    # `repro matrix --shard K/N` / `repro merge` (repro/shard.py, repro/merge.py): which part of
+    # which plan this report covers; None on an unsharded run, whose JSON then has no such key.
+    shard: dict[str, Any] | None = None
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("shard",)
 
     def all_met(self) -> bool:
-        return bool(self.trials) and all(t.met for t in self.trials) and not self.interrupted
+        return (bool(self.trials) and all(t.met for t in self.trials) and not self.interrupted
+                and not self.shard_problems())
+
+    def shard_problems(self) -> list[str]:
+        """A merge's missing or duplicated shards (repro/merge.py): each one fails the run."""
+        return list((self.shard or {}).get("problems") or [])
 
 
 def speculative_metrics(steps: list[StepRecord]) -> dict[str, Any]:
@@ -229,7 +244,8 @@ def to_jsonable(obj: Any) -> Any:
     if isinstance(obj, Enum):
         return obj.value
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not (f.name in getattr(obj, "OPTIONAL", ()) and getattr(obj, f.name) is None)}
     if isinstance(obj, dict):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -275,4 +291,4 @@ def report_from_dict(d: dict[str, Any]) -> Report:
                   trials=[trial_from_dict(t) for t in d.get("trials", [])],
                   command=d.get("command", ""), created=d.get("created", ""),
                   interrupted=d.get("interrupted", False), interrupted_by=d.get("interrupted_by"),
-                  not_run=d.get("not_run", 0))
+                  not_run=d.get("not_run", 0), shard=d.get("shard"))

@@ -179,7 +179,10 @@ def run_one(i: int, p: Planned, run_dir: Path, hooks: Hooks, wrapper: list[str] 
 
 
 def run_all(planned: list[Planned], run_dir: Path, hooks: Hooks, wrapper: list[str] | None,
-            jobs: int, lanes: list[str], server: RankServer | None = None) -> RunResult:
+            jobs: int, lanes: list[str], server: RankServer | None = None,
+            one: Callable[..., TrialRecord | None] | None = None) -> RunResult:
+    """one: the per-trial step, run_one's signature (repro/ray_runner.py runs it on a cluster)."""
+    one = one or run_one
     stop = threading.Event()
     slots: queue.SimpleQueue = queue.SimpleQueue()
     for k in range(max(1, jobs)):
@@ -187,7 +190,7 @@ def run_all(planned: list[Planned], run_dir: Path, hooks: Hooks, wrapper: list[s
     records: list[TrialRecord | None] = [None] * len(planned)
     interrupted_by = None
     with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="trial") as pool:
-        futures = {pool.submit(run_one, i, p, run_dir, hooks, wrapper, slots, lanes, stop, server): i
+        futures = {pool.submit(one, i, p, run_dir, hooks, wrapper, slots, lanes, stop, server): i
                    for i, p in enumerate(planned)}
         pending = set(futures)
         while pending:

@@ -10,6 +10,9 @@ environment). What the command sees added to its environment, and nothing else:
   REPRO_WATCH_DIR          the run directory: one <host>-<pid>.jsonl per process
   REPRO_WATCH_ON_FINDING   warn | raise
   REPRO_WATCH_SITE         the directory prepended to PYTHONPATH
+  RAY_RUNTIME_ENV_HOOK     repro.watch_ray.runtime_env_hook: a `ray.init()` in any of them gets the
+                           hooks into every Ray worker on every node (repro/watch_ray.py); a hook
+                           already set is kept in REPRO_WATCH_RAY_CHAIN and runs first
 
 CMD runs in its own process group with stdin, stdout and stderr passed through untouched (no
 pipe: output order and bytes are CMD's own). Ctrl-C (or SIGTERM) is forwarded to that group;
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from repro.watch_hooks import ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_SITE, ON_FINDING
+from repro.watch_ray import node_dirs, node_notes, ray_env
 from repro.watch_report import WatchReport, load_report, record_files
 
 EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -54,6 +58,7 @@ def watch_env(environ: dict[str, str], run_dir: Path, on_finding: str) -> dict[s
     env[ENV_DIR] = str(run_dir.resolve())
     env[ENV_ON_FINDING] = on_finding
     env[ENV_SITE] = site
+    env.update(ray_env(env))          # Ray workers on every node (repro/watch_ray.py)
     return env
 
 
@@ -139,7 +144,13 @@ def watch(command: list[str], run_dir: Path, on_finding: str) -> WatchReport:
     check_args(command, on_finding, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     result = run_command(command, watch_env(dict(os.environ), run_dir, on_finding))
-    return finish(load_report([run_dir]), command, result, on_finding)
+    return finish(with_ray_nodes(run_dir, load_report([run_dir, *node_dirs(run_dir)])), command, result, on_finding)
+
+
+def with_ray_nodes(run_dir: Path, rep: WatchReport) -> WatchReport:
+    """The report's processes of each Ray node, named in its notes."""
+    rep.notes += node_notes(run_dir, {p.record_file: p.pid for p in rep.processes})
+    return rep
 
 
 def merge(run_dirs: list[Path]) -> WatchReport:
@@ -149,6 +160,8 @@ def merge(run_dirs: list[Path]) -> WatchReport:
             raise WatchUsageError(f"{d}: not a directory")
         if not record_files([d]):
             raise WatchUsageError(f"{d}: holds no repro watch records (*.jsonl)")
-    rep = load_report(run_dirs)
+    rep = load_report([p for d in run_dirs for p in (d, *node_dirs(d))])
+    for d in run_dirs:
+        with_ray_nodes(d, rep)
     rep.exit = EXIT_FINDINGS if rep.findings else 0
     return rep

@@ -60,7 +60,7 @@ def junit_case(suite: ET.Element, tv: TrialView, name: str) -> str:
     case = ET.SubElement(suite, "testcase", classname=f"repro.{tv.scenario}", name=name,
                          time=f"{tv.seconds or 0.0:.3f}")
     add_properties(case, {"outcome": tv.outcome, "expected": tv.expected, "trial_id": tv.id,
-                          "device": tv.device or "-",
+                          "device": tv.device or "-", **({"node": tv.record.node} if tv.record.node else {}),
                           "graph_replayed": str(tv.record.graph_replayed).lower()})
     message = f"outcome {tv.outcome}, expected {tv.expected}"
     if not tv.met:
@@ -81,6 +81,13 @@ def junit_case(suite: ET.Element, tv: TrialView, name: str) -> str:
     return result
 
 
+def problem_case(suite: ET.Element, text: str) -> str:
+    """A merge's missing or duplicated shard: a failed case of its own, so CI shows it."""
+    case = ET.SubElement(suite, "testcase", classname="repro.merge", name=text.split(":")[0], time="0.000")
+    ET.SubElement(case, "failure", message=xml_text(text), type="SHARD").text = xml_text(text)
+    return "failure"
+
+
 def junit_xml(report: Report) -> str:
     rv: RunView = run_view(report)
     suites = ET.Element("testsuites", name="repro")
@@ -88,6 +95,7 @@ def junit_xml(report: Report) -> str:
     add_properties(suite, {"command": rv.command, "environment": rv.environment,
                            "interrupted": str(rv.interrupted).lower(), "schema": rv.schema})
     results = [junit_case(suite, tv, n) for tv, n in zip(rv.trials, junit_names(rv.trials))]
+    results += [problem_case(suite, text) for text in rv.problems]
     total = sum(tv.seconds or 0.0 for tv in rv.trials)
     counts = {"tests": str(len(results)), "failures": str(results.count("failure")), "errors": "0",
               "skipped": str(results.count("skipped")), "time": f"{total:.3f}"}

@@ -342,6 +342,7 @@ def census_fact(trial: TrialRecord) -> str | None:
 
 TRIAL_FACTS: tuple[tuple[str, Callable[[TrialRecord], Any]], ...] = (
     ("injected fault", fault_text),
+    ("node", lambda t: t.node),
     ("after-free", lambda t: (t.details.get("after_free") or {}).get("note")),
     ("knob writes", lambda t: (t.details.get("after_free") or {}).get("writes")),
     ("guard", guard_fact),
@@ -714,7 +715,19 @@ def summary_line(report: Report) -> str:
         text += f"; interrupted ({report.interrupted_by})" if report.interrupted_by else "; interrupted"
     if report.not_run:
         text += f"; {report.not_run} planned trial{'s' if report.not_run > 1 else ''} never ran"
-    return text
+    return text + shard_text(report)
+
+
+def shard_text(report: Report) -> str:
+    """Which part of the plan a shard's report covers, or which shards a merge joined (and what
+    was missing or doubled: each such problem fails the run)."""
+    shard = report.shard
+    if not shard:
+        return ""
+    if "merged" in shard:
+        text = f"; {len(shard['merged'])} of {shard['count']} shards merged"
+        return text + "".join(f"; FAILED: {p}" for p in report.shard_problems())
+    return f"; shard {shard['index']}/{shard['count']}: {len(shard['trials'])} of {len(shard['plan'])} planned trials"
 
 
 def environment_line(env: dict[str, Any]) -> str:
@@ -751,6 +764,7 @@ class RunView:
     interrupted: bool
     trials: list[TrialView]
     summary_columns: tuple[Column, ...] = SUMMARY_COLUMNS
+    problems: list[str] = field(default_factory=list)   # a merge's missing / duplicated shards
 
 
 def run_view(report: Report, link_base: Path | None = None) -> RunView:
@@ -759,4 +773,5 @@ def run_view(report: Report, link_base: Path | None = None) -> RunView:
     return RunView(environment=environment_line(env), environment_rows=environment_rows(env),
                    command=report.command, created=report.created, schema=report.schema,
                    summary=summary_line(report), all_met=report.all_met(), interrupted=report.interrupted,
-                   trials=[trial_view(i, t, link_base) for i, t in enumerate(report.trials)])
+                   trials=[trial_view(i, t, link_base) for i, t in enumerate(report.trials)],
+                   problems=report.shard_problems())
