@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Optional
 
@@ -24,11 +25,12 @@ import repro
 from repro import doctor, gpus, noise, report, runs
 from repro.config import AFTER_FREE, DEVICES, GUARD_MODES, ConfigError, preset_names
 from repro.files import write_text_atomic
-from repro.launch import RankServer
+from repro.interrupts import Interrupts, Terminated, checkpoint
+from repro.launch import RankServer, runs_trials
 from repro.outcome import Outcome, Report, to_jsonable
 from repro.preflight import check_outputs
 from repro.protocol import FAULTS
-from repro.runner import Planned, RunResult, Terminated, plan, run_planned
+from repro.runner import Planned, RunResult, plan, run_planned
 from repro.scenarios import SCENARIOS, RunKeySpec, ScenarioSpec
 from repro.watch_hooks import ON_FINDING
 
@@ -62,8 +64,23 @@ NO_ARGS = tuple(m.NoArgsIsHelpError for m in CLICK if hasattr(m, "NoArgsIsHelpEr
 ABORTS = tuple(m.Abort for m in CLICK if hasattr(m, "Abort")) + (KeyboardInterrupt,)
 
 
-def raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated()
+TRIAL_COMMANDS = frozenset(SCENARIOS) | {"matrix"}
+
+
+@dataclass
+class Session:
+    """What the program's start (repro/__main__.py) hands every command: the rank server it
+    started, if any, and the signal flag it installed (repro/interrupts.py)."""
+    server: RankServer | None = None
+    interrupts: Interrupts = field(default_factory=Interrupts)
+
+
+def interrupted_exit(interrupts: Interrupts) -> int:
+    if interrupts.signum == signal.SIGTERM:
+        sys.stderr.write("repro: terminated (SIGTERM)\n")
+        return EXIT_TERMINATED
+    sys.stderr.write("repro: interrupted\n")
+    return EXIT_INTERRUPTED
 
 
 class ReproGroup(TyperGroup):
@@ -71,13 +88,21 @@ class ReproGroup(TyperGroup):
 
     def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
-        # SIGTERM takes Ctrl-C's path (workers killed, partial report written); only the main
-        # thread may install a handler, and the previous one comes back afterwards.
-        main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, raise_terminated) if main_thread else None
+        # SIGTERM takes Ctrl-C's path (workers killed, partial report written). A command that
+        # runs trials only flags a signal (the runner polls it and the report is still
+        # written); any other gets Python's raising behaviour back once its name is known.
+        # Only the main thread may install handlers; those installed here are undone after.
+        session = extra.pop("obj", None) or Session()
+        interrupts = session.interrupts
+        own = threading.current_thread() is threading.main_thread() and not interrupts.installed
+        if own:
+            interrupts.install()
+        argv = list(sys.argv[1:] if args is None else args)
         try:
+            if not runs_trials(argv, TRIAL_COMMANDS):
+                interrupts.immediate()
             rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
-                              standalone_mode=False, **extra)
+                              standalone_mode=False, obj=session, **extra)
         except NO_ARGS as e:          # bare `repro`: the help itself, not an error line around it
             sys.stderr.write(e.format_message() + "\n")
             sys.exit(EXIT_USAGE)
@@ -88,13 +113,14 @@ class ReproGroup(TyperGroup):
         except ABORTS as e:
             # click turns a KeyboardInterrupt (Terminated is one) into Abort, keeping the cause.
             if isinstance(e, Terminated) or isinstance(e.__cause__, Terminated):
-                sys.stderr.write("repro: terminated (SIGTERM)\n")
-                sys.exit(EXIT_TERMINATED)
-            sys.stderr.write("repro: interrupted\n")
-            sys.exit(EXIT_INTERRUPTED)
+                interrupts.signum = interrupts.signum or signal.SIGTERM
+            sys.exit(interrupted_exit(interrupts))
         finally:
-            if main_thread:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+            if own:
+                interrupts.restore()
+        if interrupts.pending():
+            # A signal before the command got as far as a report (bad input, --print-config).
+            sys.exit(interrupted_exit(interrupts))
         sys.exit(rv if isinstance(rv, int) else EXIT_OK)
 
 
@@ -228,7 +254,8 @@ def exit_code(result: RunResult, allow_unsupported: bool = False) -> int:
 
 def execute(planned: list[Planned], artifacts: Path | None, json_path: str | None, junit: Path | None,
             html: Path | None, summary_only: bool = False, allow_unsupported: bool = False,
-            jobs: int = 1, server: RankServer | None = None) -> int:
+            jobs: int = 1, server: RankServer | None = None, interrupts: Interrupts | None = None) -> int:
+    interrupts = interrupts or Interrupts()
     for text in cpu_warnings(planned):
         warn(text)
     with report.Progress(stderr_console()) as progress:
@@ -236,7 +263,10 @@ def execute(planned: list[Planned], artifacts: Path | None, json_path: str | Non
             planned, artifacts or runs.default_root(dict(os.environ)),
             on_start=lambda tid, p: progress.add(tid, tid, p.cfg.run.steps),
             on_tick=lambda tid, n: progress.update(tid, n, "running"),
-            on_done=lambda t: progress.finish(t.id, t.outcome), jobs=jobs, server=server)
+            on_done=lambda t: progress.finish(t.id, t.outcome), jobs=jobs, server=server,
+            interrupts=interrupts)
+    checkpoint("report")
+    mark_interrupted(result, interrupts)
     console = results_console(json_path)
     if summary_only:
         report.render_summary(result.report, console)
@@ -244,14 +274,27 @@ def execute(planned: list[Planned], artifacts: Path | None, json_path: str | Non
     else:
         report.render_report(result.report, console)
     write_artifacts(result.report, json_path, junit, html)
+    # From here a signal changes nothing: the report and its files say how the run ended.
+    interrupts.settled = True
+    checkpoint("written")
     if result.run_dir is not None and runs.point_latest(result.run_dir):
         sys.stderr.write(f"repro: trial files in {result.run_dir} (also {result.run_dir.parent / runs.LATEST})\n")
     return exit_code(result, allow_unsupported)
 
 
+def mark_interrupted(result: RunResult, interrupts: Interrupts) -> None:
+    """A signal after the last trial ended but before the report is rendered still counts:
+    the run was cut short of its report, and the report says so."""
+    if interrupts.signum is not None and not result.interrupted:
+        result.interrupted = True
+        result.report.interrupted = True
+        result.report.interrupted_by = interrupts.name
+
+
 def run_scenario(scenario: str, config: str | None, run: dict[str, Any], sets: list[str] | None,
                  json_path: str | None, junit: Path | None, html: Path | None, artifacts: Path | None,
-                 print_config: bool, fault: str | None = None, server: RankServer | None = None) -> int:
+                 print_config: bool, fault: str | None = None, session: Session | None = None) -> int:
+    checkpoint("parsed")
     try:
         p = plan(scenario, config, run, sets or [], gpus.gpu_count())
         p.fault = parse_fault(fault)
@@ -264,7 +307,9 @@ def run_scenario(scenario: str, config: str | None, run: dict[str, Any], sets: l
         resolved = {**p.cfg.to_dict(), "device": p.device or f"UNSUPPORTED: {p.reason}"}
         sys.stdout.write(json.dumps(resolved, indent=2, allow_nan=False) + "\n")
         return EXIT_OK
-    return execute([p], artifacts, json_path, junit, html, server=server)
+    checkpoint("planned")
+    session = session or Session()
+    return execute([p], artifacts, json_path, junit, html, server=session.server, interrupts=session.interrupts)
 
 
 def scenario_command(spec: ScenarioSpec) -> Callable[..., int]:
@@ -335,6 +380,7 @@ def matrix(
 ) -> int:
     """CI smoke check: every scenario x mode with its expected outcome; exit 0 only if all hold."""
     from repro.matrix import listing, load_matrix, select
+    checkpoint("parsed")
     try:
         if jobs < 1:
             raise ConfigError(f"--jobs {jobs}: must be >= 1 (1 runs the trials one after another)")
@@ -347,8 +393,10 @@ def matrix(
     if list_:
         sys.stdout.write("".join(line + "\n" for line in listing(planned)))
         return EXIT_OK
+    checkpoint("planned")
     return execute(planned, artifacts, json_path, junit, html, summary_only=True,
-                   allow_unsupported=allow_unsupported, jobs=jobs, server=ctx.obj)
+                   allow_unsupported=allow_unsupported, jobs=jobs, server=ctx.obj.server,
+                   interrupts=ctx.obj.interrupts)
 
 
 @app.command("presets")
@@ -473,10 +521,11 @@ def report_watch(make_report, json_path, junit, html) -> int:
     return rep.exit
 
 
-def main(server: RankServer | None = None) -> None:
-    """server: a rank server already started for this command line (repro/__main__.py)."""
+def main(server: RankServer | None = None, interrupts: Interrupts | None = None) -> None:
+    """server: a rank server already started for this command line; interrupts: the signal
+    flag already installed (both by repro/__main__.py)."""
     noise.silence_known_warnings()
-    app(obj=server)
+    app(obj=Session(server, interrupts or Interrupts()))
 
 
 if __name__ == "__main__":

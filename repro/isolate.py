@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from repro import stacks
 from repro.config import TrialConfig, default_expectation
+from repro.interrupts import checkpoint
 from repro.launch import RankServer, ServerUnavailable, child_env
 from repro.outcome import (REPRODUCED, FirstFailure, Outcome, RankExit, TrialRecord, finding_from_dict,
                            manifest_from_dict, parse_expectation, speculative_metrics, step_from_dict, worst)
@@ -443,6 +444,7 @@ def run_trial(cfg: TrialConfig, device: str, out_root: Path, trial_id: str,
         stacks_path(out_dir, k).unlink(missing_ok=True)
     spawned_at = time.monotonic()
     ranks = spawn_ranks(spec, spec_path(out_dir), wrapper or [], env, server)
+    checkpoint("spawned")
     rank0_steps = StepCounter(records_path(out_dir, 0))
 
     def tick() -> None:
@@ -450,6 +452,7 @@ def run_trial(cfg: TrialConfig, device: str, out_root: Path, trial_id: str,
             on_tick(trial_id, rank0_steps.poll())
 
     waited = wait_group(ranks, cfg.run.deadline_s, spawned_at, tick, stop, str(out_dir))
+    checkpoint("ended")
     recs = read_records(out_dir, world)
     exits = [rank_exit(r, rr, str(out_dir), waited.stacks.get(r.rank, "")) for r, rr in zip(ranks, recs)]
     trial = build_record(trial_id, cfg, device, recs, exits, waited, str(out_dir), fault)
