@@ -28,7 +28,7 @@ from repro.files import write_text_atomic
 from repro.interrupts import Interrupts, Terminated, checkpoint
 from repro.launch import RankServer, runs_trials
 from repro.outcome import Outcome, Report, to_jsonable
-from repro.preflight import check_outputs
+from repro.preflight import check_outputs, refuse_ignored
 from repro.protocol import FAULTS
 from repro.runner import Planned, RunResult, plan, run_planned
 from repro.scenarios import SCENARIOS, RunKeySpec, ScenarioSpec
@@ -298,8 +298,11 @@ def run_scenario(scenario: str, config: str | None, run: dict[str, Any], sets: l
     try:
         p = plan(scenario, config, run, sets or [], gpus.gpu_count())
         p.fault = parse_fault(fault)
-        if not print_config:
-            check_outputs(json_path, junit, html, artifacts or runs.default_root(dict(os.environ)))
+        if print_config:
+            refuse_ignored("--print-config", {"--json": json_path, "--junit": junit, "--html": html,
+                                              "--artifacts": artifacts, "--inject-fault": fault})
+        else:
+            check_outputs(json_path, junit, html, artifacts, runs.default_root(dict(os.environ)))
     except ConfigError as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_USAGE
@@ -386,7 +389,11 @@ def matrix(
             raise ConfigError(f"--jobs {jobs}: must be >= 1 (1 runs the trials one after another)")
         _, planned = load_matrix(config, gpus.gpu_count())
         planned = select(planned, only or [], config)
-        check_outputs(json_path, junit, html, artifacts or runs.default_root(dict(os.environ)))
+        if list_:
+            refuse_ignored("--list", {"--json": json_path, "--junit": junit, "--html": html,
+                                      "--artifacts": artifacts, "--allow-unsupported": allow_unsupported})
+        else:
+            check_outputs(json_path, junit, html, artifacts, runs.default_root(dict(os.environ)))
     except ConfigError as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_USAGE
@@ -425,6 +432,11 @@ def doctor_cmd(
     vllm: Annotated[bool, typer.Option("--vllm", help="Also locate an installed vLLM (never imported).")] = False,
 ) -> int:
     """The environment: GPUs (NVML), topology, torch, CUDA, NCCL, vLLM. Exit 0 also without a GPU."""
+    try:
+        check_outputs(json_path, None, None, None)
+    except ConfigError as e:
+        sys.stderr.write(f"repro: error: {e}\n")
+        return EXIT_USAGE
     env = doctor.collect(include_vllm=vllm)
     if json_path == "-":
         sys.stdout.write(json.dumps(to_jsonable(env), indent=2) + "\n")
@@ -448,6 +460,7 @@ def vllm_audit(
         sys.stderr.write("repro: error: give --path or --wheel, not both\n")
         return EXIT_USAGE
     try:
+        check_outputs(json_path, None, None, None)
         for fix_id in require or []:
             audit.find_fix(fix_id)
         result = (audit.audit_directory(path) if path else
@@ -455,7 +468,7 @@ def vllm_audit(
     except audit.VllmNotInstalled as e:   # nothing wrong with the command: this environment lacks vLLM
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_ENV
-    except (audit.AuditError, KeyError, ValueError) as e:
+    except (audit.AuditError, ConfigError, KeyError, ValueError) as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_USAGE
     if json_path == "-":
@@ -494,8 +507,7 @@ def watch_cmd(
 ) -> int:
     """Run CMD unchanged with the stale-capture hooks in every Python process it starts: repro watch -- CMD [ARGS...]."""
     from repro import watch
-    return report_watch(lambda: watch.watch(list(ctx.args), run_dir or watch.default_run_dir(), on_finding),
-                        json_path, junit, html)
+    return report_watch(lambda: watch.watch(list(ctx.args), run_dir, on_finding), json_path, junit, html)
 
 
 @app.command("watch-report", epilog=WATCH_EXIT_CODES)
@@ -512,7 +524,11 @@ def report_watch(make_report, json_path, junit, html) -> int:
     """Build a watch report (running or merging), render it, write its files; its exit code."""
     from repro import watch, watch_report
     try:
+        check_outputs(json_path, junit, html, None)
         rep = make_report()
+    except ConfigError as e:
+        sys.stderr.write(f"repro: error: {e}\n")
+        return EXIT_USAGE
     except watch.WatchUsageError as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_USAGE

@@ -298,3 +298,35 @@ def test_injected_fault_exits_1_not_met(tmp_path, no_gpu):
     assert trial["injected_fault"] == {"kind": "ima-message", "rank": 0, "step": 0, "fired": True}
     report = re.sub(r"[│\s]+", " ", result.stderr)
     assert "injected fault ima-message on rank 0 at step 0 (fired; test hook): never counts as reproducing" in report
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["gemma4-mtp", "--json", "{tmp}/missing/dir/x.json"], "directory {tmp}/missing/dir does not exist; create it first"),
+    (["gemma4-mtp", "--html", "{tmp}/missing/x.html"], "directory {tmp}/missing does not exist"),
+    (["gemma4-mtp", "--artifacts", "{tmp}/missing/arts"], "directory {tmp}/missing does not exist"),
+    (["gemma4-mtp", "--json", "{tmp}/r", "--html", "{tmp}/r"], "--json and --html are the same file"),
+    (["matrix", "--junit", "{tmp}/r", "--json", "{tmp}/./r"], "--json and --junit are the same file"),
+    (["gemma4-mtp", "--print-config", "--json", "-"], "--print-config runs no trial, so --json would be ignored"),
+    (["gemma4-mtp", "--print-config", "--html", "{tmp}/r.html", "--artifacts", "{tmp}"],
+     "so --html, --artifacts would be ignored"),
+    (["matrix", "--list", "--junit", "{tmp}/r.xml"], "--list runs no trial, so --junit would be ignored"),
+    (["doctor", "--json", "{tmp}/missing/d.json"], "directory {tmp}/missing does not exist"),
+    (["vllm-audit", "--json", "{tmp}/missing/a.json"], "directory {tmp}/missing does not exist"),
+    (["watch", "--json", "{tmp}/missing/w.json", "--", "true"], "directory {tmp}/missing does not exist"),
+    (["watch", "--json", "{tmp}/w", "--html", "{tmp}/w", "--", "true"], "--json and --html are the same file"),
+])
+def test_output_paths_that_would_surprise_are_refused(args, needle, tmp_path, no_gpu):
+    args = [a.format(tmp=tmp_path) for a in args]
+    before = sorted(tmp_path.iterdir())
+    assert needle.format(tmp=tmp_path) in one_line_error(invoke(*args))
+    assert sorted(tmp_path.iterdir()) == before          # nothing created, no directory grown
+
+
+def test_default_run_folder_that_cannot_be_made_names_its_cause(tmp_path, monkeypatch, no_gpu):
+    # A cache path under a regular file: no user (root included) can make the folder there.
+    (tmp_path / "f").write_text("x")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "f" / "cache"))
+    line = one_line_error(invoke("gemma4-mtp", "--device", "cpu", "--steps", "1"))
+    assert f"cannot create the run folder {tmp_path}/f/cache/repro/runs" in line
+    assert f"{tmp_path}/f is a file, not a directory" in line and "XDG_CACHE_HOME" in line
+    assert "--artifacts DIR" in line and not line.startswith("repro: error: --artifacts")

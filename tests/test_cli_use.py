@@ -112,7 +112,7 @@ def test_watch_records_default_to_the_cache(monkeypatch, tmp_path):
 
 
 def test_matrix_list_names_every_trial_without_running(tmp_path, no_gpu):
-    result = invoke("matrix", "--list", "--artifacts", str(tmp_path))
+    result = invoke("matrix", "--list", env={"XDG_CACHE_HOME": str(tmp_path)})
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) == 10 and lines[0].startswith("00-gemma4-mtp-unfixed-tp2-release")
