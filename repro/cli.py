@@ -502,7 +502,7 @@ WatchHtmlOpt = Annotated[Optional[Path], typer.Option("--html", metavar="PATH", 
 def watch_cmd(
     ctx: typer.Context,
     on_finding: Annotated[choices(ON_FINDING), typer.Option("--on-finding", help="warn: record and let the replay run; raise: the replay raises StaleCaptureError naming the tensor, before the launch.")] = "warn",
-    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", metavar="DIR", help=with_default("Directory for the per-process records.", "$XDG_CACHE_HOME/repro/runs/watch-DATE-TIME, else under ~/.cache"))] = None,
+    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", metavar="DIR", help=with_default("Directory for the per-process records.", "a new folder $XDG_CACHE_HOME/repro/runs/watch-DATE-TIME-XXXXXXXX (else under ~/.cache), its own for each run"))] = None,
     json_path: JsonOpt = None, junit: WatchJunitOpt = None, html: WatchHtmlOpt = None,
 ) -> int:
     """Run CMD unchanged with the stale-capture hooks in every Python process it starts: repro watch -- CMD [ARGS...]."""
