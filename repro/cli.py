@@ -164,7 +164,18 @@ def cpu_warnings(planned: list[Planned]) -> list[str]:
                      "stale capture cannot be detected (use --guard warn, or run on a GPU)")
     if any(p.cfg.run.forensics for p in on_cpu):
         found.append("--forensics is ignored on CPU: CUDA memory history exists only on a GPU")
+    for preset, (scenario, deadline) in sorted(slow_on_cpu(on_cpu).items()):
+        found.append(f"{preset} on CPU: real model dimensions, slow here: set-up takes tens of seconds and "
+                     f"each step seconds (gemma4-e2b at TP 2 on a shared 2-core CPU: 19 s build, 3-28 s a step), so "
+                     f"a trial may reach its {deadline:g} s deadline (DEADLINE: no verdict); "
+                     f"{SCENARIOS[scenario].cpu_preset} is the CPU-sized preset, --deadline raises the budget")
     return found
+
+
+def slow_on_cpu(on_cpu: list[Planned]) -> dict[str, tuple[str, float]]:
+    """Trials on CPU with a scenario's real-dims preset: preset -> (scenario, its deadline)."""
+    return {p.cfg.preset: (p.cfg.scenario, p.cfg.run.deadline_s) for p in on_cpu
+            if p.cfg.preset == SCENARIOS[p.cfg.scenario].default_preset != SCENARIOS[p.cfg.scenario].cpu_preset}
 
 
 def with_default(text: str, default: str) -> str:
@@ -186,7 +197,8 @@ ShareGpuOpt = Annotated[Optional[bool], typer.Option("--share-gpu/--no-share-gpu
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", help=with_default("Seed of the weights and inputs; the same seed gives the same trial.", "0"))]
 GuardOpt = Annotated[Optional[choices(GUARD_MODES)], typer.Option("--guard", help=with_default("Stale-capture guard: off; warn records findings and keeps going; raise stops at the first.", "warn"))]
 DeviceOpt = Annotated[Optional[choices(DEVICES)], typer.Option("--device", help=with_default("auto: GPU if NVML sees one; cuda; cpu: gloo, no graphs, guard verdicts.", "auto"))]
-DeadlineOpt = Annotated[Optional[float], typer.Option("--deadline", metavar="SECONDS", help=with_default("Seconds before a trial counts as HANG and its group is killed.", "the preset's run.deadline_s"))]
+DeadlineOpt = Annotated[Optional[float], typer.Option("--deadline", metavar="SECONDS", help=with_default("The whole trial's budget: past it the group is killed; DEADLINE if it was still progressing, HANG if stuck.", "the preset's run.deadline_s"))]
+StallOpt = Annotated[Optional[float], typer.Option("--stall", metavar="SECONDS", help=with_default("Progress watchdog: no record from any rank for this long is a HANG (the stuck rank is blamed).", "the preset's run.stall_s, 60"))]
 ForensicsOpt = Annotated[Optional[bool], typer.Option("--forensics/--no-forensics", help=with_default("Record CUDA memory history; map stale addresses to alloc/free stacks; write snapshots.", "off"))]
 ExpectOpt = Annotated[Optional[str], typer.Option("--expect", metavar="clean|reproduced|OUTCOME[,OUTCOME]", help=with_default("The outcome that counts as met.", "the trial's documented outcome: mostly unfixed -> reproduced, fixed -> clean; `repro matrix --list` shows them"))]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE", help="Override any preset key, repeatable: --set run.steps=3 --set model.hidden_size=128.")]
@@ -327,7 +339,7 @@ def scenario_command(spec: ScenarioSpec) -> Callable[..., int]:
         options.append(("tp", TpOpt, None))
     options += [("steps", steps_opt(spec), None), ("seed", SeedOpt, None), ("after_free", after_free_opt(spec), None),
                 ("guard", GuardOpt, None), ("device", DeviceOpt, None), ("deadline", DeadlineOpt, None),
-                ("forensics", ForensicsOpt, None)]
+                ("stall", StallOpt, None), ("forensics", ForensicsOpt, None)]
     if spec.tensor_parallel:
         options.append(("share_gpu", ShareGpuOpt, None))
     options += [(k.name, run_key_opt(k), None) for k in spec.run_keys]
@@ -338,7 +350,7 @@ def scenario_command(spec: ScenarioSpec) -> Callable[..., int]:
     def command(**kw: Any) -> int:
         run = dict(mode=kw["mode"], tp=kw.get("tp"), steps=kw["steps"], seed=kw["seed"],
                    after_free=kw["after_free"], guard=kw["guard"], device=kw["device"],
-                   deadline_s=kw["deadline"], forensics=kw["forensics"], expect=kw["expect"],
+                   deadline_s=kw["deadline"], stall_s=kw["stall"], forensics=kw["forensics"], expect=kw["expect"],
                    **{k: kw[k] for k in spec.run_key_names})
         if spec.tensor_parallel:
             run["share_gpu"] = kw["share_gpu"]
@@ -364,9 +376,9 @@ for _spec in SCENARIOS.values():
 def selftest(
     ctx: typer.Context, tp: TpOpt = None, steps: steps_opt(SCENARIOS["selftest"]) = None, device: DeviceOpt = None, deadline: DeadlineOpt = None,
     json_path: JsonOpt = None, junit: JunitOpt = None, artifacts: ArtifactsOpt = None,
-    inject_fault: FaultOpt = None,
+    inject_fault: FaultOpt = None, stall: StallOpt = None,
 ) -> int:
-    run = dict(tp=tp, steps=steps, device=device, deadline_s=deadline)
+    run = dict(tp=tp, steps=steps, device=device, deadline_s=deadline, stall_s=stall)
     return run_scenario("selftest", None, run, [], json_path, junit, None, artifacts, False, inject_fault, ctx.obj)
 
 

@@ -49,7 +49,8 @@ class RunConfig:
     after_free: str = ""              # "" -> the scenario's default
     guard: str = "warn"
     device: str = "auto"
-    deadline_s: float = 180.0
+    deadline_s: float = 180.0         # the whole trial's budget: past it, DEADLINE (or HANG if stuck)
+    stall_s: float = 60.0             # no record from any rank this long: HANG (the progress watchdog)
     forensics: bool = False
     reload_drafter: bool = False      # gemma4-mtp: reload drafter weights after capture
     num_speculative_tokens: int = 0   # gemma4-mtp: drafts per decode step; 0 -> the scenario's default
@@ -230,6 +231,8 @@ def validate(cfg: TrialConfig) -> TrialConfig:
     check(r.seed >= 0, w, f"seed = {r.seed} must be >= 0")
     check(math.isfinite(r.deadline_s) and 0 < r.deadline_s <= MAX_DEADLINE_S, w,
           f"deadline_s = {r.deadline_s} must be > 0 and at most {MAX_DEADLINE_S:g} seconds (one week)")
+    check(math.isfinite(r.stall_s) and 0 < r.stall_s <= MAX_DEADLINE_S, w,
+          f"stall_s = {r.stall_s} must be > 0 and at most {MAX_DEADLINE_S:g} seconds (one week)")
     check(r.guard in GUARD_MODES, w, f"guard = {r.guard!r} is not one of {', '.join(GUARD_MODES)}")
     check(r.device in DEVICES, w, f"device = {r.device!r} is not one of {', '.join(DEVICES)}")
     check(not (r.share_gpu and r.device == "cpu"), w,

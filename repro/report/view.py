@@ -55,7 +55,10 @@ MEANINGS: dict[Outcome, str] = {
     Outcome.STALE_CAPTURE: "Captured memory was found freed, moved or reused{where} (by the guard or "
                            "the graph census) with no visible symptom yet: the bug is latent and shows "
                            "once the memory is reused.",
-    Outcome.HANG: "A rank passed its deadline{where} and the harness killed the process group.",
+    Outcome.HANG: "No rank made progress{where} (no record for the stall limit, or none by the deadline); "
+                  "the harness killed the process group.",
+    Outcome.DEADLINE: "The trial's deadline came while it was still progressing{where}: too slow for its "
+                      "budget, not stuck; no verdict, so not a pass.",
     Outcome.CRASH: "A rank exited abnormally{where} (signal or uncaught exception); its stderr tail says why.",
     Outcome.UNSUPPORTED: "This environment cannot run the trial (e.g. fewer GPUs than --tp): "
                          "nothing was tested, so this is not a pass.",
@@ -286,6 +289,8 @@ def met_cell(trial: TrialRecord) -> Cell:
         return Cell("skipped (not a pass)", SKIP) if trial.met else Cell("✗", BAD)
     if trial.outcome is Outcome.INTERRUPTED:
         return Cell("– interrupted", SKIP)
+    if trial.outcome is Outcome.DEADLINE:
+        return Cell("✗ no verdict", BAD)
     return Cell("✓", OK) if trial.met else Cell("✗", BAD)
 
 
@@ -295,6 +300,8 @@ def verdict_words(trial: TrialRecord) -> Cell:
         return Cell("not a pass: skipped, as expected", SKIP)
     if trial.outcome is Outcome.INTERRUPTED:
         return Cell("– interrupted: no verdict (not a pass)", SKIP)
+    if trial.outcome is Outcome.DEADLINE:
+        return Cell("✗ deadline reached: no verdict (not a pass)", BAD)
     mark = met_cell(trial)
     words = "met its expectation" if trial.met else "did NOT meet its expectation"
     return Cell(f"{mark.text} {words}", mark.tone)
