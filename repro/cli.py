@@ -23,7 +23,7 @@ from typer.core import TyperGroup
 
 import repro
 from repro import doctor, gpus, noise, report, runs
-from repro.config import AFTER_FREE, DEVICES, GUARD_MODES, ConfigError, preset_names
+from repro.config import AFTER_FREE, DEVICES, GUARD_MODES, ConfigError, override_sources, preset_names
 from repro.files import write_text_atomic
 from repro.interrupts import Interrupts, Terminated, checkpoint
 from repro.launch import RankServer, runs_trials
@@ -44,6 +44,11 @@ Exit codes:
   3    the environment cannot run what was asked (e.g. --tp 2 with one GPU): UNSUPPORTED
   130  interrupted (Ctrl-C); records produced so far are kept and reported
   143  terminated (SIGTERM, e.g. a CI cancel); handled like Ctrl-C"""
+
+
+# matrix has no --expect: each trial's expectation is in the matrix file.
+MATRIX_EXIT_CODES = EXIT_CODES.replace("(unfixed -> reproduced, fixed -> CLEAN; see --expect)",
+                                       "(the matrix file's expect; see --list)")
 
 
 def click_exception_modules() -> list[Any]:
@@ -83,6 +88,19 @@ def interrupted_exit(interrupts: Interrupts) -> int:
     return EXIT_INTERRUPTED
 
 
+def misplaced_option(group: Any, error: Exception) -> str | None:
+    """An option that exists, only not on this command (`nvfp4-reload --tp 2`): say where it
+    belongs, rather than click's nearest spellings of something else."""
+    name, ctx = getattr(error, "option_name", None), getattr(error, "ctx", None)
+    if not name or ctx is None or ctx.command is group:
+        return None
+    owners = [cmd for cmd, command in sorted(group.commands.items())
+              if any(name in p.opts or name in p.secondary_opts for p in command.params)]
+    if not owners:
+        return None
+    return f"{ctx.command.name} has no {name} option; {name} belongs to {', '.join(owners)}"
+
+
 class ReproGroup(TyperGroup):
     """Usage errors become one line and exit 2; Ctrl-C exits 130, SIGTERM 143; never a traceback."""
 
@@ -108,7 +126,8 @@ class ReproGroup(TyperGroup):
             sys.exit(EXIT_USAGE)
         except CLICK_ERRORS as e:
             # Choice checks go through pydantic, which prefixes "Value error, ": not ours to show.
-            sys.stderr.write(f"repro: error: {e.format_message().replace('Value error, ', '')}\n")
+            message = misplaced_option(self, e) or e.format_message().replace('Value error, ', '')
+            sys.stderr.write(f"repro: error: {message}\n")
             sys.exit(EXIT_USAGE)
         except ABORTS as e:
             # click turns a KeyboardInterrupt (Terminated is one) into Abort, keeping the cause.
@@ -308,7 +327,7 @@ def run_scenario(scenario: str, config: str | None, run: dict[str, Any], sets: l
                  print_config: bool, fault: str | None = None, session: Session | None = None) -> int:
     checkpoint("parsed")
     try:
-        p = plan(scenario, config, run, sets or [], gpus.gpu_count())
+        p = plan(scenario, config, run, sets or [], gpus.gpu_count(), override_sources(run, sets or []))
         p.fault = parse_fault(fault)
         if print_config:
             refuse_ignored("--print-config", {"--json": json_path, "--junit": junit, "--html": html,
@@ -382,7 +401,7 @@ def selftest(
     return run_scenario("selftest", None, run, [], json_path, junit, None, artifacts, False, inject_fault, ctx.obj)
 
 
-@app.command("matrix", epilog=EXIT_CODES)
+@app.command("matrix", epilog=MATRIX_EXIT_CODES)
 def matrix(
     ctx: typer.Context,
     config: Annotated[str, typer.Option("--config", "-c", metavar="NAME|FILE", help="Matrix file or name: ci-smoke (CPU), gpu-1, gpu-2.")] = "ci-smoke",

@@ -38,6 +38,10 @@ def load_matrix(path_or_name: str, gpus: int) -> tuple[str, list[Planned]]:
     path = resolve_preset_path(path_or_name)
     data = read_toml(path)
     unknown = set(data) - {"matrix", "trial"}
+    if "scenario" in data and "trial" not in data:
+        raise ConfigError(f"{path}: a scenario preset (for {data['scenario']}), not a matrix; run it with "
+                          f"`repro {data['scenario']} --config {path_or_name}`, or give a matrix "
+                          "(`repro presets` lists them)")
     if unknown:
         raise ConfigError(f"{path}: unknown top-level key {sorted(unknown)[0]!r}; allowed: [matrix], [[trial]]")
     head = data.get("matrix", {})

@@ -57,15 +57,17 @@ def resolve_device(requested: str, tp: int, gpus: int, share_gpu: bool = False) 
     return "cuda", ""
 
 
-def plan(scenario: str, preset: str | None, run: dict[str, Any], sets: list[str], gpus: int) -> Planned:
-    """Load the preset (the CPU preset when no preset was named and the run lands on CPU)."""
+def plan(scenario: str, preset: str | None, run: dict[str, Any], sets: list[str], gpus: int,
+         sources: dict[str, str] | None = None) -> Planned:
+    """Load the preset (the CPU preset when no preset was named and the run lands on CPU).
+    sources: which [run] keys the command line set (config.override_sources), for errors."""
     spec = SCENARIOS[scenario]
     requested = run.get("device") or "auto"
     tp = run.get("tp") or 1
     if preset is None:
         device, _ = resolve_device(requested, tp, gpus, bool(run.get("share_gpu")))
         preset = spec.cpu_preset if device == "cpu" else spec.default_preset
-    cfg = validate(apply_overrides(load_preset(preset, scenario), run, sets))
+    cfg = validate(apply_overrides(load_preset(preset, scenario), run, sets), sources)
     device, reason = resolve_device(cfg.run.device, cfg.run.tp, gpus, cfg.run.share_gpu)
     if device is not None:
         reason = fit_reason(cfg, device)

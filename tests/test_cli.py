@@ -53,9 +53,9 @@ def test_scenario_help_lists_exit_codes():
     (["gemma4-mtp", "--tp", "0", "--device", "cpu"], "tp = 0 must be >= 1"),
     (["gemma4-mtp", "--set", "model.vocab_size=4001", "--device", "cpu"], "not divisible"),
     (["gemma4-mtp", "--set", "oops"], "expected SECTION.KEY=VALUE"),
-    (["gemma4-mtp", "--identity-reload", "--device", "cpu"], "No such option"),
+    (["gemma4-mtp", "--identity-reload", "--device", "cpu"], "gemma4-mtp has no --identity-reload option; "
+                                                             "--identity-reload belongs to nvfp4-reload"),
     (["nvfp4-reload", "--config", "gemma4-tiny"], "preset is for scenario 'gemma4-mtp'"),
-    (["nvfp4-reload", "--tp", "2"], "No such option"),
     (["gemma4-mtp", "--expect", "works", "--device", "cpu"], "expectation 'works'"),
     (["matrix", "--config", "/nope.toml"], "does not exist"),
     (["matrix", "--jobs", "0"], "--jobs 0: must be >= 1"),
@@ -330,3 +330,24 @@ def test_default_run_folder_that_cannot_be_made_names_its_cause(tmp_path, monkey
     assert f"cannot create the run folder {tmp_path}/f/cache/repro/runs" in line
     assert f"{tmp_path}/f is a file, not a directory" in line and "XDG_CACHE_HOME" in line
     assert "--artifacts DIR" in line and not line.startswith("repro: error: --artifacts")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["gemma4-mtp", "--config", "."], "config . is a directory; give a preset name"),
+    (["matrix", "--config", "gemma4-tiny"], "a scenario preset (for gemma4-mtp), not a matrix; run it with "
+                                            "`repro gemma4-mtp --config gemma4-tiny`"),
+    (["gemma4-mtp", "--config", "ci-smoke"], "a matrix, not a scenario preset; run it with `repro matrix"),
+    (["nvfp4-reload", "--tp", "2"], "nvfp4-reload has no --tp option; --tp belongs to gemma4-mtp, selftest"),
+    (["gemma4-mtp", "--tp", "0", "--device", "cpu"], "repro: error: --tp 0: tp = 0 must be >= 1"),
+    (["gemma4-mtp", "--set", "run.steps=0", "--device", "cpu"], "repro: error: --set run.steps=0: steps = 0"),
+    (["gemma4-mtp", "--stall", "0", "--device", "cpu"], "repro: error: --stall 0.0: stall_s = 0.0 must be > 0"),
+])
+def test_messages_point_at_what_the_user_did(args, needle):
+    line = one_line_error(invoke(*args))
+    assert needle in line
+    assert "gemma4-tiny: tp" not in line and "Possible options" not in line
+
+
+def test_matrix_help_names_no_option_it_lacks():
+    text = invoke("matrix", "--help").stdout
+    assert "--expect" not in text and "the matrix file's expect" in text
