@@ -289,12 +289,18 @@ def execute(planned: list[Planned], artifacts: Path | None, json_path: str | Non
     interrupts = interrupts or Interrupts()
     for text in cpu_warnings(planned):
         warn(text)
+    started: set[str] = set()          # a trial that cannot run here is not shown as started
+
+    def on_start(tid: str, p: Planned) -> None:
+        if p.device is not None:
+            started.add(tid)
+            progress.add(tid, tid, p.cfg.run.steps)
+
     with report.Progress(stderr_console()) as progress:
         result = run_planned(
-            planned, artifacts or runs.default_root(dict(os.environ)),
-            on_start=lambda tid, p: progress.add(tid, tid, p.cfg.run.steps),
+            planned, artifacts or runs.default_root(dict(os.environ)), on_start=on_start,
             on_tick=lambda tid, n: progress.update(tid, n, "running"),
-            on_done=lambda t: progress.finish(t.id, t.outcome), jobs=jobs, server=server,
+            on_done=lambda t: t.id in started and progress.finish(t.id, t.outcome), jobs=jobs, server=server,
             interrupts=interrupts)
     checkpoint("report")
     mark_interrupted(result, interrupts)
@@ -431,6 +437,10 @@ def matrix(
     if list_:
         sys.stdout.write("".join(line + "\n" for line in listing(planned)))
         return EXIT_OK
+    reasons = sorted({p.reason for p in planned if p.device is None})
+    if reasons and all(p.device is None for p in planned):
+        hint = "; without a GPU, `repro matrix` runs the CPU matrix (ci-smoke)" if gpus.gpu_count() == 0 else ""
+        warn(f"no trial of {config} can run here ({'; '.join(reasons)}){hint}")
     checkpoint("planned")
     return execute(planned, artifacts, json_path, junit, html, summary_only=True,
                    allow_unsupported=allow_unsupported, jobs=jobs, server=ctx.obj.server,

@@ -148,3 +148,14 @@ def test_vllm_audit_without_vllm_is_environment_exit_3(monkeypatch):
                         lambda name, *a: None if name == "vllm" else find_spec(name, *a))
     result = invoke("vllm-audit")
     assert result.exit_code == 3 and "vllm is not installed" in result.stderr
+
+
+def test_gpu_matrix_on_cpu_says_why_once_and_points_at_ci_smoke(no_gpu):
+    result = invoke("matrix", "--config", "gpu-2")
+    assert result.exit_code == 3
+    reason = "no CUDA GPU is visible"
+    assert result.stdout.count(reason) == 1, result.stdout
+    assert "23 trials (00-22): UNSUPPORTED (not run, not a pass)" in result.stdout
+    assert len(result.stdout.splitlines()) <= 5
+    assert "`repro matrix` runs the CPU matrix (ci-smoke)" in flat(result.stderr)
+    assert "started" not in result.stderr                 # nothing was started

@@ -718,3 +718,30 @@ def test_summary_is_a_table_only_where_every_column_fits_whole(width):
         for header in ("scenario", "mode", "config", "outcome", "expected", "met", "seconds"):
             assert header in summary.splitlines()[1], header
     assert "9005/131072 elements above tolerance" in re.sub(r"\s+", " ", summary)
+
+
+def test_one_finding_per_rank_is_one_group_with_its_ranks():
+    """gemma4-mtp at TP 2: each rank finds the same dead local; one headline names both ranks."""
+    trial = illegal_address_trial()
+    base = trial.guard_findings[0]
+    trial.guard_findings = [Finding(**{**base.__dict__, "rank": r, "old_ptr": base.old_ptr + r * 4096,
+                                       "message": f"rank {r}: the storage has been freed"}) for r in (0, 1)]
+    text = trial_text(trial)
+    assert text.count(f"FREED {SLOT}") == 1 and "ranks 0, 1 · 2 findings" in text
+    assert "(rank 0; 2 storages in all)" in text
+    assert "rank 0: the storage has been freed" in text
+
+
+def test_repeated_mistake_shows_its_message_once():
+    """nvfp4-reload: every tensor of the rebuilt kernel, dropped at one line; one message."""
+    trial = illegal_address_trial()
+    base = trial.guard_findings[0]
+    trial.guard_findings = [Finding(**{**base.__dict__, "slot": f"moe.kernel.{name}", "old_ptr": base.old_ptr + i,
+                                       "message": "Replaying will read freed memory: keep the tensor alive"})
+                            for i, name in enumerate(("expert_map", "workspace13", "w13_alpha"))]
+    text = trial_text(trial)
+    assert "Findings (3 in 3 groups)" in text
+    assert text.count("Replaying will read freed memory") == 1
+    assert "each finding's message is in --json and --html" in text
+    for name in ("expert_map", "workspace13", "w13_alpha"):
+        assert f"FREED moe.kernel.{name}" in text

@@ -65,17 +65,22 @@ def facts_grid(facts, indent: int = 0) -> RenderableType:
 
 
 def findings_block(tv: TrialView) -> list[RenderableType]:
-    """Per dead storage: a headline, then its facts in a hanging-indent grid."""
+    """Per problem (a group of findings): a headline with its ranks and count, then its facts in
+    a hanging-indent grid. The message, which says in a sentence what the facts say, is shown
+    for the first group only (every one is in --json and --html)."""
     title = Text(f"Findings ({tv.findings_total}", style="bold")
     groups = len(tv.findings) + tv.hidden_finding_groups
-    title.append(f" across {groups} storages)" if groups > 1 else ")")
+    title.append(f" in {groups} groups)" if groups > 1 else ")")
     out: list[RenderableType] = [title]
-    for fv in tv.findings:
-        headline = Text.assemble((fv.status.upper(), STYLES[fv.tone]), " ", (fv.slot, "bold"), f"  rank {fv.rank}")
+    for i, fv in enumerate(tv.findings):
+        headline = Text.assemble((fv.status.upper(), STYLES[fv.tone]), " ", (fv.slot, "bold"), f"  {fv.where}")
         out.append(Padding(headline, (0, 0, 0, 2)))     # a wrapped slot name hangs under itself
-        out.append(facts_grid(fv.facts, indent=4))
+        facts = fv.facts if i == 0 else [f for f in fv.facts if f.label != "message"]
+        out.append(facts_grid(facts, indent=4))
+    if len(tv.findings) > 1 and any(f.label == "message" for fv in tv.findings[1:] for f in fv.facts):
+        out.append(Text("  each finding's message is in --json and --html", style="dim"))
     if tv.hidden_finding_groups:
-        out.append(Text(f"  {tv.hidden_finding_groups} more storages hidden (all are in --json)", style="dim"))
+        out.append(Text(f"  {tv.hidden_finding_groups} more groups hidden (all are in --json)", style="dim"))
     return out
 
 
@@ -244,7 +249,16 @@ def summary_grid(rv: RunView) -> Table:
     grid = Table.grid(padding=(0, 1))
     grid.add_column(no_wrap=True)
     grid.add_column(overflow="fold")
+    skipped = unsupported_by_reason(rv.trials)
     for tv in rv.trials:
+        same = skipped.get(tv.first_failure_short, [])
+        if tv.outcome == Outcome.UNSUPPORTED.value and len(same) > 1:
+            if tv is same[0]:                  # one entry for every trial skipped for this reason
+                line = Text.assemble((f"{len(same)} trials", "bold"), f" ({trial_numbers(same)}): ",
+                                     (tv.outcome, STYLES[tv.tone]), (" (not run, not a pass)", "dim"),
+                                     "\n" + tv.first_failure_short)
+                grid.add_row(Text("✗", style=STYLES[BAD]), line)
+            continue
         line = Text.assemble((f"{tv.scenario} {tv.mode}", "bold"), f" {tv.config}: ",
                              (tv.outcome, STYLES[tv.tone]), (f" (expected {tv.expected})", "dim"))
         if tv.seconds is not None:
@@ -254,6 +268,22 @@ def summary_grid(rv: RunView) -> Table:
         mark = tv.met_mark
         grid.add_row(Text("–" if mark.tone == SKIP else mark.text, style=STYLES[mark.tone]), line)
     return grid
+
+
+def unsupported_by_reason(trials: list[TrialView]) -> dict[str, list[TrialView]]:
+    groups: dict[str, list[TrialView]] = {}
+    for tv in trials:
+        if tv.outcome == Outcome.UNSUPPORTED.value:
+            groups.setdefault(tv.first_failure_short, []).append(tv)
+    return groups
+
+
+def trial_numbers(trials: list[TrialView]) -> str:
+    """'00-22' for a run of consecutive trial numbers, else '00, 03, 07'."""
+    numbers = [int(tv.id.split("-", 1)[0]) if tv.id[:2].isdigit() else tv.index for tv in trials]
+    if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
+        return f"{numbers[0]:02d}-{numbers[-1]:02d}"
+    return ", ".join(f"{n:02d}" for n in numbers)
 
 
 def print_summary(rv: RunView, console: Console) -> None:

@@ -19,6 +19,7 @@ from urllib.parse import quote
 
 from repro.scenarios import SCENARIO_RUN_KEYS, SCENARIOS
 from repro.outcome import Finding, FirstFailure, Outcome, RankExit, Report, StepRecord, TrialRecord
+from repro.report.groups import FindingGroup, group_findings
 from repro.report.fmt import (
     fmt_bytes, fmt_expected, fmt_float, fmt_ptr, fmt_seconds, fmt_value, plain, tail, unique,
 )
@@ -371,22 +372,39 @@ def trial_facts(trial: TrialRecord) -> list[Fact]:
 # Findings (guard and census)
 
 
-def group_findings(findings: list[Finding]) -> list[list[Finding]]:
-    """Findings grouped per storage: one dead tensor shows up once for every graph that captured it."""
-    groups: dict[tuple, list[Finding]] = {}
-    for f in findings:
-        groups.setdefault((f.rank, f.slot, f.old_ptr, f.status, f.new_ptr), []).append(f)
-    return list(groups.values())
+# Findings are grouped by problem (repro/report/groups.py): one dead tensor in every graph and
+# on every rank, or one mistake repeated across layers, is one group and one headline.
 
 
 def finding_address(f: Finding) -> str:
     return fmt_ptr(f.old_ptr) + (f" → {fmt_ptr(f.new_ptr)}" if f.new_ptr is not None else "")
 
 
+def group_address(g: FindingGroup) -> str:
+    """The first member's address; the others have their own (each rank its own copy)."""
+    text = finding_address(g.first)
+    storages = len({(f.rank, f.old_ptr) for f in g.findings})
+    if storages > 1:
+        text += f" (rank {g.first.rank}; {storages} storages in all)"
+    return text
+
+
 def seen_text(group: list[Finding]) -> str:
     graphs = unique(x.graph for x in group)
     where = f" in {len(graphs)} graphs: " if len(graphs) > 1 else " in graph "
     return " | ".join(unique(x.when for x in group)) + where + ", ".join(graphs)
+
+
+def names_text(g: FindingGroup) -> str | None:
+    names = g.names()
+    if len(names) < 2:
+        return None
+    shown = ", ".join(names[:3])
+    return shown + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+
+
+def ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 # Per dead storage, in reading order; a value of None or "" leaves the line out.
@@ -412,16 +430,17 @@ def block_text(f: Finding) -> str | None:
             f"{c['status']} ({c['how']})")
 
 
-FINDING_FACTS: tuple[tuple[str, Callable[[list[Finding]], Any]], ...] = (
-    ("address", lambda g: finding_address(g[0])),
-    ("tensor", lambda g: tensor_text(g[0])),
-    ("seen by", lambda g: g[0].mechanism),
-    ("seen", seen_text),
-    ("created at", lambda g: g[0].created_at),
-    ("freed at", lambda g: g[0].freed_at),
-    ("captured by", lambda g: captured_by_text(g[0])),
-    ("block", lambda g: block_text(g[0])),
-    ("disagreement", lambda g: g[0].disagreement),
+FINDING_FACTS: tuple[tuple[str, Callable[[FindingGroup], Any]], ...] = (
+    ("names", names_text),
+    ("address", group_address),
+    ("tensor", lambda g: tensor_text(g.first)),
+    ("seen by", lambda g: g.mechanism),
+    ("seen", lambda g: seen_text(g.findings)),
+    ("created at", lambda g: g.first.created_at),
+    ("freed at", lambda g: g.freed_at),
+    ("captured by", lambda g: captured_by_text(g.first)),
+    ("block", lambda g: block_text(g.first)),
+    ("disagreement", lambda g: g.first.disagreement),
 )
 
 
@@ -435,23 +454,31 @@ def stack_facts(label: str, stack: list[str]) -> list[Fact]:
 
 @dataclass
 class FindingView:
-    """One dead storage (all the graphs that captured it)."""
+    """One problem: a group of findings (every graph, rank and layer that shows it)."""
     status: str
-    slot: str
-    rank: int
+    slot: str                 # the name, or its pattern when the members' names differ
+    rank: int                 # the first member's
     tone: str
     facts: list[Fact]
+    ranks: str = ""           # "rank 0" | "ranks 0, 1"
+    count: int = 1            # findings in the group
+
+    @property
+    def where(self) -> str:
+        return self.ranks + (f" · {self.count} findings" if self.count > 1 else "")
 
 
-def finding_view(group: list[Finding]) -> FindingView:
-    f = group[0]
+def finding_view(group: FindingGroup) -> FindingView:
+    f = group.first
     facts = [Fact(label, plain(str(value))) for label, get in FINDING_FACTS
              if (value := get(group)) not in (None, "")]
     facts += stack_facts("alloc stack", f.alloc_stack) + stack_facts("free stack", f.free_stack)
     if f.message:
         facts.append(Fact("message", plain(f.message)))
-    return FindingView(status=f.status, slot=plain(f.slot), rank=f.rank,
-                       tone=BAD if f.status == "freed" else WARN, facts=facts)
+    slot = f.slot if len(group.names()) == 1 else group.pattern
+    return FindingView(status=f.status, slot=plain(slot), rank=f.rank,
+                       tone=BAD if f.status == "freed" else WARN, facts=facts,
+                       ranks=ranks_text(group.ranks() or [f.rank]), count=group.count)
 
 
 # ---------------------------------------------------------------------------------------------
