@@ -183,6 +183,9 @@ def cpu_warnings(planned: list[Planned]) -> list[str]:
                      "stale capture cannot be detected (use --guard warn, or run on a GPU)")
     if any(p.cfg.run.forensics for p in on_cpu):
         found.append("--forensics is ignored on CPU: CUDA memory history exists only on a GPU")
+    if any(p.cfg.run.share_gpu for p in on_cpu):
+        found.append("--share-gpu has no effect on CPU (no GPU here): the ranks share the host over gloo "
+                     "as every CPU run does")
     for preset, (scenario, deadline) in sorted(slow_on_cpu(on_cpu).items()):
         found.append(f"{preset} on CPU: real model dimensions, slow here: set-up takes tens of seconds and "
                      f"each step seconds (gemma4-e2b at TP 2 on a shared 2-core CPU: 19 s build, 3-28 s a step), so "
@@ -299,7 +302,7 @@ def execute(planned: list[Planned], artifacts: Path | None, json_path: str | Non
     with report.Progress(stderr_console()) as progress:
         result = run_planned(
             planned, artifacts or runs.default_root(dict(os.environ)), on_start=on_start,
-            on_tick=lambda tid, n: progress.update(tid, n, "running"),
+            on_tick=lambda tid, n: progress.update(tid, n),
             on_done=lambda t: t.id in started and progress.finish(t.id, t.outcome), jobs=jobs, server=server,
             interrupts=interrupts)
     checkpoint("report")

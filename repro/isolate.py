@@ -339,14 +339,29 @@ def current_step(recs: RankRecords) -> int | None:
     return max(steps) if steps else None
 
 
+DETAIL_CHARS = 600
+
+
+def clip(text: str, limit: int = DETAIL_CHARS) -> str:
+    """At most `limit` characters, never ending mid-sentence: whole sentences where they fit,
+    else whole words and an ellipsis (the record keeps the whole error)."""
+    if len(text) <= limit:
+        return text
+    head = text[:limit]
+    end = max(head.rfind(". "), head.rfind("; "))
+    if end > limit // 2:
+        return head[:end + 1].rstrip(";") + " …"
+    return head.rsplit(" ", 1)[0].rstrip(" ,;:(") + " …"
+
+
 def crash_detail(ex: RankExit) -> str:
     if ex.error:
-        return ex.error.splitlines()[0][:300]
+        return clip(ex.error.splitlines()[0])
     if ex.signal:
         return f"killed by {ex.signal}"
     lines = [ln.strip() for ln in ex.stderr_tail.splitlines() if ln.strip()]
     telling = [ln for ln in lines if any(p.search(ln) for _, p in ERROR_PATTERNS)]
-    return (telling or lines or [f"exit code {ex.exitcode}"])[-1][:300]
+    return clip((telling or lines or [f"exit code {ex.exitcode}"])[-1])
 
 
 def classify(cfg: TrialConfig, recs: list[RankRecords], exits: list[RankExit], waited: Waited

@@ -351,3 +351,30 @@ def test_messages_point_at_what_the_user_did(args, needle):
 def test_matrix_help_names_no_option_it_lacks():
     text = invoke("matrix", "--help").stdout
     assert "--expect" not in text and "the matrix file's expect" in text
+
+
+def test_small_truths_of_a_cpu_run(tmp_path, no_gpu):
+    """--share-gpu on a machine without GPUs is said to do nothing; the step table's count is
+    tokens (beside the graph a step used), and progress past the last step says finishing."""
+    result = invoke("gemma4-mtp", "--tp", "2", "--steps", "2", "--share-gpu", "--artifacts", str(tmp_path))
+    assert result.exit_code == 0, result.stderr
+    assert "repro: warning: --share-gpu has no effect on CPU" in result.stderr
+    assert "· tokens " in result.stdout or " tokens " in result.stdout
+    assert "· batch " not in result.stdout
+    assert "2/2 steps done · finishing" in result.stderr and "2/2 steps done · running" not in result.stderr
+
+
+def test_guard_raise_failure_text_ends_with_its_sentence(tmp_path, no_gpu):
+    result = invoke("gemma4-mtp", "--tp", "2", "--steps", "1", "--guard", "raise", "--artifacts", str(tmp_path),
+                    "--json", "-")
+    detail = json.loads(result.stdout)["trials"][0]["first_failure"]["detail"]
+    assert detail.startswith("StaleCaptureError:") and detail.endswith("re-capture after it changes.")
+
+
+def test_clip_never_ends_mid_sentence():
+    from repro.isolate import clip
+    text = "First sentence is here. " * 40
+    out = clip(text, 100)
+    assert len(out) <= 102 and out.endswith("here. …")
+    assert clip("one two three four five six", 15) == "one two three …"
+    assert clip("short", 100) == "short"

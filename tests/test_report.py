@@ -436,8 +436,20 @@ def test_progress_without_a_terminal_prints_plain_lines():
     lines = out.splitlines()
     assert len(lines) == 4
     assert lines[0] == "[t1] started gemma4-mtp unfixed tp=2 with a long label that must not wrap (8 steps)"
-    assert lines[1] == "[t1] step 1/8 replay [bs=16]"
+    assert lines[1] == "[t1] 1/8 steps done · replay [bs=16]"
     assert lines[3].startswith("[t1] finished ILLEGAL_ADDRESS in ")
+
+
+def test_progress_past_the_last_step_says_finishing_not_running():
+    stream = io.StringIO()
+    with rp.Progress(Console(file=stream, width=80, force_terminal=False)) as progress:
+        progress.add("t1", "selftest", 6)
+        progress.update("t1", 0)
+        progress.update("t1", 3)
+        progress.update("t1", 6)
+    lines = stream.getvalue().splitlines()
+    assert lines[1:] == ["[t1] 0/6 steps done · running", "[t1] 3/6 steps done · running",
+                         "[t1] 6/6 steps done · finishing"]
 
 
 def test_progress_on_a_terminal_uses_the_live_display():
@@ -546,7 +558,7 @@ def test_steps_table_at_80_columns_keeps_every_header_and_number_whole():
     assert "…" not in table.replace("… ", "")          # only the hidden-rows marker
     header = " ".join(table.splitlines()[1:3])
     left_out = text[text.index("columns left out at 80 characters:"):].splitlines()[0]
-    for name, words in (("step", ["step"]), ("rank", ["rank"]), ("label", ["label"]), ("batch", ["batch"]),
+    for name, words in (("step", ["step"]), ("rank", ["rank"]), ("label", ["label"]), ("tokens", ["tokens"]),
                         ("replayed", ["replayed"]), ("nonfinite/numel", ["nonfinite", "/numel"]),
                         ("mismatches/compared", ["mismatches", "/compared"]), ("max abs err", ["max abs", "err"]),
                         ("rel err", ["rel err"]), ("tolerance", ["tolerance"]), ("ms", [" ms"])):
@@ -745,3 +757,15 @@ def test_repeated_mistake_shows_its_message_once():
     assert "each finding's message is in --json and --html" in text
     for name in ("expert_map", "workspace13", "w13_alpha"):
         assert f"FREED moe.kernel.{name}" in text
+
+
+def test_freed_storage_renamed_is_explained_beside_the_manifest():
+    from repro.outcome import Manifest
+    trial = illegal_address_trial()
+    base = trial.guard_findings[0]
+    trial.guard_findings = [Finding(**{**base.__dict__, "new_ptr": base.old_ptr + 4096})]
+    trial.manifests = [Manifest(when="after reload 0", rank=0, freed=1, moved=0, rebound=0, unchanged=3)]
+    text = trial_text(trial)
+    assert "counted as freed" in text and "rebound" in text
+    trial.guard_findings = [base]                            # no new tensor behind the name: no note
+    assert "counted as freed" not in trial_text(trial)

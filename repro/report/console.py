@@ -148,6 +148,8 @@ def table_block(tv: TableView, console: Console) -> list[RenderableType]:
     if dropped:
         out.append(Text(f"columns left out at {console.width} characters: {', '.join(dropped)} "
                         "(all in --json and --html)", style="dim"))
+    if tv.note:
+        out.append(Text(tv.note, style="dim"))
     if tv.hidden:
         shown = len([r for r in tv.rows if not r.gap])
         out.append(Text(f"showing {shown} of {len(tv.all_rows)} rows, {tv.hidden} rows hidden; {tv.summary}",

@@ -493,7 +493,7 @@ STEP_COLUMNS: tuple[Column, ...] = (
     Column("step", "step", lambda s: cell(s.step), numeric=True),
     Column("rank", "rank", lambda s: cell(s.rank), numeric=True),
     Column("label", "label", lambda s: cell(s.label), wrap=True),
-    Column("batch", "batch", lambda s: cell(s.batch), numeric=True, fold=True, drop=3),
+    Column("batch", "tokens", lambda s: cell(s.batch), numeric=True, fold=True, drop=3),
     Column("replayed", "replayed", lambda s: Cell("graph") if s.replayed else Cell("eager", WARN), fold=True),
     Column("nonfinite", "nonfinite/numel", lambda s: Cell(f"{s.nonfinite}/{s.numel}", BAD if s.nonfinite else ""),
            numeric=True, stacked="nonfinite\n/numel"),
@@ -553,6 +553,7 @@ class TableView:
     all_rows: list[Row] = field(default_factory=list)             # every row, when some are hidden
     hidden: int = 0
     summary: str = ""
+    note: str = ""            # a line under the table, where a count would otherwise mislead
 
 
 def table_rows(columns: tuple[Column, ...] | list[Column], items: list[Any],
@@ -685,6 +686,16 @@ def artifact_href(path: str, link_base: Path | None) -> str:
     return quote(Path(rel).as_posix())
 
 
+def manifest_note(trial: TrialRecord) -> str:
+    """A finding may say a name now points at another tensor while `rebound` reads 0: each
+    storage is counted once, and freed outranks rebound. Said where that happens."""
+    renamed = {(f.rank, f.slot) for f in trial.guard_findings if f.status == "freed" and f.new_ptr is not None}
+    if not renamed:
+        return ""
+    return (f"each storage is counted once, freed before rebound: the {len(renamed)} freed storage(s) whose "
+            "name now points at another tensor are counted as freed")
+
+
 def trial_view(index: int, trial: TrialRecord, link_base: Path | None = None) -> TrialView:
     groups = group_findings(trial.guard_findings)
     return TrialView(
@@ -700,7 +711,8 @@ def trial_view(index: int, trial: TrialRecord, link_base: Path | None = None) ->
         findings=[finding_view(g) for g in groups[:MAX_FINDING_GROUPS]],
         hidden_finding_groups=max(0, len(groups) - MAX_FINDING_GROUPS),
         manifests=TableView("Captured storages after reloads", list(MANIFEST_COLUMNS),
-                            table_rows(MANIFEST_COLUMNS, trial.manifests)) if trial.manifests else None,
+                            table_rows(MANIFEST_COLUMNS, trial.manifests),
+                            note=manifest_note(trial)) if trial.manifests else None,
         steps=steps_view(trial.steps) if trial.steps else None,
         timings=[(k, fmt_seconds(v)) for k, v in ordered_timings(trial.timings)],
         notes=[plain(n) for n in trial.notes],
