@@ -10,6 +10,7 @@ import importlib
 import inspect
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -162,12 +163,12 @@ def root(version: Annotated[bool, typer.Option("--version", is_eager=True, callb
 
 
 def stderr_console() -> Console:
-    return Console(stderr=True)
+    return report.output_console(stderr=True)
 
 
 def results_console(json_path: str | None) -> Console:
     """stdout, unless `--json -` holds it: then the human report goes to stderr."""
-    return stderr_console() if json_path == "-" else Console()
+    return stderr_console() if json_path == "-" else report.output_console()
 
 
 def warn(text: str) -> None:
@@ -460,13 +461,15 @@ def presets_cmd(
         if name:
             sys.stdout.write(resolve_preset_path(name).read_text())
             return EXIT_OK
-        rows = describe_presets()
+        names = max(len(n) for n in preset_names())
+        # The terminal's width (COLUMNS where set); 80 in a pipe.
+        columns = shutil.get_terminal_size((80, 24)).columns
+        rows = describe_presets(limit=max(20, columns - names - 18))
     except ConfigError as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_USAGE
-    width = max(len(n) for n, _, _ in rows)
     sys.stdout.write(f"presets in {CONFIG_DIR}:\n")
-    sys.stdout.write("".join(f"  {n:<{width}}  {kind:<12}  {text}\n" for n, kind, text in rows))
+    sys.stdout.write("".join(f"  {n:<{names}}  {kind:<12}  {text}".rstrip() + "\n" for n, kind, text in rows))
     return EXIT_OK
 
 

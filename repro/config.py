@@ -98,14 +98,15 @@ def preset_names() -> list[str]:
     return sorted(f.stem for f in CONFIG_DIR.glob("*.toml"))
 
 
-def describe_presets() -> list[tuple[str, str, str]]:
-    """(name, what it is for: a scenario or 'matrix', the first line of its description)."""
+def describe_presets(limit: int = 44) -> list[tuple[str, str, str]]:
+    """(name, what it is for: a scenario or 'matrix', its description's first sentence, cut at
+    `limit` characters: what the listing has room for)."""
     rows = []
     for name in preset_names():
         data = read_toml(CONFIG_DIR / f"{name}.toml")
         kind = data.get("scenario") or ("matrix" if "trial" in data else "?")
         text = " ".join(str(data.get("description") or data.get("matrix", {}).get("description") or "").split())
-        rows.append((name, kind, first_sentence(text)))
+        rows.append((name, kind, first_sentence(text, limit)))
     return rows
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import os
+import sys
+from typing import Any
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -305,7 +307,8 @@ def render_summary(report: Report, console: Console) -> None:
 def render_report(report: Report, console: Console) -> None:
     rv = run_view(report)
     if rv.environment:
-        console.print(Text.assemble(("environment: ", "bold"), rv.environment))
+        # Wrapped between its parts, never after a dangling separator.
+        console.print(packed("environment: ", rv.environment.split(" | "), console.width, sep=" | "))
     if rv.command:
         console.print(Text.assemble(("command: ", "bold"), rv.command), style="dim")
     for tv in rv.trials:
@@ -315,6 +318,44 @@ def render_report(report: Report, console: Console) -> None:
         console.print()
         print_summary(rv, console)
     console.print(Text(rv.summary, style=STYLES[OK if rv.all_met else BAD]))
+
+
+class TrimmedLines(io.TextIOBase):
+    """A text stream that drops the spaces rich pads lines with (tables and panels fill the
+    console's width), so a log or a pipe gets each line as long as its text."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.pending = ""
+
+    def write(self, text: str) -> int:
+        lines = (self.pending + text).split("\n")
+        self.pending = lines.pop()
+        if lines:
+            self.stream.write("".join(line.rstrip(" ") + "\n" for line in lines))
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.stream.write(self.pending)
+            self.pending = ""
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
+def output_console(stderr: bool = False) -> Console:
+    """The CLI's console on stdout or stderr: a terminal as rich drives it; a pipe or a log
+    without trailing padding."""
+    stream = sys.stderr if stderr else sys.stdout
+    probe = Console(file=stream)
+    if probe.is_terminal:
+        return probe
+    return Console(file=TrimmedLines(stream), width=probe.width)
 
 
 def report_to_text(report: Report, width: int = 120) -> str:

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape as escape_markup
 from rich.progress import BarColumn, MofNCompleteColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
+from rich.table import Column
 from rich.text import Text
 
 from repro.outcome import Outcome
@@ -31,10 +32,14 @@ class Progress:
         self.started: dict[str, float] = {}
         self.last: dict[str, tuple[int, str]] = {}  # plain mode: skip repeats of the same event
         self.lock = threading.Lock()              # runners report from reader threads
+        # On a narrow terminal the trial's name gives way (cut with an ellipsis), never the
+        # counts or the timer ("0:00:…" said nothing).
         self.bar = RichProgress(
-            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
-            console=console, transient=False) if self.live else None
+            SpinnerColumn(), TextColumn("{task.description}", table_column=Column(ratio=1, no_wrap=True)),
+            BarColumn(bar_width=20), MofNCompleteColumn(table_column=Column(no_wrap=True)),
+            TextColumn("{task.fields[status]}", table_column=Column(no_wrap=True)),
+            TimeElapsedColumn(table_column=Column(no_wrap=True, min_width=7)),
+            console=console, transient=False, expand=True) if self.live else None
 
     def __enter__(self) -> "Progress":
         if self.bar is not None:
