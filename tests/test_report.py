@@ -622,7 +622,8 @@ def test_html_environment_is_a_readable_table(tmp_path):
     env = {"summary": "no GPU", "host": {"hostname": "vm", "cpu_count": 2}, "driver": None, "gpus": [],
            "torch": {"version": "2.13.0+cpu", "cuda": None, "cuda_built": False}, "env": {}}
     page = html_page(tmp_path, Report(environment=env, trials=[clean_trial()]))
-    section = page[page.index("<h2>Environment</h2>"):page.index("<h2>Summary</h2>")]
+    section = page[page.index('<details class="environment">'):]
+    assert page.index('<section id="trial-0">') < page.index('<details class="environment">')   # verdict first
     for raw in ("{", "null", "[]", "&#34;"):
         assert raw not in section, raw
     assert "<th>host hostname</th><td>vm</td>" in section
@@ -769,3 +770,37 @@ def test_freed_storage_renamed_is_explained_beside_the_manifest():
     assert "counted as freed" in text and "rebound" in text
     trial.guard_findings = [base]                            # no new tensor behind the name: no note
     assert "counted as freed" not in trial_text(trial)
+
+
+# ---- the HTML page's shape (docs/screenshots show it) ---------------------------------------
+
+
+def test_html_leads_with_the_verdict_and_folds_the_rest(tmp_path):
+    env = {"summary": "no GPU", "host": {"hostname": "vm", "cpu_count": 2}, "gpus": [], "env": {}}
+    page = html_page(tmp_path, Report(environment=env, trials=[illegal_address_trial(), clean_trial()]))
+    order = [page.index(s) for s in ('class="lead', "<h2>Summary</h2>", '<section id="trial-0">',
+                                     '<details class="environment">')]
+    assert order == sorted(order)                               # tally, summary, trials, environment
+    trial0 = page[page.index('<section id="trial-0">'):page.index('<section id="trial-1">')]
+    verdict, rest = trial0.split('<details class="trial-details">')
+    assert "ILLEGAL_ADDRESS" in verdict and "Findings (1)" in verdict      # on the first screen
+    assert "<summary>details: steps, timings, notes, artifacts</summary>" in trial0
+    assert "Steps (1)" in rest and "timings:" in rest                       # folded
+    assert 'table class="summary"' in page and "table.summary td{white-space:nowrap}" in page
+    assert page.count('<div class="scroll"><table') >= 3                    # wide tables scroll, the page does not
+
+
+def test_html_says_why_a_chart_is_missing_and_draws_no_flat_line(tmp_path):
+    flat = reload_error_trial()
+    for s in flat.steps:
+        s.extra = {"max_scaled_err": 0.0}
+    page = html_page(tmp_path, Report(environment={}, trials=[flat, cpu_trial()]))
+    assert "<svg" not in page
+    assert "no chart: the error was 0 at every reload" in page
+    assert "no chart: " in page.split('<section id="trial-1">')[1]            # gemma4-mtp on CPU says why
+
+
+def test_html_chart_axis_is_a_column_of_the_steps_table(tmp_path):
+    page = html_page(tmp_path, Report(environment={}, trials=[reload_error_trial()]))
+    assert ">scaled err</text>" in page                                     # the chart's y axis
+    assert "<th class=\"num\">scaled err</th>" in page                      # the same measure in the table

@@ -503,6 +503,9 @@ STEP_COLUMNS: tuple[Column, ...] = (
     Column("max_abs_err", "max abs err", lambda s: cell(fmt_float(s.max_abs_err), BAD if step_failed(s) else ""),
            numeric=True, stacked="max abs\nerr"),
     Column("rel_err", "rel err", lambda s: cell(fmt_float(s.rel_err)), numeric=True, drop=2),
+    # nvfp4-reload's verdict measure, |y - y_cold| / (|y_cold| + rms(y_cold)); its chart's axis.
+    Column("scaled_err", "scaled err", lambda s: cell(fmt_float(s.extra.get("max_scaled_err"))), numeric=True,
+           drop=2),
     Column("tolerance", "tolerance", lambda s: cell(fmt_float(s.tolerance)), numeric=True, fold=True, drop=4),
     Column("ms", "ms", lambda s: Cell(f"{s.seconds * 1000:.1f}"), numeric=True, drop=1),
 )
@@ -674,6 +677,13 @@ class TrialView:
     @property
     def seconds_text(self) -> str:
         return f"{self.seconds:.1f}" if self.seconds is not None else "-"
+
+    @property
+    def details_parts(self) -> list[str]:
+        """What the HTML page folds under the trial's verdict, named in its summary line."""
+        parts = [("facts", self.facts), ("storages after reloads", self.manifests), ("steps", self.steps),
+                 ("timings", self.timings), ("notes", self.notes), ("artifacts", self.artifacts)]
+        return [name for name, present in parts if present]
 
 
 def artifact_href(path: str, link_base: Path | None) -> str:
