@@ -154,11 +154,11 @@ def sight_notes(rep: WatchReport, gpu_count: int | None = None) -> list[str]:
         gpu_count = count_gpus()
     hooked = sum(p.torch_hooked for p in rep.processes)
     what = (f"no CUDA graph was captured in the {len(rep.processes)} watched process(es) "
-            f"({hooked} imported torch), so nothing was checked: watch looks at CUDA graph "
-            "captures and their replays only, and \"no findings\" says nothing else about the program")
+            f"({hooked} imported torch); watch looks at CUDA graph captures and their replays only, "
+            "so \"no findings\" says nothing else about the program")
     if gpu_count == 0:
-        what += ("; this machine has no GPU (NVML sees none), where no program captures a CUDA graph: "
-                 "run it on a GPU machine")
+        what += ("; this machine has no GPU (NVML sees none), and without one no program captures a "
+                 "CUDA graph: run it on a GPU machine")
     notes = ["Nothing checked: " + what + "."]
     if hooked:
         notes.append("What the program prints itself (its own CaptureGuard, e.g. a CPU dry run with "
