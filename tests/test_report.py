@@ -804,3 +804,13 @@ def test_html_chart_axis_is_a_column_of_the_steps_table(tmp_path):
     page = html_page(tmp_path, Report(environment={}, trials=[reload_error_trial()]))
     assert ">scaled err</text>" in page                                     # the chart's y axis
     assert "<th class=\"num\">scaled err</th>" in page                      # the same measure in the table
+
+
+def test_screenshots_of_the_pages_are_in_docs_at_both_widths():
+    import struct
+    shots = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
+    for page in ("trial", "matrix", "watch"):
+        for width in (1280, 800):
+            data = (shots / f"{page}-{width}.png").read_bytes()
+            assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 300_000
+            assert struct.unpack(">II", data[16:24])[0] == width           # IHDR: the window's width
