@@ -22,7 +22,7 @@ from typing import Any, Callable
 from repro import stacks
 from repro.config import TrialConfig, default_expectation
 from repro.interrupts import checkpoint
-from repro.launch import RankServer, ServerUnavailable, child_env
+from repro.launch import RankServer, ServerUnavailable, StartCancelled, child_env
 from repro.outcome import (REPRODUCED, FirstFailure, Outcome, RankExit, TrialRecord, finding_from_dict,
                            manifest_from_dict, parse_expectation, speculative_metrics, step_from_dict, worst)
 from repro.protocol import (STACKS_SIGNAL, Event, RankRecords, StepCounter, TrialSpec, log_path, read_records,
@@ -130,14 +130,18 @@ class Activity:
 
 
 def spawn_ranks(spec: TrialSpec, spec_file: Path, wrapper: list[str],
-                extra_env: dict[str, str] | None = None, server: RankServer | None = None) -> list[Rank]:
+                extra_env: dict[str, str] | None = None, server: RankServer | None = None,
+                stop: threading.Event | None = None) -> list[Rank]:
     """One process per rank: forked by the run's rank server where it serves this trial,
-    else a fresh `python -m repro.worker` (always under a wrapper program)."""
+    else a fresh `python -m repro.worker` (always under a wrapper program). Once `stop` is
+    set (an interrupt) no further rank is started: the ranks so far are returned."""
     ranks: list[Rank] = []
     env = child_env(extra_env)
     use_server = server is not None and server.serves(env, wrapper)
     try:
         for r in range(spec.world_size):
+            if stop is not None and stop.is_set():
+                break
             # Rank 0 leads a new process group (not in the terminal's foreground, so Ctrl-C
             # reaches only the parent); the others join it so one killpg ends the trial.
             # If rank 0 is already gone, a rank leads its own group.
@@ -146,9 +150,11 @@ def spawn_ranks(spec: TrialSpec, spec_file: Path, wrapper: list[str],
             log_file = log_path(spec.out_dir, r)
             if use_server:
                 try:
-                    proc, pgid = server.start_rank(str(spec_file), r, env, str(log_file), pgid)
+                    proc, pgid = server.start_rank(str(spec_file), r, env, str(log_file), pgid, stop)
                     ranks.append(Rank(rank=r, proc=proc, log=None, pgid=pgid))
                     continue
+                except StartCancelled:
+                    break
                 except ServerUnavailable:
                     use_server = False           # this rank and the rest the old way
             log = open(log_file, "wb")
@@ -236,6 +242,9 @@ def wait_group(ranks: list[Rank], deadline_s: float, spawned_at: float,
     try:
         while True:
             now = time.monotonic()
+            if stop is not None and stop.is_set():
+                waited.interrupted = True      # first: a trial stopped before all its ranks started
+                break
             if activity is not None:
                 activity.poll(now)
             for r in ranks:
@@ -257,9 +266,6 @@ def wait_group(ranks: list[Rank], deadline_s: float, spawned_at: float,
                 waited.hung, waited.stalled = True, stalled
                 if out_dir is not None:
                     asked = request_stacks(ranks, out_dir)
-                break
-            if stop is not None and stop.is_set():
-                waited.interrupted = True
                 break
             if on_tick:
                 on_tick()
@@ -540,7 +546,8 @@ def run_trial(cfg: TrialConfig, device: str, out_root: Path, trial_id: str,
     for k in range(world):
         stacks_path(out_dir, k).unlink(missing_ok=True)
     spawned_at = time.monotonic()
-    ranks = spawn_ranks(spec, spec_path(out_dir), wrapper or [], env, server)
+    checkpoint("spawning")
+    ranks = spawn_ranks(spec, spec_path(out_dir), wrapper or [], env, server, stop)
     checkpoint("spawned")
     rank0_steps = StepCounter(records_path(out_dir, 0))
 

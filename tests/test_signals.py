@@ -20,7 +20,7 @@ import pytest
 
 from conftest import REPO, alive
 
-POINTS = ["start", "server", "parsed", "planned", "run", "spawned", "ended", "collected", "report"]
+POINTS = ["start", "server", "parsed", "planned", "run", "spawning", "spawned", "ended", "collected", "report"]
 RANDOM_RUNS = 6
 
 
