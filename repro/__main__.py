@@ -1,19 +1,26 @@
 """The `repro` command (console script and `python -m repro`).
 
-Commands that run trials get their rank server started here, before the CLI imports Typer,
-Rich and the report code: the server's torch import (seconds) overlaps the parent's own
-start-up, planning and NVML queries (repro/launch.py).
+Its first act is to take over Ctrl-C and SIGTERM (repro/interrupts.py): from then on a signal
+at any moment ends the run with its report. Commands that run trials get their rank server
+started next, before the CLI imports Typer, Rich and the report code: the server's torch
+import (seconds) overlaps the parent's own start-up, planning and NVML queries
+(repro/launch.py).
 """
 import sys
 
 
 def main() -> None:
+    from repro.interrupts import Interrupts, checkpoint
+    interrupts = Interrupts()
+    interrupts.install()
+    checkpoint("start")
     from repro.launch import prestart
     from repro.scenarios import SCENARIOS
     server = prestart(sys.argv[1:], frozenset(SCENARIOS) | {"matrix"})
+    checkpoint("server")
     try:
         from repro.cli import main as cli_main
-        cli_main(server)
+        cli_main(server, interrupts)
     finally:
         if server is not None:
             server.close()

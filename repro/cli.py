@@ -11,9 +11,11 @@ import inspect
 import json
 import os
 import shlex
+import shutil
 import signal
 import sys
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Optional
 
@@ -23,14 +25,15 @@ from typer.core import TyperGroup
 
 import repro
 from repro import doctor, gpus, noise, report, runs
-from repro.config import AFTER_FREE, DEVICES, GUARD_MODES, ConfigError, preset_names
+from repro.config import AFTER_FREE, DEVICES, GUARD_MODES, ConfigError, override_sources, preset_names
 from repro.files import write_text_atomic
-from repro.launch import RankServer
+from repro.interrupts import Interrupts, Terminated, checkpoint
+from repro.launch import RankServer, runs_trials
 from repro.outcome import Outcome, Report, to_jsonable
-from repro.preflight import check_outputs
+from repro.preflight import check_outputs, refuse_ignored
 from repro.protocol import FAULTS
 from repro.ray_runner import RayUnavailable
-from repro.runner import Planned, RunResult, Terminated, plan, run_planned
+from repro.runner import Planned, RunResult, plan, run_planned
 from repro.scenarios import SCENARIOS, RunKeySpec, ScenarioSpec
 from repro.watch_hooks import ON_FINDING
 
@@ -44,6 +47,11 @@ Exit codes:
   3    the environment cannot run what was asked (e.g. --tp 2 with one GPU): UNSUPPORTED
   130  interrupted (Ctrl-C); records produced so far are kept and reported
   143  terminated (SIGTERM, e.g. a CI cancel); handled like Ctrl-C"""
+
+
+# matrix has no --expect: each trial's expectation is in the matrix file.
+MATRIX_EXIT_CODES = EXIT_CODES.replace("(unfixed -> reproduced, fixed -> CLEAN; see --expect)",
+                                       "(the matrix file's expect; see --list)")
 
 
 def click_exception_modules() -> list[Any]:
@@ -64,8 +72,36 @@ NO_ARGS = tuple(m.NoArgsIsHelpError for m in CLICK if hasattr(m, "NoArgsIsHelpEr
 ABORTS = tuple(m.Abort for m in CLICK if hasattr(m, "Abort")) + (KeyboardInterrupt,)
 
 
-def raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated()
+TRIAL_COMMANDS = frozenset(SCENARIOS) | {"matrix"}
+
+
+@dataclass
+class Session:
+    """What the program's start (repro/__main__.py) hands every command: the rank server it
+    started, if any, and the signal flag it installed (repro/interrupts.py)."""
+    server: RankServer | None = None
+    interrupts: Interrupts = field(default_factory=Interrupts)
+
+
+def interrupted_exit(interrupts: Interrupts) -> int:
+    if interrupts.signum == signal.SIGTERM:
+        sys.stderr.write("repro: terminated (SIGTERM)\n")
+        return EXIT_TERMINATED
+    sys.stderr.write("repro: interrupted\n")
+    return EXIT_INTERRUPTED
+
+
+def misplaced_option(group: Any, error: Exception) -> str | None:
+    """An option that exists, only not on this command (`nvfp4-reload --tp 2`): say where it
+    belongs, rather than click's nearest spellings of something else."""
+    name, ctx = getattr(error, "option_name", None), getattr(error, "ctx", None)
+    if not name or ctx is None or ctx.command is group:
+        return None
+    owners = [cmd for cmd, command in sorted(group.commands.items())
+              if any(name in p.opts or name in p.secondary_opts for p in command.params)]
+    if not owners:
+        return None
+    return f"{ctx.command.name} has no {name} option; {name} belongs to {', '.join(owners)}"
 
 
 class ReproGroup(TyperGroup):
@@ -73,30 +109,40 @@ class ReproGroup(TyperGroup):
 
     def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
-        # SIGTERM takes Ctrl-C's path (workers killed, partial report written); only the main
-        # thread may install a handler, and the previous one comes back afterwards.
-        main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, raise_terminated) if main_thread else None
+        # SIGTERM takes Ctrl-C's path (workers killed, partial report written). A command that
+        # runs trials only flags a signal (the runner polls it and the report is still
+        # written); any other gets Python's raising behaviour back once its name is known.
+        # Only the main thread may install handlers; those installed here are undone after.
+        session = extra.pop("obj", None) or Session()
+        interrupts = session.interrupts
+        own = threading.current_thread() is threading.main_thread() and not interrupts.installed
+        if own:
+            interrupts.install()
+        argv = list(sys.argv[1:] if args is None else args)
         try:
+            if not runs_trials(argv, TRIAL_COMMANDS):
+                interrupts.immediate()
             rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
-                              standalone_mode=False, **extra)
+                              standalone_mode=False, obj=session, **extra)
         except NO_ARGS as e:          # bare `repro`: the help itself, not an error line around it
             sys.stderr.write(e.format_message() + "\n")
             sys.exit(EXIT_USAGE)
         except CLICK_ERRORS as e:
             # Choice checks go through pydantic, which prefixes "Value error, ": not ours to show.
-            sys.stderr.write(f"repro: error: {e.format_message().replace('Value error, ', '')}\n")
+            message = misplaced_option(self, e) or e.format_message().replace('Value error, ', '')
+            sys.stderr.write(f"repro: error: {message}\n")
             sys.exit(EXIT_USAGE)
         except ABORTS as e:
             # click turns a KeyboardInterrupt (Terminated is one) into Abort, keeping the cause.
             if isinstance(e, Terminated) or isinstance(e.__cause__, Terminated):
-                sys.stderr.write("repro: terminated (SIGTERM)\n")
-                sys.exit(EXIT_TERMINATED)
-            sys.stderr.write("repro: interrupted\n")
-            sys.exit(EXIT_INTERRUPTED)
+                interrupts.signum = interrupts.signum or signal.SIGTERM
+            sys.exit(interrupted_exit(interrupts))
         finally:
-            if main_thread:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+            if own:
+                interrupts.restore()
+        if interrupts.pending():
+            # A signal before the command got as far as a report (bad input, --print-config).
+            sys.exit(interrupted_exit(interrupts))
         sys.exit(rv if isinstance(rv, int) else EXIT_OK)
 
 
@@ -119,12 +165,12 @@ def root(version: Annotated[bool, typer.Option("--version", is_eager=True, callb
 
 
 def stderr_console() -> Console:
-    return Console(stderr=True)
+    return report.output_console(stderr=True)
 
 
 def results_console(json_path: str | None) -> Console:
     """stdout, unless `--json -` holds it: then the human report goes to stderr."""
-    return stderr_console() if json_path == "-" else Console()
+    return stderr_console() if json_path == "-" else report.output_console()
 
 
 def warn(text: str) -> None:
@@ -140,7 +186,21 @@ def cpu_warnings(planned: list[Planned]) -> list[str]:
                      "stale capture cannot be detected (use --guard warn, or run on a GPU)")
     if any(p.cfg.run.forensics for p in on_cpu):
         found.append("--forensics is ignored on CPU: CUDA memory history exists only on a GPU")
+    if any(p.cfg.run.share_gpu for p in on_cpu):
+        found.append("--share-gpu has no effect on CPU (no GPU here): the ranks share the host over gloo "
+                     "as every CPU run does")
+    for preset, (scenario, deadline) in sorted(slow_on_cpu(on_cpu).items()):
+        found.append(f"{preset} on CPU: real model dimensions, slow here: set-up takes tens of seconds and "
+                     f"each step seconds (gemma4-e2b at TP 2 on a shared 2-core CPU: 19 s build, 3-28 s a step), so "
+                     f"a trial may reach its {deadline:g} s deadline (DEADLINE: no verdict); "
+                     f"{SCENARIOS[scenario].cpu_preset} is the CPU-sized preset, --deadline raises the budget")
     return found
+
+
+def slow_on_cpu(on_cpu: list[Planned]) -> dict[str, tuple[str, float]]:
+    """Trials on CPU with a scenario's real-dims preset: preset -> (scenario, its deadline)."""
+    return {p.cfg.preset: (p.cfg.scenario, p.cfg.run.deadline_s) for p in on_cpu
+            if p.cfg.preset == SCENARIOS[p.cfg.scenario].default_preset != SCENARIOS[p.cfg.scenario].cpu_preset}
 
 
 def with_default(text: str, default: str) -> str:
@@ -162,7 +222,8 @@ ShareGpuOpt = Annotated[Optional[bool], typer.Option("--share-gpu/--no-share-gpu
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", help=with_default("Seed of the weights and inputs; the same seed gives the same trial.", "0"))]
 GuardOpt = Annotated[Optional[choices(GUARD_MODES)], typer.Option("--guard", help=with_default("Stale-capture guard: off; warn records findings and keeps going; raise stops at the first.", "warn"))]
 DeviceOpt = Annotated[Optional[choices(DEVICES)], typer.Option("--device", help=with_default("auto: GPU if NVML sees one; cuda; cpu: gloo, no graphs, guard verdicts.", "auto"))]
-DeadlineOpt = Annotated[Optional[float], typer.Option("--deadline", metavar="SECONDS", help=with_default("Seconds before a trial counts as HANG and its group is killed.", "the preset's run.deadline_s"))]
+DeadlineOpt = Annotated[Optional[float], typer.Option("--deadline", metavar="SECONDS", help=with_default("The whole trial's budget: past it the group is killed; DEADLINE if it was still progressing, HANG if stuck.", "the preset's run.deadline_s"))]
+StallOpt = Annotated[Optional[float], typer.Option("--stall", metavar="SECONDS", help=with_default("Progress watchdog: no record from any rank for this long is a HANG (the stuck rank is blamed).", "the preset's run.stall_s, 60"))]
 ForensicsOpt = Annotated[Optional[bool], typer.Option("--forensics/--no-forensics", help=with_default("Record CUDA memory history; map stale addresses to alloc/free stacks; write snapshots.", "off"))]
 ExpectOpt = Annotated[Optional[str], typer.Option("--expect", metavar="clean|reproduced|OUTCOME[,OUTCOME]", help=with_default("The outcome that counts as met.", "the trial's documented outcome: mostly unfixed -> reproduced, fixed -> clean; `repro matrix --list` shows them"))]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE", help="Override any preset key, repeatable: --set run.steps=3 --set model.hidden_size=128.")]
@@ -230,19 +291,29 @@ def exit_code(result: RunResult, allow_unsupported: bool = False) -> int:
 
 def execute(planned: list[Planned], artifacts: Path | None, json_path: str | None, junit: Path | None,
             html: Path | None, summary_only: bool = False, allow_unsupported: bool = False,
-            jobs: int = 1, server: RankServer | None = None, shard: dict[str, Any] | None = None,
-            run: Callable[..., RunResult] = run_planned) -> int:
+            jobs: int = 1, server: RankServer | None = None, interrupts: Interrupts | None = None,
+            shard: dict[str, Any] | None = None, run: Callable[..., RunResult] = run_planned) -> int:
     """run: the runner (run_planned here; repro/ray_runner.py's for --ray); shard: the
     report's shard record under --shard."""
+    interrupts = interrupts or Interrupts()
     for text in cpu_warnings(planned):
         warn(text)
+    started: set[str] = set()          # a trial that cannot run here is not shown as started
+
+    def on_start(tid: str, p: Planned) -> None:
+        if p.device is not None:
+            started.add(tid)
+            progress.add(tid, tid, p.cfg.run.steps)
+
     with report.Progress(stderr_console()) as progress:
         result = run(
-            planned, artifacts or runs.default_root(dict(os.environ)),
-            on_start=lambda tid, p: progress.add(tid, tid, p.cfg.run.steps),
-            on_tick=lambda tid, n: progress.update(tid, n, "running"),
-            on_done=lambda t: progress.finish(t.id, t.outcome), jobs=jobs, server=server)
+            planned, artifacts or runs.default_root(dict(os.environ)), on_start=on_start,
+            on_tick=lambda tid, n: progress.update(tid, n),
+            on_done=lambda t: t.id in started and progress.finish(t.id, t.outcome), jobs=jobs, server=server,
+            interrupts=interrupts)
     result.report.shard = shard
+    checkpoint("report")
+    mark_interrupted(result, interrupts)
     console = results_console(json_path)
     if summary_only:
         report.render_summary(result.report, console)
@@ -250,19 +321,35 @@ def execute(planned: list[Planned], artifacts: Path | None, json_path: str | Non
     else:
         report.render_report(result.report, console)
     write_artifacts(result.report, json_path, junit, html)
+    # From here a signal changes nothing: the report and its files say how the run ended.
+    interrupts.settled = True
+    checkpoint("written")
     if result.run_dir is not None and runs.point_latest(result.run_dir):
         sys.stderr.write(f"repro: trial files in {result.run_dir} (also {result.run_dir.parent / runs.LATEST})\n")
     return exit_code(result, allow_unsupported)
 
 
+def mark_interrupted(result: RunResult, interrupts: Interrupts) -> None:
+    """A signal after the last trial ended but before the report is rendered still counts:
+    the run was cut short of its report, and the report says so."""
+    if interrupts.signum is not None and not result.interrupted:
+        result.interrupted = True
+        result.report.interrupted = True
+        result.report.interrupted_by = interrupts.name
+
+
 def run_scenario(scenario: str, config: str | None, run: dict[str, Any], sets: list[str] | None,
                  json_path: str | None, junit: Path | None, html: Path | None, artifacts: Path | None,
-                 print_config: bool, fault: str | None = None, server: RankServer | None = None) -> int:
+                 print_config: bool, fault: str | None = None, session: Session | None = None) -> int:
+    checkpoint("parsed")
     try:
-        p = plan(scenario, config, run, sets or [], gpus.gpu_count())
+        p = plan(scenario, config, run, sets or [], gpus.gpu_count(), override_sources(run, sets or []))
         p.fault = parse_fault(fault)
-        if not print_config:
-            check_outputs(json_path, junit, html, artifacts or runs.default_root(dict(os.environ)))
+        if print_config:
+            refuse_ignored("--print-config", {"--json": json_path, "--junit": junit, "--html": html,
+                                              "--artifacts": artifacts, "--inject-fault": fault})
+        else:
+            check_outputs(json_path, junit, html, artifacts, runs.default_root(dict(os.environ)))
     except ConfigError as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_USAGE
@@ -270,7 +357,9 @@ def run_scenario(scenario: str, config: str | None, run: dict[str, Any], sets: l
         resolved = {**p.cfg.to_dict(), "device": p.device or f"UNSUPPORTED: {p.reason}"}
         sys.stdout.write(json.dumps(resolved, indent=2, allow_nan=False) + "\n")
         return EXIT_OK
-    return execute([p], artifacts, json_path, junit, html, server=server)
+    checkpoint("planned")
+    session = session or Session()
+    return execute([p], artifacts, json_path, junit, html, server=session.server, interrupts=session.interrupts)
 
 
 def scenario_command(spec: ScenarioSpec) -> Callable[..., int]:
@@ -285,7 +374,7 @@ def scenario_command(spec: ScenarioSpec) -> Callable[..., int]:
         options.append(("tp", TpOpt, None))
     options += [("steps", steps_opt(spec), None), ("seed", SeedOpt, None), ("after_free", after_free_opt(spec), None),
                 ("guard", GuardOpt, None), ("device", DeviceOpt, None), ("deadline", DeadlineOpt, None),
-                ("forensics", ForensicsOpt, None)]
+                ("stall", StallOpt, None), ("forensics", ForensicsOpt, None)]
     if spec.tensor_parallel:
         options.append(("share_gpu", ShareGpuOpt, None))
     options += [(k.name, run_key_opt(k), None) for k in spec.run_keys]
@@ -296,7 +385,7 @@ def scenario_command(spec: ScenarioSpec) -> Callable[..., int]:
     def command(**kw: Any) -> int:
         run = dict(mode=kw["mode"], tp=kw.get("tp"), steps=kw["steps"], seed=kw["seed"],
                    after_free=kw["after_free"], guard=kw["guard"], device=kw["device"],
-                   deadline_s=kw["deadline"], forensics=kw["forensics"], expect=kw["expect"],
+                   deadline_s=kw["deadline"], stall_s=kw["stall"], forensics=kw["forensics"], expect=kw["expect"],
                    **{k: kw[k] for k in spec.run_key_names})
         if spec.tensor_parallel:
             run["share_gpu"] = kw["share_gpu"]
@@ -322,13 +411,13 @@ for _spec in SCENARIOS.values():
 def selftest(
     ctx: typer.Context, tp: TpOpt = None, steps: steps_opt(SCENARIOS["selftest"]) = None, device: DeviceOpt = None, deadline: DeadlineOpt = None,
     json_path: JsonOpt = None, junit: JunitOpt = None, artifacts: ArtifactsOpt = None,
-    inject_fault: FaultOpt = None,
+    inject_fault: FaultOpt = None, stall: StallOpt = None,
 ) -> int:
-    run = dict(tp=tp, steps=steps, device=device, deadline_s=deadline)
+    run = dict(tp=tp, steps=steps, device=device, deadline_s=deadline, stall_s=stall)
     return run_scenario("selftest", None, run, [], json_path, junit, None, artifacts, False, inject_fault, ctx.obj)
 
 
-@app.command("matrix", epilog=EXIT_CODES)
+@app.command("matrix", epilog=MATRIX_EXIT_CODES)
 def matrix(
     ctx: typer.Context,
     config: Annotated[str, typer.Option("--config", "-c", metavar="NAME|FILE", help="Matrix file or name: ci-smoke (CPU), gpu-1, gpu-2.")] = "ci-smoke",
@@ -343,6 +432,7 @@ def matrix(
     """CI smoke check: every scenario x mode with its expected outcome; exit 0 only if all hold."""
     from repro.matrix import listing, load_matrix, select
     cluster = None
+    checkpoint("parsed")
     try:
         if jobs < 1:
             raise ConfigError(f"--jobs {jobs}: must be >= 1 (1 runs the trials one after another)")
@@ -356,7 +446,11 @@ def matrix(
         if shard:
             from repro.shard import select_shard
             planned, record = select_shard(planned, shard, balance, dict(os.environ))
-        check_outputs(json_path, junit, html, artifacts or runs.default_root(dict(os.environ)))
+        if list_:
+            refuse_ignored("--list", {"--json": json_path, "--junit": junit, "--html": html,
+                                      "--artifacts": artifacts, "--allow-unsupported": allow_unsupported})
+        else:
+            check_outputs(json_path, junit, html, artifacts, runs.default_root(dict(os.environ)))
     except ConfigError as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_USAGE
@@ -366,6 +460,11 @@ def matrix(
     if list_:
         sys.stdout.write("".join(line + "\n" for line in listing(planned)))
         return EXIT_OK
+    reasons = sorted({p.reason for p in planned if p.device is None})
+    if reasons and all(p.device is None for p in planned) and not cluster:
+        hint = "; without a GPU, `repro matrix` runs the CPU matrix (ci-smoke)" if gpus.gpu_count() == 0 else ""
+        warn(f"no trial of {config} can run here ({'; '.join(reasons)}){hint}")
+    checkpoint("planned")
     run = run_planned
     if cluster:
         refusal = cluster.refusal(planned)
@@ -374,8 +473,8 @@ def matrix(
             return EXIT_ENV
         run = cluster.runner(retries)
     return execute(planned, artifacts, json_path, junit, html, summary_only=True,
-                   allow_unsupported=allow_unsupported, jobs=jobs, server=ctx.obj,
-                   shard=record.to_dict() if record else None, run=run)
+                   allow_unsupported=allow_unsupported, jobs=jobs, server=ctx.obj.server,
+                   interrupts=ctx.obj.interrupts, shard=record.to_dict() if record else None, run=run)
 
 
 # Past one host (repro/shard.py, repro/merge.py, repro/ray_runner.py): options of `repro matrix`
@@ -428,13 +527,15 @@ def presets_cmd(
         if name:
             sys.stdout.write(resolve_preset_path(name).read_text())
             return EXIT_OK
-        rows = describe_presets()
+        names = max(len(n) for n in preset_names())
+        # The terminal's width (COLUMNS where set); 80 in a pipe.
+        columns = shutil.get_terminal_size((80, 24)).columns
+        rows = describe_presets(limit=max(20, columns - names - 18))
     except ConfigError as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_USAGE
-    width = max(len(n) for n, _, _ in rows)
     sys.stdout.write(f"presets in {CONFIG_DIR}:\n")
-    sys.stdout.write("".join(f"  {n:<{width}}  {kind:<12}  {text}\n" for n, kind, text in rows))
+    sys.stdout.write("".join(f"  {n:<{names}}  {kind:<12}  {text}".rstrip() + "\n" for n, kind, text in rows))
     return EXIT_OK
 
 
@@ -444,6 +545,11 @@ def doctor_cmd(
     vllm: Annotated[bool, typer.Option("--vllm", help="Also locate an installed vLLM (never imported).")] = False,
 ) -> int:
     """The environment: GPUs (NVML), topology, torch, CUDA, NCCL, vLLM. Exit 0 also without a GPU."""
+    try:
+        check_outputs(json_path, None, None, None)
+    except ConfigError as e:
+        sys.stderr.write(f"repro: error: {e}\n")
+        return EXIT_USAGE
     env = doctor.collect(include_vllm=vllm)
     if json_path == "-":
         sys.stdout.write(json.dumps(to_jsonable(env), indent=2) + "\n")
@@ -467,6 +573,7 @@ def vllm_audit(
         sys.stderr.write("repro: error: give --path or --wheel, not both\n")
         return EXIT_USAGE
     try:
+        check_outputs(json_path, None, None, None)
         for fix_id in require or []:
             audit.find_fix(fix_id)
         result = (audit.audit_directory(path) if path else
@@ -474,7 +581,7 @@ def vllm_audit(
     except audit.VllmNotInstalled as e:   # nothing wrong with the command: this environment lacks vLLM
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_ENV
-    except (audit.AuditError, KeyError, ValueError) as e:
+    except (audit.AuditError, ConfigError, KeyError, ValueError) as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_USAGE
     if json_path == "-":
@@ -508,13 +615,12 @@ WatchHtmlOpt = Annotated[Optional[Path], typer.Option("--html", metavar="PATH", 
 def watch_cmd(
     ctx: typer.Context,
     on_finding: Annotated[choices(ON_FINDING), typer.Option("--on-finding", help="warn: record and let the replay run; raise: the replay raises StaleCaptureError naming the tensor, before the launch.")] = "warn",
-    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", metavar="DIR", help=with_default("Directory for the per-process records.", "$XDG_CACHE_HOME/repro/runs/watch-DATE-TIME, else under ~/.cache"))] = None,
+    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", metavar="DIR", help=with_default("Directory for the per-process records.", "a new folder $XDG_CACHE_HOME/repro/runs/watch-DATE-TIME-XXXXXXXX (else under ~/.cache), its own for each run"))] = None,
     json_path: JsonOpt = None, junit: WatchJunitOpt = None, html: WatchHtmlOpt = None,
 ) -> int:
     """Run CMD unchanged with the stale-capture hooks in every Python process it starts: repro watch -- CMD [ARGS...]."""
     from repro import watch
-    return report_watch(lambda: watch.watch(list(ctx.args), run_dir or watch.default_run_dir(), on_finding),
-                        json_path, junit, html)
+    return report_watch(lambda: watch.watch(list(ctx.args), run_dir, on_finding), json_path, junit, html)
 
 
 @app.command("watch-report", epilog=WATCH_EXIT_CODES)
@@ -531,7 +637,11 @@ def report_watch(make_report, json_path, junit, html) -> int:
     """Build a watch report (running or merging), render it, write its files; its exit code."""
     from repro import watch, watch_report
     try:
+        check_outputs(json_path, junit, html, None)
         rep = make_report()
+    except ConfigError as e:
+        sys.stderr.write(f"repro: error: {e}\n")
+        return EXIT_USAGE
     except watch.WatchUsageError as e:
         sys.stderr.write(f"repro: error: {e}\n")
         return EXIT_USAGE
@@ -540,10 +650,11 @@ def report_watch(make_report, json_path, junit, html) -> int:
     return rep.exit
 
 
-def main(server: RankServer | None = None) -> None:
-    """server: a rank server already started for this command line (repro/__main__.py)."""
+def main(server: RankServer | None = None, interrupts: Interrupts | None = None) -> None:
+    """server: a rank server already started for this command line; interrupts: the signal
+    flag already installed (both by repro/__main__.py)."""
     noise.silence_known_warnings()
-    app(obj=server)
+    app(obj=Session(server, interrupts or Interrupts()))
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ class RunConfig:
     after_free: str = ""              # "" -> the scenario's default
     guard: str = "warn"
     device: str = "auto"
-    deadline_s: float = 180.0
+    deadline_s: float = 180.0         # the whole trial's budget: past it, DEADLINE (or HANG if stuck)
+    stall_s: float = 60.0             # no record from any rank this long: HANG (the progress watchdog)
     forensics: bool = False
     reload_drafter: bool = False      # gemma4-mtp: reload drafter weights after capture
     num_speculative_tokens: int = 0   # gemma4-mtp: drafts per decode step; 0 -> the scenario's default
@@ -79,6 +80,9 @@ class TrialConfig:
 def resolve_preset_path(name_or_path: str) -> Path:
     """A preset name ('gemma4-e2b') or a path to a TOML file."""
     p = Path(name_or_path)
+    if p.is_dir():
+        raise ConfigError(f"config {name_or_path} is a directory; give a preset name (`repro presets` "
+                          "lists them) or a TOML file")
     if p.suffix == ".toml" or p.parent != Path("."):
         if not p.is_file():
             raise ConfigError(f"config file {name_or_path} does not exist")
@@ -94,14 +98,15 @@ def preset_names() -> list[str]:
     return sorted(f.stem for f in CONFIG_DIR.glob("*.toml"))
 
 
-def describe_presets() -> list[tuple[str, str, str]]:
-    """(name, what it is for: a scenario or 'matrix', the first line of its description)."""
+def describe_presets(limit: int = 44) -> list[tuple[str, str, str]]:
+    """(name, what it is for: a scenario or 'matrix', its description's first sentence, cut at
+    `limit` characters: what the listing has room for)."""
     rows = []
     for name in preset_names():
         data = read_toml(CONFIG_DIR / f"{name}.toml")
         kind = data.get("scenario") or ("matrix" if "trial" in data else "?")
         text = " ".join(str(data.get("description") or data.get("matrix", {}).get("description") or "").split())
-        rows.append((name, kind, first_sentence(text)))
+        rows.append((name, kind, first_sentence(text, limit)))
     return rows
 
 
@@ -163,6 +168,9 @@ def load_preset(name_or_path: str, scenario: str | None = None) -> TrialConfig:
     where = str(path)
     data = read_toml(path)
     unknown = set(data) - {"scenario", "description", "model", "run"}
+    if "trial" in data and "scenario" not in data:
+        raise ConfigError(f"{where}: a matrix, not a scenario preset; run it with `repro matrix --config "
+                          f"{name_or_path}`, or give a {scenario or 'scenario'} preset (`repro presets` lists them)")
     if unknown:
         raise ConfigError(f"{where}: unknown top-level key {sorted(unknown)[0]!r}; "
                           "allowed: scenario, description, [model], [run]")
@@ -213,37 +221,59 @@ def apply_overrides(cfg: TrialConfig, run: dict[str, Any], sets: list[str]) -> T
     return cfg
 
 
+def flag_of(key: str) -> str:
+    """The command-line flag of a [run] key: deadline_s -> --deadline, share_gpu -> --share-gpu."""
+    return "--" + key.removesuffix("_s").replace("_", "-")
+
+
+def override_sources(run: dict[str, Any], sets: list[str]) -> dict[str, str]:
+    """[run] key -> where the command line set it ("--tp 0", "--set run.tp=0"): an error in a
+    value the user typed names the flag, not the preset it overrode."""
+    sources = {key: f"{flag_of(key)} {value}" for key, value in run.items()
+               if value is not None and not isinstance(value, bool)}
+    sources.update({key: flag_of(key) for key, value in run.items() if isinstance(value, bool)})
+    for item in sets:
+        section, key, _ = parse_set(item)
+        if section == "run":
+            sources[key] = f"--set {item}"
+    return sources
+
+
 def check(cond: bool, where: str, message: str) -> None:
     if not cond:
         raise ConfigError(f"{where}: {message}")
 
 
-def validate(cfg: TrialConfig) -> TrialConfig:
-    """Semantic checks; fills scenario defaults (after_free). Returns the resolved config."""
+def validate(cfg: TrialConfig, sources: dict[str, str] | None = None) -> TrialConfig:
+    """Semantic checks; fills scenario defaults (after_free). Returns the resolved config.
+    sources: [run] keys the command line set (override_sources), named in their errors."""
     spec = SCENARIOS[cfg.scenario]
     r, m, w = cfg.run, cfg.model, cfg.preset
-    check(r.mode in spec.mode_names, w,
+    at = (lambda key: (sources or {}).get(key, w))
+    check(r.mode in spec.mode_names, at("mode"),
           f"mode = {r.mode!r} is not one of {', '.join(spec.mode_names)} for {spec.name}")
-    check(r.tp >= 1, w, f"tp = {r.tp} must be >= 1")
-    check(spec.tensor_parallel or r.tp == 1, w, f"tp = {r.tp}: {spec.name} runs one rank; use tp = 1")
-    check(r.steps >= 1, w, f"steps = {r.steps} must be >= 1")
-    check(r.seed >= 0, w, f"seed = {r.seed} must be >= 0")
-    check(math.isfinite(r.deadline_s) and 0 < r.deadline_s <= MAX_DEADLINE_S, w,
+    check(r.tp >= 1, at("tp"), f"tp = {r.tp} must be >= 1")
+    check(spec.tensor_parallel or r.tp == 1, at("tp"), f"tp = {r.tp}: {spec.name} runs one rank; use tp = 1")
+    check(r.steps >= 1, at("steps"), f"steps = {r.steps} must be >= 1")
+    check(r.seed >= 0, at("seed"), f"seed = {r.seed} must be >= 0")
+    check(math.isfinite(r.deadline_s) and 0 < r.deadline_s <= MAX_DEADLINE_S, at("deadline_s"),
           f"deadline_s = {r.deadline_s} must be > 0 and at most {MAX_DEADLINE_S:g} seconds (one week)")
-    check(r.guard in GUARD_MODES, w, f"guard = {r.guard!r} is not one of {', '.join(GUARD_MODES)}")
-    check(r.device in DEVICES, w, f"device = {r.device!r} is not one of {', '.join(DEVICES)}")
-    check(not (r.share_gpu and r.device == "cpu"), w,
+    check(math.isfinite(r.stall_s) and 0 < r.stall_s <= MAX_DEADLINE_S, at("stall_s"),
+          f"stall_s = {r.stall_s} must be > 0 and at most {MAX_DEADLINE_S:g} seconds (one week)")
+    check(r.guard in GUARD_MODES, at("guard"), f"guard = {r.guard!r} is not one of {', '.join(GUARD_MODES)}")
+    check(r.device in DEVICES, at("device"), f"device = {r.device!r} is not one of {', '.join(DEVICES)}")
+    check(not (r.share_gpu and r.device == "cpu"), at("share_gpu"),
           "share_gpu = true with device = cpu: CPU ranks always share the host over gloo; drop --share-gpu "
           "or use --device cuda")
     if r.after_free == "":
         r.after_free = spec.default_after_free
-    check(r.after_free in AFTER_FREE, w, f"after_free = {r.after_free!r} is not one of {', '.join(AFTER_FREE)}")
+    check(r.after_free in AFTER_FREE, at("after_free"), f"after_free = {r.after_free!r} is not one of {', '.join(AFTER_FREE)}")
     for key in sorted(SCENARIO_RUN_KEYS - set(spec.run_key_names)):
-        check(not getattr(r, key), w, f"{key} does not apply to {spec.name} (it belongs to "
+        check(not getattr(r, key), at(key), f"{key} does not apply to {spec.name} (it belongs to "
               + ", ".join(s.name for s in SCENARIOS.values() if key in s.run_key_names) + ")")
     check(m.dtype in ("bfloat16", "float16", "float32"), w, f"model.dtype = {m.dtype!r} is not bfloat16, float16 or float32")
     if isinstance(m, Gemma4Dims):
-        validate_gemma4(m, r, w)
+        validate_gemma4(m, r, w, at)
     elif isinstance(m, MoeDims):
         validate_moe(m, r, w)
     if r.expect:
@@ -251,11 +281,12 @@ def validate(cfg: TrialConfig) -> TrialConfig:
         try:
             parse_expectation(r.expect)
         except ValueError as e:
-            raise ConfigError(f"{w}: expect: {e}") from None
+            raise ConfigError(f"{at('expect')}: expect: {e}") from None
     return cfg
 
 
-def validate_gemma4(m: Gemma4Dims, r: RunConfig, w: str) -> None:
+def validate_gemma4(m: Gemma4Dims, r: RunConfig, w: str, at: Any = None) -> None:
+    at = at or (lambda key: w)
     for key in ("vocab_size", "hidden_size", "num_centroids", "centroid_top_k"):
         check(getattr(m, key) >= 1, w, f"model.{key} = {getattr(m, key)} must be >= 1")
     check(m.vocab_size % m.num_centroids == 0, w,
@@ -272,7 +303,7 @@ def validate_gemma4(m: Gemma4Dims, r: RunConfig, w: str) -> None:
           f"{m.hidden_size}; the drafter reads its hidden state from the target's backbone state")
     if r.num_speculative_tokens == 0:
         r.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
-    check(1 <= r.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS, w,
+    check(1 <= r.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS, at("num_speculative_tokens"),
           f"num_speculative_tokens = {r.num_speculative_tokens} must be between 1 and {MAX_SPECULATIVE_TOKENS}")
 
 

@@ -525,8 +525,8 @@ def software_table(env: dict) -> Any:
         ("torch.cuda.graph(check_input_liveness=)", liveness),
     ]
     table = Table(title="Software", title_justify="left", show_header=False)
-    table.add_column("what")
-    table.add_column("version")
+    table.add_column("what", no_wrap=True)
+    table.add_column("version", overflow="fold")   # folded, never cut with an ellipsis
     for name, value in rows:
         table.add_row(name, Text(value))
     return table
@@ -535,8 +535,8 @@ def software_table(env: dict) -> Any:
 def env_table(env: dict) -> Any:
     values = env.get("env") or {}
     table = Table(title="Environment", title_justify="left", show_header=False)
-    table.add_column("variable")
-    table.add_column("value")
+    table.add_column("variable", no_wrap=True)
+    table.add_column("value", overflow="fold")
     for name in ENV_VARS:
         value = values.get(name)
         table.add_row(name, Text("unset", style="dim") if value is None else Text(repr(value)))
@@ -547,13 +547,21 @@ def render(env: dict, console: Any) -> None:
     """The inventory as rich tables on console (no print(): the caller owns the output)."""
     console.print(Text(summary_line(env), style="bold"))
     if env.get("gpus"):
-        console.print(gpu_table(env))
+        console.print(fold_cells(gpu_table(env)))
         if len(env["gpus"]) > 1:
-            console.print(topology_table(env))
+            console.print(fold_cells(topology_table(env)))
             console.print(Text(TOPOLOGY_LEGEND, style="dim"))
     else:
         reason = env.get("nvml_error") or "NVML reports no devices"
         console.print(Text(f"no GPU found (NVML: {reason})", style="bold yellow"))
     console.print(software_table(env))
     console.print(env_table(env))
+
+
+def fold_cells(table: Any) -> Any:
+    """Narrow consoles fold a cell's text onto more lines; a cut value ("…") would be a lie."""
+    for column in table.columns:
+        if not column.no_wrap:
+            column.overflow = "fold"
+    return table
 

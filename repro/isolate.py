@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 from repro import stacks
 from repro.config import TrialConfig, default_expectation
-from repro.launch import RankServer, ServerUnavailable, child_env
+from repro.interrupts import checkpoint
+from repro.launch import RankServer, ServerUnavailable, StartCancelled, child_env
 from repro.outcome import (REPRODUCED, FirstFailure, Outcome, RankExit, TrialRecord, finding_from_dict,
                            manifest_from_dict, parse_expectation, speculative_metrics, step_from_dict, worst)
 from repro.protocol import (STACKS_SIGNAL, Event, RankRecords, StepCounter, TrialSpec, log_path, read_records,
@@ -32,6 +33,9 @@ POLL_S = 0.05
 GRACE_S = 2.0
 # At a deadline, ranks get up to this long to dump their stacks before the kill.
 STACKS_WAIT_S = 1.0
+# At the deadline a trial whose last record is at most this old (or no older than twice its
+# longest pause so far) counts as progressing: DEADLINE, not HANG.
+PROGRESS_PAUSE_S = 1.0
 TAIL_CHARS = 3000
 
 # Specific phrases only: PyTorch's illegal-address message itself ends with "Compile with
@@ -75,21 +79,69 @@ class Rank:
 class Waited:
     spawned_at: float
     ended_at: float
-    hung: bool = False
+    hung: bool = False                 # no progress (stalled) or no record at all by the deadline
     interrupted: bool = False
     first_death: int | None = None
     stacks: dict[int, str] = field(default_factory=dict)   # rank -> its faulthandler dump, when asked
+    stalled: bool = False              # the progress watchdog fired (no record for stall_s)
+    deadline: bool = False             # the overall deadline came while the trial still progressed
+    quiet_s: float | None = None       # seconds since the last record when the wait ended
+    longest_pause_s: float = 0.0       # the longest pause between records before that
+
+
+@dataclass
+class Activity:
+    """What tells a slow trial from a stuck one: when the ranks last appended a record to
+    their JSONL files, and whether any has recorded a step yet (set-up phases, the model
+    build above all, may be long and silent; steps repeat)."""
+    counters: list[StepCounter]
+    seen: int = 0                      # bytes of complete records read so far, all ranks
+    last_at: float | None = None       # monotonic time a record was last seen; None: none yet
+    stepping: bool = False             # some rank has recorded a step
+    longest_pause_s: float = 0.0       # the longest pause between records since then
+
+    def poll(self, now: float) -> None:
+        steps = [c.poll() for c in self.counters]
+        seen = sum(c.offset for c in self.counters)
+        if seen != self.seen:
+            if self.stepping and self.last_at is not None:
+                self.longest_pause_s = max(self.longest_pause_s, now - self.last_at)
+            self.seen, self.last_at = seen, now
+            self.stepping = self.stepping or any(steps)
+
+    def quiet(self, now: float) -> float | None:
+        return None if self.last_at is None else now - self.last_at
+
+    def stalled(self, now: float, stall_s: float | None) -> bool:
+        """The watchdog: steps had begun, and no rank wrote a record for stall_s."""
+        quiet = self.quiet(now)
+        return stall_s is not None and self.stepping and quiet is not None and quiet > stall_s
+
+    def progressing(self, now: float, stall_s: float | None) -> bool:
+        """Still going at the deadline: in the steps, the current pause is no longer than twice
+        the longest one since they began (at least PROGRESS_PAUSE_S); in set-up, a record
+        came within stall_s."""
+        quiet = self.quiet(now)
+        if quiet is None:
+            return False
+        if not self.stepping:
+            return stall_s is not None and quiet <= stall_s
+        return quiet <= max(2 * self.longest_pause_s, PROGRESS_PAUSE_S)
 
 
 def spawn_ranks(spec: TrialSpec, spec_file: Path, wrapper: list[str],
-                extra_env: dict[str, str] | None = None, server: RankServer | None = None) -> list[Rank]:
+                extra_env: dict[str, str] | None = None, server: RankServer | None = None,
+                stop: threading.Event | None = None) -> list[Rank]:
     """One process per rank: forked by the run's rank server where it serves this trial,
-    else a fresh `python -m repro.worker` (always under a wrapper program)."""
+    else a fresh `python -m repro.worker` (always under a wrapper program). Once `stop` is
+    set (an interrupt) no further rank is started: the ranks so far are returned."""
     ranks: list[Rank] = []
     env = child_env(extra_env)
     use_server = server is not None and server.serves(env, wrapper)
     try:
         for r in range(spec.world_size):
+            if stop is not None and stop.is_set():
+                break
             # Rank 0 leads a new process group (not in the terminal's foreground, so Ctrl-C
             # reaches only the parent); the others join it so one killpg ends the trial.
             # If rank 0 is already gone, a rank leads its own group.
@@ -98,9 +150,11 @@ def spawn_ranks(spec: TrialSpec, spec_file: Path, wrapper: list[str],
             log_file = log_path(spec.out_dir, r)
             if use_server:
                 try:
-                    proc, pgid = server.start_rank(str(spec_file), r, env, str(log_file), pgid)
+                    proc, pgid = server.start_rank(str(spec_file), r, env, str(log_file), pgid, stop)
                     ranks.append(Rank(rank=r, proc=proc, log=None, pgid=pgid))
                     continue
+                except StartCancelled:
+                    break
                 except ServerUnavailable:
                     use_server = False           # this rank and the rest the old way
             log = open(log_file, "wb")
@@ -172,16 +226,27 @@ def read_stacks(out_dir: str, ranks: list[int]) -> dict[int, str]:
 
 def wait_group(ranks: list[Rank], deadline_s: float, spawned_at: float,
                on_tick: Callable[[], None] | None = None, stop: threading.Event | None = None,
-               out_dir: str | None = None) -> Waited:
-    """Poll until every rank exited, one died (plus GRACE_S), the deadline, or an interrupt:
-    Ctrl-C in this thread, or `stop` set by the thread that got it (concurrent trials).
-    At the deadline the ranks are asked for their stacks (out_dir given) before the kill."""
+               out_dir: str | None = None, stall_s: float | None = None) -> Waited:
+    """Poll until every rank exited, one died (plus GRACE_S), the trial stalled, the deadline,
+    or an interrupt: Ctrl-C in this thread, or `stop` set by the thread that got it.
+
+    Two clocks (out_dir given): the progress watchdog, no record from any rank for stall_s
+    once steps began (HANG); and the overall deadline, which is a HANG only when the trial was
+    not progressing then (see Activity.progressing), else DEADLINE: slow, not stuck, and no
+    rank is blamed. For a HANG the ranks are asked for
+    their stacks before the kill."""
     waited = Waited(spawned_at=spawned_at, ended_at=spawned_at)
     asked: list[int] = []
     first_death_at = None
+    activity = Activity([StepCounter(records_path(out_dir, r.rank)) for r in ranks]) if out_dir is not None else None
     try:
         while True:
             now = time.monotonic()
+            if stop is not None and stop.is_set():
+                waited.interrupted = True      # first: a trial stopped before all its ranks started
+                break
+            if activity is not None:
+                activity.poll(now)
             for r in ranks:
                 if r.exited_at is None and r.proc.poll() is not None:
                     r.exited_at = now
@@ -191,13 +256,16 @@ def wait_group(ranks: list[Rank], deadline_s: float, spawned_at: float,
                 break
             if first_death_at is not None and now - first_death_at > GRACE_S:
                 break
-            if now - spawned_at > deadline_s:
-                waited.hung = True
+            stalled = activity is not None and activity.stalled(now, stall_s)
+            if stalled or now - spawned_at > deadline_s:
+                waited.quiet_s = activity.quiet(now) if activity is not None else None
+                waited.longest_pause_s = activity.longest_pause_s if activity is not None else 0.0
+                if not stalled and activity is not None and activity.progressing(now, stall_s):
+                    waited.deadline = True
+                    break
+                waited.hung, waited.stalled = True, stalled
                 if out_dir is not None:
                     asked = request_stacks(ranks, out_dir)
-                break
-            if stop is not None and stop.is_set():
-                waited.interrupted = True
                 break
             if on_tick:
                 on_tick()
@@ -277,14 +345,29 @@ def current_step(recs: RankRecords) -> int | None:
     return max(steps) if steps else None
 
 
+DETAIL_CHARS = 600
+
+
+def clip(text: str, limit: int = DETAIL_CHARS) -> str:
+    """At most `limit` characters, never ending mid-sentence: whole sentences where they fit,
+    else whole words and an ellipsis (the record keeps the whole error)."""
+    if len(text) <= limit:
+        return text
+    head = text[:limit]
+    end = max(head.rfind(". "), head.rfind("; "))
+    if end > limit // 2:
+        return head[:end + 1].rstrip(";") + " …"
+    return head.rsplit(" ", 1)[0].rstrip(" ,;:(") + " …"
+
+
 def crash_detail(ex: RankExit) -> str:
     if ex.error:
-        return ex.error.splitlines()[0][:300]
+        return clip(ex.error.splitlines()[0])
     if ex.signal:
         return f"killed by {ex.signal}"
     lines = [ln.strip() for ln in ex.stderr_tail.splitlines() if ln.strip()]
     telling = [ln for ln in lines if any(p.search(ln) for _, p in ERROR_PATTERNS)]
-    return (telling or lines or [f"exit code {ex.exitcode}"])[-1][:300]
+    return clip((telling or lines or [f"exit code {ex.exitcode}"])[-1])
 
 
 def classify(cfg: TrialConfig, recs: list[RankRecords], exits: list[RankExit], waited: Waited
@@ -304,6 +387,8 @@ def classify(cfg: TrialConfig, recs: list[RankRecords], exits: list[RankExit], w
         outcome = worst([o for _, o in died])
         ex = first[0]
         return outcome, FirstFailure(outcome, ex.rank, current_step(recs[ex.rank]), crash_detail(ex))
+    if waited.deadline:
+        return Outcome.DEADLINE, deadline_failure(cfg, recs, waited)
     if waited.hung:
         return Outcome.HANG, hang_failure(cfg, recs, exits, waited)
     if waited.interrupted:
@@ -318,7 +403,15 @@ def hang_failure(cfg: TrialConfig, recs: list[RankRecords], exits: list[RankExit
     """Blame the rank that was not waiting in a collective while its peers were (from the stacks
     the ranks dumped at the deadline); a lone stuck rank is blamed as it is."""
     stuck = [ex.rank for ex in exits if ex.killed_by_harness]
-    detail = f"no exit within the {cfg.run.deadline_s:g} s deadline; group killed"
+    if waited.quiet_s is None:
+        detail = f"no record from any rank within the {cfg.run.deadline_s:g} s deadline; group killed"
+    elif waited.stalled:
+        detail = (f"no record from any rank for {waited.quiet_s:.0f} s (stall limit {cfg.run.stall_s:g} s, "
+                  f"--stall); group killed")
+    else:
+        detail = (f"no record from any rank for the last {waited.quiet_s:.1f} s before the "
+                  f"{cfg.run.deadline_s:g} s deadline (longest pause before: {waited.longest_pause_s:.1f} s); "
+                  "group killed")
     rank, why = stacks.blame({k: stacks.main_frames(waited.stacks.get(k, "")) for k in stuck})
     if rank is None and len(stuck) == 1:
         rank = stuck[0]
@@ -327,6 +420,17 @@ def hang_failure(cfg: TrialConfig, recs: list[RankRecords], exits: list[RankExit
     steps = {current_step(recs[k]) for k in stuck}
     step = current_step(recs[rank]) if rank is not None else (steps.pop() if len(steps) == 1 else None)
     return FirstFailure(Outcome.HANG, rank, step, detail)
+
+
+def deadline_failure(cfg: TrialConfig, recs: list[RankRecords], waited: Waited) -> FirstFailure:
+    """The deadline came while the ranks still wrote records: too slow for the budget, not a
+    hang. Where it had got to, and no blame: every rank was progressing."""
+    steps = [s for s in (current_step(r) for r in recs) if s is not None]
+    done = min(len({e["step"] for e in r.of(Event.STEP)}) for r in recs) if recs else 0
+    where = f"in step {max(steps) + 1}/{cfg.run.steps}" if steps else "before the first step"
+    detail = (f"deadline {cfg.run.deadline_s:g} s reached {where} while progressing ({done} steps done, "
+              f"last record {waited.quiet_s or 0:.1f} s before); not a hang: raise --deadline, or lower --steps")
+    return FirstFailure(Outcome.DEADLINE, None, max(steps) if steps else None, detail)
 
 
 def classify_steps(recs: list[RankRecords]) -> tuple[Outcome, FirstFailure | None]:
@@ -442,14 +546,17 @@ def run_trial(cfg: TrialConfig, device: str, out_root: Path, trial_id: str,
     for k in range(world):
         stacks_path(out_dir, k).unlink(missing_ok=True)
     spawned_at = time.monotonic()
-    ranks = spawn_ranks(spec, spec_path(out_dir), wrapper or [], env, server)
+    checkpoint("spawning")
+    ranks = spawn_ranks(spec, spec_path(out_dir), wrapper or [], env, server, stop)
+    checkpoint("spawned")
     rank0_steps = StepCounter(records_path(out_dir, 0))
 
     def tick() -> None:
         if on_tick:
             on_tick(trial_id, rank0_steps.poll())
 
-    waited = wait_group(ranks, cfg.run.deadline_s, spawned_at, tick, stop, str(out_dir))
+    waited = wait_group(ranks, cfg.run.deadline_s, spawned_at, tick, stop, str(out_dir), cfg.run.stall_s)
+    checkpoint("ended")
     recs = read_records(out_dir, world)
     exits = [rank_exit(r, rr, str(out_dir), waited.stacks.get(r.rank, "")) for r, rr in zip(ranks, recs)]
     trial = build_record(trial_id, cfg, device, recs, exits, waited, str(out_dir), fault)

@@ -92,6 +92,10 @@ class ServerUnavailable(RuntimeError):
     pass
 
 
+class StartCancelled(Exception):
+    """The run was interrupted while a rank waited for the server's preload: start nothing."""
+
+
 @dataclass
 class RemoteRank:
     """A rank forked by the server, seen through Popen's interface (pid, poll, wait, returncode)."""
@@ -183,9 +187,11 @@ class RankServer:
         keys = set(env) | set(self.env)
         return all(env.get(k) == self.env.get(k) for k in keys - RUNTIME_ONLY_ENV)
 
-    def start_rank(self, spec_file: str, rank: int, env: dict[str, str], log: str, pgid: int) -> tuple[RemoteRank, int]:
-        """Fork one rank; returns it and its process group. Raises ServerUnavailable."""
-        if not self.wait_ready(READY_TIMEOUT_S):
+    def start_rank(self, spec_file: str, rank: int, env: dict[str, str], log: str, pgid: int,
+                   stop: threading.Event | None = None) -> tuple[RemoteRank, int]:
+        """Fork one rank; returns it and its process group. Raises ServerUnavailable, or
+        StartCancelled once `stop` is set while the server still imports."""
+        if not self.wait_ready(READY_TIMEOUT_S, stop):
             raise ServerUnavailable(self.reason or "the rank server is not ready")
         with self._lock:
             self._next_id += 1
@@ -207,9 +213,18 @@ class RankServer:
             raise ServerUnavailable(answer.get("reason", "the rank server did not start the rank"))
         return answer["rank"], answer["pgid"]
 
-    def wait_ready(self, timeout: float) -> bool:
+    def wait_ready(self, timeout: float, stop: threading.Event | None = None) -> bool:
+        """Until the preload ended (True: ready); a Ctrl-C/SIGTERM of the run (`stop`) must
+        not wait for a torch import that takes seconds."""
+        end = time.monotonic() + timeout
         with self._state:
-            self._state.wait_for(lambda: self.ready is not None, timeout)
+            while self.ready is None:
+                if stop is not None and stop.is_set():
+                    raise StartCancelled()
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._state.wait(min(left, 0.05))
             return bool(self.ready)
 
     def close(self) -> None:

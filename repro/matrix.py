@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import textwrap
 from typing import Any
 
 from repro.config import ConfigError, RunConfig, SCENARIOS, coerce, default_expectation, read_toml, resolve_preset_path
@@ -38,6 +39,10 @@ def load_matrix(path_or_name: str, gpus: int) -> tuple[str, list[Planned]]:
     path = resolve_preset_path(path_or_name)
     data = read_toml(path)
     unknown = set(data) - {"matrix", "trial"}
+    if "scenario" in data and "trial" not in data:
+        raise ConfigError(f"{path}: a scenario preset (for {data['scenario']}), not a matrix; run it with "
+                          f"`repro {data['scenario']} --config {path_or_name}`, or give a matrix "
+                          "(`repro presets` lists them)")
     if unknown:
         raise ConfigError(f"{path}: unknown top-level key {sorted(unknown)[0]!r}; allowed: [matrix], [[trial]]")
     head = data.get("matrix", {})
@@ -84,8 +89,18 @@ def select(planned: list[Planned], patterns: list[str], name: str) -> list[Plann
     return chosen
 
 
-def listing(planned: list[Planned]) -> list[str]:
-    """One line per trial: id, expected outcome, and where it would run."""
-    width = max(len(planned_id(p)) for p in planned)
-    return [f"{planned_id(p):<{width}}  expect {default_expectation(p.cfg):<16} "
-            + (p.device or f"UNSUPPORTED here: {p.reason}") for p in planned]
+NOT_HERE = "not here"
+
+
+def listing(planned: list[Planned], width: int = 80) -> list[str]:
+    """One line per trial: id, expected outcome, and where it would run ("not here": the
+    trial would be UNSUPPORTED; each reason follows once, wrapped at `width`). Columns are
+    as wide as their longest entry, so the gpu-2 matrix fits 80 characters."""
+    ids = max(len(planned_id(p)) for p in planned)
+    expects = max(len(default_expectation(p.cfg)) for p in planned)
+    lines = [f"{planned_id(p):<{ids}} expect {default_expectation(p.cfg):<{expects}} {p.device or NOT_HERE}"
+             for p in planned]
+    for reason in dict.fromkeys(p.reason for p in planned if p.device is None):
+        count = sum(1 for p in planned if p.device is None and p.reason == reason)
+        lines += textwrap.wrap(f"{NOT_HERE} ({count} trials, UNSUPPORTED): {reason}", width, subsequent_indent="  ")
+    return lines

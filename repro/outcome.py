@@ -21,7 +21,10 @@ class Outcome(str, Enum):
     NONFINITE = "NONFINITE"              # NaN/Inf in outputs
     MISMATCH = "MISMATCH"                # finite but different from the reference
     STALE_CAPTURE = "STALE_CAPTURE"      # guard found a dead/moved captured tensor, no symptom
-    HANG = "HANG"                        # a rank passed its deadline; the group was killed
+    HANG = "HANG"                        # no progress (no record from any rank) for --stall s, or none by
+                                         # the deadline; the group was killed, the stuck rank blamed
+    DEADLINE = "DEADLINE"                # the overall deadline came while the trial still progressed:
+                                         # too slow for its budget, not stuck; no verdict, never a pass
     CRASH = "CRASH"                      # any other abnormal exit
     UNSUPPORTED = "UNSUPPORTED"          # the environment cannot run it: never a pass
     INTERRUPTED = "INTERRUPTED"          # cut short by Ctrl-C / SIGTERM: no verdict, never a pass
@@ -36,7 +39,7 @@ REPRODUCED = frozenset({
 # When ranks disagree, the trial takes the most severe outcome; a hard CUDA error outranks
 # the numbers that led up to it.
 SEVERITY = [
-    Outcome.INTERRUPTED, Outcome.UNSUPPORTED, Outcome.CLEAN, Outcome.STALE_CAPTURE, Outcome.MISMATCH,
+    Outcome.INTERRUPTED, Outcome.DEADLINE, Outcome.UNSUPPORTED, Outcome.CLEAN, Outcome.STALE_CAPTURE, Outcome.MISMATCH,
     Outcome.NONFINITE, Outcome.HANG, Outcome.CRASH, Outcome.DEVICE_ASSERT,
     Outcome.ILLEGAL_ADDRESS,
 ]
@@ -46,8 +49,9 @@ def worst(outcomes: list[Outcome]) -> Outcome:
     return max(outcomes, key=SEVERITY.index) if outcomes else Outcome.CLEAN
 
 
-# An interrupt says nothing about the code under test, so no trial can expect one.
-EXPECTABLE = [o for o in Outcome if o is not Outcome.INTERRUPTED]
+# An interrupt or a budget too small says nothing about the code under test, so no trial can
+# expect one.
+EXPECTABLE = [o for o in Outcome if o not in (Outcome.INTERRUPTED, Outcome.DEADLINE)]
 
 
 def parse_expectation(text: str) -> list[Outcome]:

@@ -35,6 +35,7 @@ import time
 import warnings
 from typing import Any
 
+from repro.noise import silence_known_warnings
 from repro.worker import die_with_parent
 
 REAP_EVERY_S = 0.01
@@ -211,6 +212,7 @@ def main(argv: list[str]) -> None:
     rank_sigint = signal.getsignal(signal.SIGINT) or signal.default_int_handler   # None: set outside Python
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     server = Server(int(argv[0]), int(argv[1]), rank_sigint)
+    silence_known_warnings()      # its stderr is the user's terminal; torch's import would warn there
     start = time.perf_counter()
     try:
         preload()

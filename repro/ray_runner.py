@@ -373,13 +373,14 @@ def run_on_ray(cluster: Cluster, retries: int, planned: list[Planned], out_root:
                on_start: Callable[[str, Planned], None] | None = None,
                on_tick: Callable[[str, int], None] | None = None,
                on_done: Callable[[TrialRecord], None] | None = None,
-               jobs: int = 1, server: Any = None) -> RunResult:
-    """run_planned's contract on a Ray cluster. Every trial is submitted at once: Ray's
+               jobs: int = 1, server: Any = None, interrupts: Any = None) -> RunResult:
+    """run_planned's contract on a Ray cluster (interrupts: the CLI's signal flag, polled). Every trial is submitted at once: Ray's
     placement decides how many run together (a node holds as many bundles as it has room for)."""
     stamp = dt.datetime.now(dt.timezone.utc)
     run_dir = out_root / stamp.strftime("%Y%m%d-%H%M%S-%f")
     one = partial(run_remote, cluster, retries)
-    result = run_all(planned, run_dir, Hooks(on_start, on_tick, on_done), None, max(1, len(planned)), [], None, one=one)
+    result = run_all(planned, run_dir, Hooks(on_start, on_tick, on_done), None, max(1, len(planned)), [], None,
+                     one=one, interrupts=interrupts)
     env = environment()
     env["ray"] = {"address": cluster.address, "nodes": [n.describe() for n in cluster.nodes]}
     result.report.environment = with_runtime(env, result.report.trials)

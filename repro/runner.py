@@ -20,7 +20,8 @@ from typing import Any, Callable
 from repro import doctor, gpus
 from repro.config import SCENARIOS, TrialConfig, apply_overrides, load_preset, validate
 from repro.footprint import fit_reason
-from repro.isolate import Interrupted, run_trial, unsupported_record
+from repro.interrupts import Interrupts, Terminated, checkpoint
+from repro.isolate import POLL_S, Interrupted, run_trial, unsupported_record
 from repro.launch import RankServer, child_env
 from repro.outcome import Report, TrialRecord
 
@@ -41,10 +42,6 @@ class RunResult:
     run_dir: Path | None = None       # the folder this run's trials wrote to
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a CI cancel): handled exactly like Ctrl-C, but named as itself."""
-
-
 def resolve_device(requested: str, tp: int, gpus: int, share_gpu: bool = False) -> tuple[str | None, str]:
     """auto -> cuda when NVML sees GPUs, else cpu (gloo, no graphs). Returns (device, reason).
 
@@ -60,15 +57,17 @@ def resolve_device(requested: str, tp: int, gpus: int, share_gpu: bool = False) 
     return "cuda", ""
 
 
-def plan(scenario: str, preset: str | None, run: dict[str, Any], sets: list[str], gpus: int) -> Planned:
-    """Load the preset (the CPU preset when no preset was named and the run lands on CPU)."""
+def plan(scenario: str, preset: str | None, run: dict[str, Any], sets: list[str], gpus: int,
+         sources: dict[str, str] | None = None) -> Planned:
+    """Load the preset (the CPU preset when no preset was named and the run lands on CPU).
+    sources: which [run] keys the command line set (config.override_sources), for errors."""
     spec = SCENARIOS[scenario]
     requested = run.get("device") or "auto"
     tp = run.get("tp") or 1
     if preset is None:
         device, _ = resolve_device(requested, tp, gpus, bool(run.get("share_gpu")))
         preset = spec.cpu_preset if device == "cpu" else spec.default_preset
-    cfg = validate(apply_overrides(load_preset(preset, scenario), run, sets))
+    cfg = validate(apply_overrides(load_preset(preset, scenario), run, sets), sources)
     device, reason = resolve_device(cfg.run.device, cfg.run.tp, gpus, cfg.run.share_gpu)
     if device is not None:
         reason = fit_reason(cfg, device)
@@ -118,16 +117,21 @@ def lane_env(slot: int, lanes: list[str]) -> dict[str, str] | None:
 def run_planned(planned: list[Planned], out_root: Path, on_start: Callable[[str, Planned], None] | None = None,
                 on_tick: Callable[[str, int], None] | None = None,
                 on_done: Callable[[TrialRecord], None] | None = None,
-                wrapper: list[str] | None = None, jobs: int = 1, server: RankServer | None = None) -> RunResult:
+                wrapper: list[str] | None = None, jobs: int = 1, server: RankServer | None = None,
+                interrupts: Interrupts | None = None) -> RunResult:
     """Run every planned trial, `jobs` at a time; the report keeps the plan's order.
 
     Ranks are forked from one rank server per run (torch imported once; repro/rankserver.py):
     `server` when the caller started it (and closes it), else one started here. Under a
     wrapper program every rank is a fresh interpreter (the wrapper must exec it).
+    interrupts: the CLI's signal flag (repro/interrupts.py), polled here; without it a
+    KeyboardInterrupt in the calling thread stops the run.
     """
+    checkpoint("run")
     stamp = dt.datetime.now(dt.timezone.utc)
     run_dir = out_root / stamp.strftime("%Y%m%d-%H%M%S-%f")
-    own = server is None and not wrapper and any(p.device is not None for p in planned)
+    stopped = interrupts is not None and interrupts.pending()
+    own = server is None and not wrapper and not stopped and any(p.device is not None for p in planned)
     if own:
         # From this (the main) thread, first: its torch import overlaps everything below.
         server = RankServer.start(child_env())
@@ -136,7 +140,9 @@ def run_planned(planned: list[Planned], out_root: Path, on_start: Callable[[str,
         with ThreadPoolExecutor(max_workers=1) as pool:
             env = pool.submit(environment)
             lanes = gpus.gpu_lanes(gpus.gpu_count(), dict(os.environ)) if jobs > 1 else []
-            result = run_all(planned, run_dir, Hooks(on_start, on_tick, on_done), wrapper, jobs, lanes, server)
+            result = run_all(planned, run_dir, Hooks(on_start, on_tick, on_done), wrapper, jobs, lanes, server,
+                             interrupts)
+            checkpoint("collected")
             result.report.environment = with_runtime(env.result(), result.report.trials)
     finally:
         if own:
@@ -180,7 +186,8 @@ def run_one(i: int, p: Planned, run_dir: Path, hooks: Hooks, wrapper: list[str] 
 
 def run_all(planned: list[Planned], run_dir: Path, hooks: Hooks, wrapper: list[str] | None,
             jobs: int, lanes: list[str], server: RankServer | None = None,
-            one: Callable[..., TrialRecord | None] | None = None) -> RunResult:
+            one: Callable[..., TrialRecord | None] | None = None,
+            interrupts: Interrupts | None = None) -> RunResult:
     """one: the per-trial step, run_one's signature (repro/ray_runner.py runs it on a cluster)."""
     one = one or run_one
     stop = threading.Event()
@@ -189,13 +196,19 @@ def run_all(planned: list[Planned], run_dir: Path, hooks: Hooks, wrapper: list[s
         slots.put(k)
     records: list[TrialRecord | None] = [None] * len(planned)
     interrupted_by = None
+    if interrupts is not None and interrupts.pending():
+        stop.set()                                     # a signal during start-up: run nothing
+        interrupted_by = interrupts.name
     with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="trial") as pool:
         futures = {pool.submit(one, i, p, run_dir, hooks, wrapper, slots, lanes, stop, server): i
                    for i, p in enumerate(planned)}
         pending = set(futures)
         while pending:
             try:
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
+                if interrupts is not None and interrupts.pending() and not stop.is_set():
+                    stop.set()                         # the trials kill their groups, keep records
+                    interrupted_by = interrupted_by or interrupts.name
             except KeyboardInterrupt as e:
                 # Ctrl-C (or SIGTERM, see Terminated) reaches this thread only (the ranks run in
                 # their own process groups): tell every running trial to kill its group and

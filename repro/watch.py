@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,16 +64,23 @@ def watch_env(environ: dict[str, str], run_dir: Path, on_finding: str) -> dict[s
 
 
 def default_run_dir() -> Path:
-    """Under the user's cache like every run's files, not the current directory."""
+    """A new folder for this run's records under the user's cache (like every run's files, not
+    the current directory), created here, atomically, with a unique name: runs started in the
+    same second (a script, CI jobs on one host, pytest-xdist workers) never share one."""
     from repro.runs import default_root
-    return default_root(dict(os.environ)) / time.strftime("watch-%Y%m%d-%H%M%S", time.localtime())
+    root = default_root(dict(os.environ))
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=time.strftime("watch-%Y%m%d-%H%M%S-", time.localtime()), dir=root))
 
 
-def check_args(command: list[str], on_finding: str, run_dir: Path) -> None:
+def check_args(command: list[str], on_finding: str, run_dir: Path | None) -> None:
+    """run_dir: the --run-dir the user gave, or None (a new folder of its own)."""
     if not command:
         raise WatchUsageError("no command given: repro watch [OPTIONS] -- CMD [ARGS...]")
     if on_finding not in ON_FINDING:
         raise WatchUsageError(f"--on-finding {on_finding!r} is not one of {', '.join(ON_FINDING)}")
+    if run_dir is None:
+        return
     if run_dir.exists() and not run_dir.is_dir():
         raise WatchUsageError(f"--run-dir {run_dir}: exists and is not a directory")
     if run_dir.is_dir() and record_files([run_dir]):
@@ -135,13 +143,39 @@ def finish(rep: WatchReport, command: list[str], result: CommandResult, on_findi
     if not rep.processes:
         rep.notes.append("No Python process started the hooks (CMD started no Python, or its "
                          "environment was replaced before Python started).")
+    rep.notes += sight_notes(rep)
     rep.exit = EXIT_INTERRUPTED if result.interrupted else \
         EXIT_FINDINGS if rep.findings else result.returncode
     return rep
 
 
-def watch(command: list[str], run_dir: Path, on_finding: str) -> WatchReport:
+def sight_notes(rep: WatchReport, gpu_count: int | None = None) -> list[str]:
+    """What watch could see in this run, said where "no findings" would otherwise suggest more
+    than was checked: watch looks at CUDA graph captures and their replays, nothing else."""
+    if not rep.processes or any(p.graphs for p in rep.processes):
+        return []
+    if gpu_count is None:
+        from repro.gpus import gpu_count as count_gpus
+        gpu_count = count_gpus()
+    hooked = sum(p.torch_hooked for p in rep.processes)
+    what = (f"no CUDA graph was captured in the {len(rep.processes)} watched process(es) "
+            f"({hooked} imported torch); watch looks at CUDA graph captures and their replays only, "
+            "so \"no findings\" says nothing else about the program")
+    if gpu_count == 0:
+        what += ("; this machine has no GPU (NVML sees none), and without one no program captures a "
+                 "CUDA graph: run it on a GPU machine")
+    notes = ["Nothing checked: " + what + "."]
+    if hooked:
+        notes.append("What the program prints itself (its own CaptureGuard, e.g. a CPU dry run with "
+                     "guard.recording) is its own output, not a finding of watch.")
+    return notes
+
+
+def watch(command: list[str], run_dir: Path | None, on_finding: str) -> WatchReport:
+    """run_dir None: a new folder of its own under the cache (default_run_dir)."""
     check_args(command, on_finding, run_dir)
+    if run_dir is None:
+        run_dir = default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     result = run_command(command, watch_env(dict(os.environ), run_dir, on_finding))
     return finish(with_ray_nodes(run_dir, load_report([run_dir, *node_dirs(run_dir)])), command, result, on_finding)
@@ -156,12 +190,25 @@ def with_ray_nodes(run_dir: Path, rep: WatchReport) -> WatchReport:
 def merge(run_dirs: list[Path]) -> WatchReport:
     """One report over run directories written separately (one per node)."""
     for d in run_dirs:
-        if not d.is_dir():
-            raise WatchUsageError(f"{d}: not a directory")
-        if not record_files([d]):
-            raise WatchUsageError(f"{d}: holds no repro watch records (*.jsonl)")
+        check_watch_run(d)
     rep = load_report([p for d in run_dirs for p in (d, *node_dirs(d))])
     for d in run_dirs:
         with_ray_nodes(d, rep)
     rep.exit = EXIT_FINDINGS if rep.findings else 0
     return rep
+
+
+def check_watch_run(d: Path) -> None:
+    """A folder that `repro watch` wrote: refused with what it is otherwise (a trial run's
+    folder has records too, of another kind, and reads as "0 processes watched")."""
+    if not d.exists():
+        raise WatchUsageError(f"{d}: does not exist; give the folder `repro watch` printed after 'records:'")
+    if not d.is_dir():
+        raise WatchUsageError(f"{d}: not a directory; give the folder `repro watch` printed after 'records:'")
+    if load_report([d]).processes:
+        return
+    if (d / "spec.json").exists() or any(d.glob("*/spec.json")) or any(d.glob("rank*.jsonl")):
+        raise WatchUsageError(f"{d}: a trial run's folder (records of `repro gemma4-mtp`, `matrix`, ...), "
+                              "not a repro watch run; watch-report reads the folders `repro watch` writes")
+    raise WatchUsageError(f"{d}: holds no repro watch records (<host>-<pid>.jsonl with a process record); "
+                          "give the folder `repro watch` printed after 'records:'")

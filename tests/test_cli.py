@@ -53,9 +53,9 @@ def test_scenario_help_lists_exit_codes():
     (["gemma4-mtp", "--tp", "0", "--device", "cpu"], "tp = 0 must be >= 1"),
     (["gemma4-mtp", "--set", "model.vocab_size=4001", "--device", "cpu"], "not divisible"),
     (["gemma4-mtp", "--set", "oops"], "expected SECTION.KEY=VALUE"),
-    (["gemma4-mtp", "--identity-reload", "--device", "cpu"], "No such option"),
+    (["gemma4-mtp", "--identity-reload", "--device", "cpu"], "gemma4-mtp has no --identity-reload option; "
+                                                             "--identity-reload belongs to nvfp4-reload"),
     (["nvfp4-reload", "--config", "gemma4-tiny"], "preset is for scenario 'gemma4-mtp'"),
-    (["nvfp4-reload", "--tp", "2"], "No such option"),
     (["gemma4-mtp", "--expect", "works", "--device", "cpu"], "expectation 'works'"),
     (["matrix", "--config", "/nope.toml"], "does not exist"),
     (["matrix", "--jobs", "0"], "--jobs 0: must be >= 1"),
@@ -298,3 +298,83 @@ def test_injected_fault_exits_1_not_met(tmp_path, no_gpu):
     assert trial["injected_fault"] == {"kind": "ima-message", "rank": 0, "step": 0, "fired": True}
     report = re.sub(r"[│\s]+", " ", result.stderr)
     assert "injected fault ima-message on rank 0 at step 0 (fired; test hook): never counts as reproducing" in report
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["gemma4-mtp", "--json", "{tmp}/missing/dir/x.json"], "directory {tmp}/missing/dir does not exist; create it first"),
+    (["gemma4-mtp", "--html", "{tmp}/missing/x.html"], "directory {tmp}/missing does not exist"),
+    (["gemma4-mtp", "--artifacts", "{tmp}/missing/arts"], "directory {tmp}/missing does not exist"),
+    (["gemma4-mtp", "--json", "{tmp}/r", "--html", "{tmp}/r"], "--json and --html are the same file"),
+    (["matrix", "--junit", "{tmp}/r", "--json", "{tmp}/./r"], "--json and --junit are the same file"),
+    (["gemma4-mtp", "--print-config", "--json", "-"], "--print-config runs no trial, so --json would be ignored"),
+    (["gemma4-mtp", "--print-config", "--html", "{tmp}/r.html", "--artifacts", "{tmp}"],
+     "so --html, --artifacts would be ignored"),
+    (["matrix", "--list", "--junit", "{tmp}/r.xml"], "--list runs no trial, so --junit would be ignored"),
+    (["doctor", "--json", "{tmp}/missing/d.json"], "directory {tmp}/missing does not exist"),
+    (["vllm-audit", "--json", "{tmp}/missing/a.json"], "directory {tmp}/missing does not exist"),
+    (["watch", "--json", "{tmp}/missing/w.json", "--", "true"], "directory {tmp}/missing does not exist"),
+    (["watch", "--json", "{tmp}/w", "--html", "{tmp}/w", "--", "true"], "--json and --html are the same file"),
+])
+def test_output_paths_that_would_surprise_are_refused(args, needle, tmp_path, no_gpu):
+    args = [a.format(tmp=tmp_path) for a in args]
+    before = sorted(tmp_path.iterdir())
+    assert needle.format(tmp=tmp_path) in one_line_error(invoke(*args))
+    assert sorted(tmp_path.iterdir()) == before          # nothing created, no directory grown
+
+
+def test_default_run_folder_that_cannot_be_made_names_its_cause(tmp_path, monkeypatch, no_gpu):
+    # A cache path under a regular file: no user (root included) can make the folder there.
+    (tmp_path / "f").write_text("x")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "f" / "cache"))
+    line = one_line_error(invoke("gemma4-mtp", "--device", "cpu", "--steps", "1"))
+    assert f"cannot create the run folder {tmp_path}/f/cache/repro/runs" in line
+    assert f"{tmp_path}/f is a file, not a directory" in line and "XDG_CACHE_HOME" in line
+    assert "--artifacts DIR" in line and not line.startswith("repro: error: --artifacts")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["gemma4-mtp", "--config", "."], "config . is a directory; give a preset name"),
+    (["matrix", "--config", "gemma4-tiny"], "a scenario preset (for gemma4-mtp), not a matrix; run it with "
+                                            "`repro gemma4-mtp --config gemma4-tiny`"),
+    (["gemma4-mtp", "--config", "ci-smoke"], "a matrix, not a scenario preset; run it with `repro matrix"),
+    (["nvfp4-reload", "--tp", "2"], "nvfp4-reload has no --tp option; --tp belongs to gemma4-mtp, selftest"),
+    (["gemma4-mtp", "--tp", "0", "--device", "cpu"], "repro: error: --tp 0: tp = 0 must be >= 1"),
+    (["gemma4-mtp", "--set", "run.steps=0", "--device", "cpu"], "repro: error: --set run.steps=0: steps = 0"),
+    (["gemma4-mtp", "--stall", "0", "--device", "cpu"], "repro: error: --stall 0.0: stall_s = 0.0 must be > 0"),
+])
+def test_messages_point_at_what_the_user_did(args, needle):
+    line = one_line_error(invoke(*args))
+    assert needle in line
+    assert "gemma4-tiny: tp" not in line and "Possible options" not in line
+
+
+def test_matrix_help_names_no_option_it_lacks():
+    text = invoke("matrix", "--help").stdout
+    assert "--expect" not in text and "the matrix file's expect" in text
+
+
+def test_small_truths_of_a_cpu_run(tmp_path, no_gpu):
+    """--share-gpu on a machine without GPUs is said to do nothing; the step table's count is
+    tokens (beside the graph a step used), and progress past the last step says finishing."""
+    result = invoke("gemma4-mtp", "--tp", "2", "--steps", "2", "--share-gpu", "--artifacts", str(tmp_path))
+    assert result.exit_code == 0, result.stderr
+    assert "repro: warning: --share-gpu has no effect on CPU" in result.stderr
+    assert "· tokens " in result.stdout or " tokens " in result.stdout
+    assert "· batch " not in result.stdout
+    assert "2/2 steps done · finishing" in result.stderr and "2/2 steps done · running" not in result.stderr
+
+
+def test_guard_raise_failure_text_ends_with_its_sentence(tmp_path, no_gpu):
+    result = invoke("gemma4-mtp", "--tp", "2", "--steps", "1", "--guard", "raise", "--artifacts", str(tmp_path),
+                    "--json", "-")
+    detail = json.loads(result.stdout)["trials"][0]["first_failure"]["detail"]
+    assert detail.startswith("StaleCaptureError:") and detail.endswith("re-capture after it changes.")
+
+
+def test_clip_never_ends_mid_sentence():
+    from repro.isolate import clip
+    text = "First sentence is here. " * 40
+    out = clip(text, 100)
+    assert len(out) <= 102 and out.endswith("here. …")
+    assert clip("one two three four five six", 15) == "one two three …"
+    assert clip("short", 100) == "short"

@@ -112,7 +112,7 @@ def test_watch_records_default_to_the_cache(monkeypatch, tmp_path):
 
 
 def test_matrix_list_names_every_trial_without_running(tmp_path, no_gpu):
-    result = invoke("matrix", "--list", "--artifacts", str(tmp_path))
+    result = invoke("matrix", "--list", env={"XDG_CACHE_HOME": str(tmp_path)})
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) == 10 and lines[0].startswith("00-gemma4-mtp-unfixed-tp2-release")
@@ -122,7 +122,10 @@ def test_matrix_list_names_every_trial_without_running(tmp_path, no_gpu):
 
 def test_matrix_list_shows_unsupported_gpu_trials(no_gpu):
     lines = invoke("matrix", "--config", "gpu-2", "--list").stdout.splitlines()
-    assert len(lines) == 23 and all("UNSUPPORTED here" in line for line in lines)
+    assert all(line.endswith(" not here") for line in lines[:23])
+    reason = " ".join(lines[23:])
+    assert reason.startswith("not here (23 trials, UNSUPPORTED): device = cuda but no CUDA GPU is visible")
+    assert all(len(line) <= 80 and line == line.rstrip() for line in lines)     # a pipe: 80 columns
 
 
 def test_matrix_only_keeps_ids_of_the_full_matrix(tmp_path, no_gpu):
@@ -148,3 +151,50 @@ def test_vllm_audit_without_vllm_is_environment_exit_3(monkeypatch):
                         lambda name, *a: None if name == "vllm" else find_spec(name, *a))
     result = invoke("vllm-audit")
     assert result.exit_code == 3 and "vllm is not installed" in result.stderr
+
+
+def test_gpu_matrix_on_cpu_says_why_once_and_points_at_ci_smoke(no_gpu):
+    result = invoke("matrix", "--config", "gpu-2")
+    assert result.exit_code == 3
+    reason = "no CUDA GPU is visible"
+    assert result.stdout.count(reason) == 1, result.stdout
+    assert "23 trials (00-22): UNSUPPORTED (not run, not a pass)" in result.stdout
+    assert len(result.stdout.splitlines()) <= 5
+    assert "`repro matrix` runs the CPU matrix (ci-smoke)" in flat(result.stderr)
+    assert "started" not in result.stderr                 # nothing was started
+
+
+def run_cli(*args, columns=None):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("COLUMNS", None)
+    if columns:
+        env["COLUMNS"] = str(columns)
+    return subprocess.run([sys.executable, "-m", "repro", *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_wide_and_narrow_pipes_get_lines_without_padding_or_cuts(tmp_path):
+    for columns in (None, 160):
+        presets = run_cli("presets", columns=columns).stdout.splitlines()
+        assert all(line == line.rstrip() for line in presets)
+        assert all(len(line) <= (columns or 80) for line in presets)
+    wide = run_cli("presets", columns=160).stdout
+    assert "CPU smoke: every scenario x mode x lifecycle, tiny dims, guard verdicts\n" in wide   # whole
+    report = run_cli("selftest", "--steps", "1", "--device", "cpu", "--artifacts", str(tmp_path), columns=160)
+    assert report.returncode == 0, report.stderr
+    lines = report.stdout.splitlines() + report.stderr.splitlines()
+    assert lines and all(line == line.rstrip() for line in lines)
+    narrow = run_cli("selftest", "--steps", "1", "--device", "cpu", "--artifacts", str(tmp_path)).stdout
+    assert not any(line.rstrip().endswith(("|", "·")) for line in narrow.splitlines())
+    doctor = run_cli("doctor").stdout
+    assert "…" not in doctor and all(len(line) <= 80 for line in doctor.splitlines())
+
+
+def test_progress_timer_stays_whole_on_a_narrow_terminal():
+    import io
+    from rich.console import Console
+    from repro import report as rp
+    stream = io.StringIO()
+    with rp.Progress(Console(file=stream, width=60, force_terminal=True, color_system=None)) as progress:
+        progress.add("t1", "00-gemma4-mtp-fixed-tp2-release-reload-drafter", 14)
+        progress.update("t1", 3)
+    assert "3/14 running 0:00:0" in stream.getvalue() and "0:00:…" not in stream.getvalue()

@@ -28,10 +28,11 @@ def launcher(request):
     return request.param
 
 
-def selftest(tmp_path, fault=None, steps=3, deadline=DEADLINE, server="fresh"):
+def selftest(tmp_path, fault=None, steps=3, deadline=DEADLINE, server="fresh", stall=None):
     """server "forked": the ranks come from a rank server started in the test itself (its
     environment must be the test's own: pytest changes PYTEST_CURRENT_TEST per phase)."""
-    p = plan("selftest", None, {"tp": 2, "steps": steps, "device": "cpu", "deadline_s": deadline}, [], gpus=0)
+    p = plan("selftest", None, {"tp": 2, "steps": steps, "device": "cpu", "deadline_s": deadline,
+                                "stall_s": stall}, [], gpus=0)
     start = time.monotonic()
     if server == "fresh":
         trial = run_trial(p.cfg, "cpu", tmp_path, "t", fault=fault)
@@ -92,6 +93,66 @@ def test_hang_is_killed_at_deadline_and_blames_the_rank_outside_the_collective(t
     facts = {f.label: f.value for f in trial_facts(trial)}
     assert facts["rank 1 stack"].startswith("inject_fault (worker.py:")
     assert_nothing_left(trial)
+
+
+def test_stall_watchdog_blames_the_stuck_rank_long_before_the_deadline(tmp_path, launcher):
+    trial, _ = selftest(tmp_path, {"kind": "hang", "rank": 1, "step": 1}, server=launcher, deadline=120, stall=3)
+    assert trial.outcome == Outcome.HANG and trial.met is False
+    assert trial.first_failure.rank == 1 and trial.first_failure.step == 1
+    assert "stall limit 3 s, --stall" in trial.first_failure.detail
+    assert "rank 1 was not in a collective" in trial.first_failure.detail
+    assert_nothing_left(trial)
+
+
+def test_slow_but_progressing_trial_reaches_its_deadline_not_a_hang(tmp_path):
+    """Many quick steps, a budget too small for them: the ranks never stop writing records,
+    so the deadline is DEADLINE (no verdict, never a pass), with no rank blamed."""
+    trial, _ = selftest(tmp_path, steps=10_000_000, server="forked", deadline=10)
+    assert trial.outcome == Outcome.DEADLINE and trial.met is False
+    first = trial.first_failure
+    assert first.rank is None and "blame" not in first.detail and "collective" not in first.detail
+    assert "deadline 10 s reached in step " in first.detail and "/10000000 while progressing" in first.detail
+    assert "not a hang: raise --deadline" in first.detail
+    assert not trial.artifacts.get("rank 0 stacks")           # nobody was asked where it was stuck
+    assert_nothing_left(trial)
+    from repro.report.view import trial_facts, verdict_words
+    assert verdict_words(trial).text == "✗ deadline reached: no verdict (not a pass)"
+
+
+def test_activity_tells_slow_from_stuck(tmp_path):
+    """The watchdog's logic on a clock of its own: set-up may be long and silent, steps repeat."""
+    from repro.isolate import Activity
+    from repro.protocol import StepCounter
+    path = tmp_path / "rank0.jsonl"
+    act = Activity([StepCounter(path)])
+
+    def write(event, at):
+        with open(path, "a") as f:
+            f.write(json.dumps({"event": event, "rank": 0, "t": 0, "step": 0}) + "\n")
+        act.poll(at)
+
+    act.poll(0.0)
+    assert act.quiet(5.0) is None and not act.progressing(5.0, 60) and not act.stalled(5.0, 3)
+    write("start", 1.0)
+    act.poll(39.9)                           # a 39 s silent build: set-up, no watchdog yet
+    assert not act.stalled(39.9, 3) and act.progressing(39.9, 60) and not act.progressing(39.9, 30)
+    write("phase", 40.0)
+    write("step", 41.0)
+    for k in range(10):                      # steps every 0.5 s
+        write("step", 41.5 + 0.5 * k)
+    last = 41.5 + 0.5 * 9
+    assert act.longest_pause_s == 0.5        # pauses count from the first step on
+    assert act.progressing(last + 0.9, 60) and not act.progressing(last + 1.1, 60)
+    assert not act.stalled(last + 2.9, 3) and act.stalled(last + 3.1, 3)
+    write("step", last + 2.5)                # one slow step: twice it is still "progressing"
+    assert act.longest_pause_s == 2.5 and act.progressing(last + 2.5 + 4.9, 60)
+
+
+def test_deadline_outcome_is_never_expectable_and_never_met():
+    from repro.outcome import EXPECTABLE, REPRODUCED, parse_expectation
+    assert Outcome.DEADLINE not in EXPECTABLE and Outcome.DEADLINE not in REPRODUCED
+    with pytest.raises(ValueError):
+        parse_expectation("DEADLINE")
 
 
 def test_injected_fault_is_recorded_and_never_counts_as_reproduced(tmp_path):

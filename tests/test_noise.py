@@ -49,3 +49,11 @@ def test_worker_stderr_tail_is_quiet_without_numpy(without_numpy, tmp_path):
     tail = trial["ranks"][0]["stderr_tail"]
     assert "Traceback" in tail and NOISE not in tail          # what matters is there, the noise is not
     assert NOISE not in junit.read_text()
+
+
+def test_cli_stderr_is_quiet_without_numpy(without_numpy, tmp_path):
+    """The rank server imports torch with the user's terminal as its stderr."""
+    result = run(without_numpy, "-m", "repro", "selftest", "--device", "cpu", "--steps", "1",
+                 "--artifacts", str(tmp_path / "runs"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert NOISE not in result.stderr + result.stdout

@@ -68,7 +68,15 @@ def test_each_rank_is_its_own_process_once(tmp_path):
 def test_server_killed_mid_trial_fails_it_at_once_and_says_so(tmp_path):
     """A hang that would run to the deadline: the server's death ends it (its ranks die with it)."""
     with RankServer.start(child_env()) as server:
-        killer = threading.Timer(4.0, lambda: os.kill(server.proc.pid, signal.SIGKILL))
+        def kill_once_both_ranks_run():
+            # Not a fixed delay: on a loaded machine the server's torch import alone takes seconds.
+            end = time.monotonic() + 60
+            while len(server.started) < 2 and time.monotonic() < end:
+                time.sleep(0.05)
+            time.sleep(1.0)
+            os.kill(server.proc.pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_once_both_ranks_run)
         killer.start()
         start = time.monotonic()
         trial = run_trial(selftest_cfg(deadline=120.0), "cpu", tmp_path, "t",

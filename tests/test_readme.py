@@ -121,3 +121,26 @@ def test_readme_shows_the_cpu_wheel_beside_the_plain_install():
     assert cpu and plain
     assert lines.index(plain[0]) - lines.index(cpu[0]) == 1          # side by side
     assert "pip install -q torch==2.13.0" in (REPO / ".ci" / "run").read_text()   # what works in CI stays
+
+
+def test_set_up_starts_from_a_clone_and_a_venv():
+    setup = README[README.index("## Set up and run"):README.index("## The mission commands")]
+    lines = [l for l in setup.splitlines() if l and not l.startswith(("#", "`"))]
+    assert lines[0].startswith("git clone ") and "cd repro" in lines[0]
+    assert lines[1].startswith("python3 -m venv .venv && . .venv/bin/activate")
+    tests = README[README.index("## Tests"):]
+    assert "minutes on 2 cores" in tests and '-m "not slow"' in tests
+
+
+def test_test_extra_holds_every_module_the_suite_imports_or_skips():
+    """A module a test skips without is in [test]: on a CPU machine only GPU tests skip."""
+    import re
+    import tomllib
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    names = {re.split(r"[<>=\[ ]", req)[0].lower() for req in extra}
+    distribution = {"yaml": "pyyaml"}
+    gpu_only = {"torch", "cuda.bindings.nvrtc"}          # torch is a dependency; nvrtc: GPU tests only
+    for path in (REPO / "tests").glob("test_*.py"):
+        for module in re.findall(r'importorskip\("([^"]+)"\)', path.read_text()):
+            if module not in gpu_only:
+                assert distribution.get(module, module) in names, (path.name, module)

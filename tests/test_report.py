@@ -436,8 +436,20 @@ def test_progress_without_a_terminal_prints_plain_lines():
     lines = out.splitlines()
     assert len(lines) == 4
     assert lines[0] == "[t1] started gemma4-mtp unfixed tp=2 with a long label that must not wrap (8 steps)"
-    assert lines[1] == "[t1] step 1/8 replay [bs=16]"
+    assert lines[1] == "[t1] 1/8 steps done · replay [bs=16]"
     assert lines[3].startswith("[t1] finished ILLEGAL_ADDRESS in ")
+
+
+def test_progress_past_the_last_step_says_finishing_not_running():
+    stream = io.StringIO()
+    with rp.Progress(Console(file=stream, width=80, force_terminal=False)) as progress:
+        progress.add("t1", "selftest", 6)
+        progress.update("t1", 0)
+        progress.update("t1", 3)
+        progress.update("t1", 6)
+    lines = stream.getvalue().splitlines()
+    assert lines[1:] == ["[t1] 0/6 steps done · running", "[t1] 3/6 steps done · running",
+                         "[t1] 6/6 steps done · finishing"]
 
 
 def test_progress_on_a_terminal_uses_the_live_display():
@@ -546,7 +558,7 @@ def test_steps_table_at_80_columns_keeps_every_header_and_number_whole():
     assert "…" not in table.replace("… ", "")          # only the hidden-rows marker
     header = " ".join(table.splitlines()[1:3])
     left_out = text[text.index("columns left out at 80 characters:"):].splitlines()[0]
-    for name, words in (("step", ["step"]), ("rank", ["rank"]), ("label", ["label"]), ("batch", ["batch"]),
+    for name, words in (("step", ["step"]), ("rank", ["rank"]), ("label", ["label"]), ("tokens", ["tokens"]),
                         ("replayed", ["replayed"]), ("nonfinite/numel", ["nonfinite", "/numel"]),
                         ("mismatches/compared", ["mismatches", "/compared"]), ("max abs err", ["max abs", "err"]),
                         ("rel err", ["rel err"]), ("tolerance", ["tolerance"]), ("ms", [" ms"])):
@@ -610,7 +622,8 @@ def test_html_environment_is_a_readable_table(tmp_path):
     env = {"summary": "no GPU", "host": {"hostname": "vm", "cpu_count": 2}, "driver": None, "gpus": [],
            "torch": {"version": "2.13.0+cpu", "cuda": None, "cuda_built": False}, "env": {}}
     page = html_page(tmp_path, Report(environment=env, trials=[clean_trial()]))
-    section = page[page.index("<h2>Environment</h2>"):page.index("<h2>Summary</h2>")]
+    section = page[page.index('<details class="environment">'):]
+    assert page.index('<section id="trial-0">') < page.index('<details class="environment">')   # verdict first
     for raw in ("{", "null", "[]", "&#34;"):
         assert raw not in section, raw
     assert "<th>host hostname</th><td>vm</td>" in section
@@ -718,3 +731,86 @@ def test_summary_is_a_table_only_where_every_column_fits_whole(width):
         for header in ("scenario", "mode", "config", "outcome", "expected", "met", "seconds"):
             assert header in summary.splitlines()[1], header
     assert "9005/131072 elements above tolerance" in re.sub(r"\s+", " ", summary)
+
+
+def test_one_finding_per_rank_is_one_group_with_its_ranks():
+    """gemma4-mtp at TP 2: each rank finds the same dead local; one headline names both ranks."""
+    trial = illegal_address_trial()
+    base = trial.guard_findings[0]
+    trial.guard_findings = [Finding(**{**base.__dict__, "rank": r, "old_ptr": base.old_ptr + r * 4096,
+                                       "message": f"rank {r}: the storage has been freed"}) for r in (0, 1)]
+    text = trial_text(trial)
+    assert text.count(f"FREED {SLOT}") == 1 and "ranks 0, 1 · 2 findings" in text
+    assert "(rank 0; 2 storages in all)" in text
+    assert "rank 0: the storage has been freed" in text
+
+
+def test_repeated_mistake_shows_its_message_once():
+    """nvfp4-reload: every tensor of the rebuilt kernel, dropped at one line; one message."""
+    trial = illegal_address_trial()
+    base = trial.guard_findings[0]
+    trial.guard_findings = [Finding(**{**base.__dict__, "slot": f"moe.kernel.{name}", "old_ptr": base.old_ptr + i,
+                                       "message": "Replaying will read freed memory: keep the tensor alive"})
+                            for i, name in enumerate(("expert_map", "workspace13", "w13_alpha"))]
+    text = trial_text(trial)
+    assert "Findings (3 in 3 groups)" in text
+    assert text.count("Replaying will read freed memory") == 1
+    assert "each finding's message is in --json and --html" in text
+    for name in ("expert_map", "workspace13", "w13_alpha"):
+        assert f"FREED moe.kernel.{name}" in text
+
+
+def test_freed_storage_renamed_is_explained_beside_the_manifest():
+    from repro.outcome import Manifest
+    trial = illegal_address_trial()
+    base = trial.guard_findings[0]
+    trial.guard_findings = [Finding(**{**base.__dict__, "new_ptr": base.old_ptr + 4096})]
+    trial.manifests = [Manifest(when="after reload 0", rank=0, freed=1, moved=0, rebound=0, unchanged=3)]
+    text = trial_text(trial)
+    assert "counted as freed" in text and "rebound" in text
+    trial.guard_findings = [base]                            # no new tensor behind the name: no note
+    assert "counted as freed" not in trial_text(trial)
+
+
+# ---- the HTML page's shape (docs/screenshots show it) ---------------------------------------
+
+
+def test_html_leads_with_the_verdict_and_folds_the_rest(tmp_path):
+    env = {"summary": "no GPU", "host": {"hostname": "vm", "cpu_count": 2}, "gpus": [], "env": {}}
+    page = html_page(tmp_path, Report(environment=env, trials=[illegal_address_trial(), clean_trial()]))
+    order = [page.index(s) for s in ('class="lead', "<h2>Summary</h2>", '<section id="trial-0">',
+                                     '<details class="environment">')]
+    assert order == sorted(order)                               # tally, summary, trials, environment
+    trial0 = page[page.index('<section id="trial-0">'):page.index('<section id="trial-1">')]
+    verdict, rest = trial0.split('<details class="trial-details">')
+    assert "ILLEGAL_ADDRESS" in verdict and "Findings (1)" in verdict      # on the first screen
+    assert "<summary>details: steps, timings, notes, artifacts</summary>" in trial0
+    assert "Steps (1)" in rest and "timings:" in rest                       # folded
+    assert 'table class="summary"' in page and "table.summary td{white-space:nowrap}" in page
+    assert page.count('<div class="scroll"><table') >= 3                    # wide tables scroll, the page does not
+
+
+def test_html_says_why_a_chart_is_missing_and_draws_no_flat_line(tmp_path):
+    flat = reload_error_trial()
+    for s in flat.steps:
+        s.extra = {"max_scaled_err": 0.0}
+    page = html_page(tmp_path, Report(environment={}, trials=[flat, cpu_trial()]))
+    assert "<svg" not in page
+    assert "no chart: the error was 0 at every reload" in page
+    assert "no chart: " in page.split('<section id="trial-1">')[1]            # gemma4-mtp on CPU says why
+
+
+def test_html_chart_axis_is_a_column_of_the_steps_table(tmp_path):
+    page = html_page(tmp_path, Report(environment={}, trials=[reload_error_trial()]))
+    assert ">scaled err</text>" in page                                     # the chart's y axis
+    assert "<th class=\"num\">scaled err</th>" in page                      # the same measure in the table
+
+
+def test_screenshots_of_the_pages_are_in_docs_at_both_widths():
+    import struct
+    shots = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
+    for page in ("trial", "matrix", "watch"):
+        for width in (1280, 800):
+            data = (shots / f"{page}-{width}.png").read_bytes()
+            assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 300_000
+            assert struct.unpack(">II", data[16:24])[0] == width           # IHDR: the window's width

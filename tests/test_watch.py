@@ -497,3 +497,61 @@ def test_capturing_function_locals_die_at_its_return_plumbing(path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.decode().split() == ["alive=False", "frames=0",
                                             f"kept={path == 'census'}"], proc.stderr
+
+
+# -- everyday edges -------------------------------------------------------------------------------
+
+def test_default_run_folders_are_unique_and_created_at_once(tmp_path, monkeypatch):
+    """Runs started in the same second (a script, CI jobs, xdist workers) never share a folder."""
+    from concurrent.futures import ThreadPoolExecutor
+    from repro import watch as watch_mod
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with ThreadPoolExecutor(8) as pool:
+        dirs = list(pool.map(lambda _: watch_mod.default_run_dir(), range(24)))
+    assert len(set(dirs)) == 24 and all(d.is_dir() and not any(d.iterdir()) for d in dirs)
+    assert all(d.parent == tmp_path / "repro" / "runs" and d.name.startswith("watch-") for d in dirs)
+
+
+def test_three_watch_runs_in_a_row_all_succeed(tmp_path):
+    env = env_with_repo(XDG_CACHE_HOME=str(tmp_path))
+    codes = [run([sys.executable, "-m", "repro", "watch", "--", sys.executable, "-c", "pass"], env=env)
+             for _ in range(3)]
+    assert [c.returncode for c in codes] == [0, 0, 0], [c.stderr for c in codes]
+    assert len(list((tmp_path / "repro" / "runs").glob("watch-*"))) == 3
+
+
+def test_watch_report_refuses_what_is_not_a_watch_run(tmp_path):
+    trial = tmp_path / "run" / "00-selftest"
+    trial.mkdir(parents=True)
+    (trial / "spec.json").write_text("{}")
+    (trial / "rank0.jsonl").write_text('{"event": "start", "rank": 0, "pid": 1, "t": 0}\n')
+    for target, needle in [(tmp_path / "run", "a trial run's folder"), (trial, "not a repro watch run"),
+                           (tmp_path / "absent", "does not exist"), (tmp_path / "run" / "00-selftest" / "spec.json",
+                                                                     "not a directory")]:
+        proc = run([sys.executable, "-m", "repro", "watch-report", str(target)])
+        lines = proc.stderr.decode().strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_watch_says_plainly_when_nothing_could_be_checked(tmp_path):
+    """A program that captures no CUDA graph (every program on a machine without a GPU): the
+    report must not read as a clean bill of health."""
+    watched, rep = watch(tmp_path, sys.executable, "-c", "import torch; print(torch.ones(2).sum().item())")
+    assert watched.returncode == 0 and rep["findings"] == []
+    notes = " ".join(rep["notes"])
+    assert "Nothing checked: no CUDA graph was captured in the 1 watched process(es) (1 imported torch)" in notes
+    assert "CUDA graph captures and their replays only" in notes
+    import torch
+    if not torch.cuda.is_available():
+        assert "this machine has no GPU" in notes
+    assert "Nothing checked" in watched.stderr.decode()
+
+
+def test_sight_notes_stay_quiet_once_a_graph_was_checked():
+    from repro.watch import sight_notes
+    from repro.watch_report import WatchedProcess, WatchReport
+    seen = WatchReport(processes=[WatchedProcess(pid=1, host="h", torch_hooked=True, graphs=2)], findings=[])
+    assert sight_notes(seen, gpu_count=0) == []
+    blind = WatchReport(processes=[WatchedProcess(pid=1, host="h", torch_hooked=True)], findings=[])
+    assert "this machine has no GPU" in sight_notes(blind, gpu_count=0)[0]
+    assert "this machine has no GPU" not in sight_notes(blind, gpu_count=2)[0]

@@ -42,11 +42,15 @@ def number(value: Any) -> float | None:
     return None
 
 
-def reload_error_chart(steps: list[StepRecord]) -> ChartData | None:
-    """nvfp4-reload: the warm layer's error against a cold build of the same weights, per reload."""
+def reload_error_chart(steps: list[StepRecord]) -> ChartData | str:
+    """nvfp4-reload: the warm layer's error against a cold build of the same weights, per reload
+    (the steps table's "scaled err" column). A str: why there is no chart."""
     if len({s.step for s in steps}) < 2:
-        return None
+        return "a single reload: the steps table says it all"
     scaled = all("max_scaled_err" in s.extra for s in steps)
+    values = [number(s.extra["max_scaled_err"] if scaled else s.rel_err) for s in steps]
+    if all(v == 0 for v in values):
+        return "the error was 0 at every reload (a flat line says nothing the table does not)"
     series: dict[int, Series] = {}
     for s in sorted(steps, key=lambda s: (s.rank, s.step)):
         y = s.extra["max_scaled_err"] if scaled else s.rel_err
@@ -58,13 +62,14 @@ def reload_error_chart(steps: list[StepRecord]) -> ChartData | None:
         title="Error per reload: warm layer (reloaded in place) against cold (built fresh on the same weights)",
         caption=("max scaled error |y - y_cold| / (|y_cold| + rms(y_cold)); above the tolerance line an "
                  "element counts as a mismatch" if scaled else "relative error against the cold reference"),
-        kind="line", x_label="reload", y_label="max scaled error" if scaled else "rel err",
+        kind="line", x_label="reload", y_label="scaled err" if scaled else "rel err",
         series=list(series.values()) if len(series) > 1 else [Series("", next(iter(series.values())).points)],
         threshold=tolerance if scaled else None, threshold_label=f"tolerance {fmt_float(tolerance)}")
 
 
-def graph_mismatch_chart(steps: list[StepRecord]) -> ChartData | None:
-    """gemma4-mtp: share of draft tokens that differ from the reference, per captured batch size."""
+def graph_mismatch_chart(steps: list[StepRecord]) -> ChartData | str:
+    """gemma4-mtp: share of draft tokens that differ from the reference, per captured batch size.
+    A str: why there is no chart."""
     totals: dict[str, list[int]] = {}
     order: dict[str, int] = {}
     for s in steps:
@@ -72,8 +77,10 @@ def graph_mismatch_chart(steps: list[StepRecord]) -> ChartData | None:
         totals[s.label] = [mismatched + s.mismatches, compared + s.compared]
         order[s.label] = min(order.get(s.label, s.batch), s.batch)
     # All zero is said by the table already; the chart earns its place when graphs differ.
-    if len(totals) < 2 or not any(m for m, _ in totals.values()):
-        return None
+    if len(totals) < 2:
+        return "one graph size only: the steps table says it all"
+    if not any(m for m, _ in totals.values()):
+        return "no draft token differed from the reference in any graph (every bar would be 0)"
     labels = sorted(totals, key=lambda k: (order[k], k))
     points = [(k, totals[k][0] / totals[k][1] if totals[k][1] else None) for k in labels]
     return ChartData(
@@ -83,16 +90,31 @@ def graph_mismatch_chart(steps: list[StepRecord]) -> ChartData | None:
 
 
 # Which chart a scenario's steps get; a scenario without an entry gets none.
-CHARTS: dict[str, Callable[[list[StepRecord]], ChartData | None]] = {
+CHARTS: dict[str, Callable[[list[StepRecord]], ChartData | str]] = {
     "nvfp4-reload": reload_error_chart,
     "gemma4-mtp": graph_mismatch_chart,
 }
 
 
-def trial_charts(trial: TrialRecord) -> list[ChartData]:
+def chart_or_reason(trial: TrialRecord) -> ChartData | str | None:
+    """The trial's chart, or why its scenario's chart is left out; None: no chart exists for it."""
     make = CHARTS.get(trial.scenario)
-    chart = make(trial.steps) if make and trial.steps else None
-    return [chart] if chart else []
+    if make is None:
+        return None
+    if not trial.steps:
+        return "no step was recorded"
+    return make(trial.steps)
+
+
+def trial_charts(trial: TrialRecord) -> list[ChartData]:
+    chart = chart_or_reason(trial)
+    return [chart] if isinstance(chart, ChartData) else []
+
+
+def missing_charts(trial: TrialRecord) -> list[str]:
+    """Why the page shows no chart for a trial whose scenario has one."""
+    chart = chart_or_reason(trial)
+    return [chart] if isinstance(chart, str) else []
 
 
 # ---- geometry -------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import os
+import sys
+from typing import Any
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -65,17 +67,22 @@ def facts_grid(facts, indent: int = 0) -> RenderableType:
 
 
 def findings_block(tv: TrialView) -> list[RenderableType]:
-    """Per dead storage: a headline, then its facts in a hanging-indent grid."""
+    """Per problem (a group of findings): a headline with its ranks and count, then its facts in
+    a hanging-indent grid. The message, which says in a sentence what the facts say, is shown
+    for the first group only (every one is in --json and --html)."""
     title = Text(f"Findings ({tv.findings_total}", style="bold")
     groups = len(tv.findings) + tv.hidden_finding_groups
-    title.append(f" across {groups} storages)" if groups > 1 else ")")
+    title.append(f" in {groups} groups)" if groups > 1 else ")")
     out: list[RenderableType] = [title]
-    for fv in tv.findings:
-        headline = Text.assemble((fv.status.upper(), STYLES[fv.tone]), " ", (fv.slot, "bold"), f"  rank {fv.rank}")
+    for i, fv in enumerate(tv.findings):
+        headline = Text.assemble((fv.status.upper(), STYLES[fv.tone]), " ", (fv.slot, "bold"), f"  {fv.where}")
         out.append(Padding(headline, (0, 0, 0, 2)))     # a wrapped slot name hangs under itself
-        out.append(facts_grid(fv.facts, indent=4))
+        facts = fv.facts if i == 0 else [f for f in fv.facts if f.label != "message"]
+        out.append(facts_grid(facts, indent=4))
+    if len(tv.findings) > 1 and any(f.label == "message" for fv in tv.findings[1:] for f in fv.facts):
+        out.append(Text("  each finding's message is in --json and --html", style="dim"))
     if tv.hidden_finding_groups:
-        out.append(Text(f"  {tv.hidden_finding_groups} more storages hidden (all are in --json)", style="dim"))
+        out.append(Text(f"  {tv.hidden_finding_groups} more groups hidden (all are in --json)", style="dim"))
     return out
 
 
@@ -143,6 +150,8 @@ def table_block(tv: TableView, console: Console) -> list[RenderableType]:
     if dropped:
         out.append(Text(f"columns left out at {console.width} characters: {', '.join(dropped)} "
                         "(all in --json and --html)", style="dim"))
+    if tv.note:
+        out.append(Text(tv.note, style="dim"))
     if tv.hidden:
         shown = len([r for r in tv.rows if not r.gap])
         out.append(Text(f"showing {shown} of {len(tv.all_rows)} rows, {tv.hidden} rows hidden; {tv.summary}",
@@ -244,7 +253,16 @@ def summary_grid(rv: RunView) -> Table:
     grid = Table.grid(padding=(0, 1))
     grid.add_column(no_wrap=True)
     grid.add_column(overflow="fold")
+    skipped = unsupported_by_reason(rv.trials)
     for tv in rv.trials:
+        same = skipped.get(tv.first_failure_short, [])
+        if tv.outcome == Outcome.UNSUPPORTED.value and len(same) > 1:
+            if tv is same[0]:                  # one entry for every trial skipped for this reason
+                line = Text.assemble((f"{len(same)} trials", "bold"), f" ({trial_numbers(same)}): ",
+                                     (tv.outcome, STYLES[tv.tone]), (" (not run, not a pass)", "dim"),
+                                     "\n" + tv.first_failure_short)
+                grid.add_row(Text("✗", style=STYLES[BAD]), line)
+            continue
         line = Text.assemble((f"{tv.scenario} {tv.mode}", "bold"), f" {tv.config}: ",
                              (tv.outcome, STYLES[tv.tone]), (f" (expected {tv.expected})", "dim"))
         if tv.seconds is not None:
@@ -254,6 +272,22 @@ def summary_grid(rv: RunView) -> Table:
         mark = tv.met_mark
         grid.add_row(Text("–" if mark.tone == SKIP else mark.text, style=STYLES[mark.tone]), line)
     return grid
+
+
+def unsupported_by_reason(trials: list[TrialView]) -> dict[str, list[TrialView]]:
+    groups: dict[str, list[TrialView]] = {}
+    for tv in trials:
+        if tv.outcome == Outcome.UNSUPPORTED.value:
+            groups.setdefault(tv.first_failure_short, []).append(tv)
+    return groups
+
+
+def trial_numbers(trials: list[TrialView]) -> str:
+    """'00-22' for a run of consecutive trial numbers, else '00, 03, 07'."""
+    numbers = [int(tv.id.split("-", 1)[0]) if tv.id[:2].isdigit() else tv.index for tv in trials]
+    if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
+        return f"{numbers[0]:02d}-{numbers[-1]:02d}"
+    return ", ".join(f"{n:02d}" for n in numbers)
 
 
 def print_summary(rv: RunView, console: Console) -> None:
@@ -273,7 +307,8 @@ def render_summary(report: Report, console: Console) -> None:
 def render_report(report: Report, console: Console) -> None:
     rv = run_view(report)
     if rv.environment:
-        console.print(Text.assemble(("environment: ", "bold"), rv.environment))
+        # Wrapped between its parts, never after a dangling separator.
+        console.print(packed("environment: ", rv.environment.split(" | "), console.width, sep=" | "))
     if rv.command:
         console.print(Text.assemble(("command: ", "bold"), rv.command), style="dim")
     for tv in rv.trials:
@@ -283,6 +318,44 @@ def render_report(report: Report, console: Console) -> None:
         console.print()
         print_summary(rv, console)
     console.print(Text(rv.summary, style=STYLES[OK if rv.all_met else BAD]))
+
+
+class TrimmedLines(io.TextIOBase):
+    """A text stream that drops the spaces rich pads lines with (tables and panels fill the
+    console's width), so a log or a pipe gets each line as long as its text."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.pending = ""
+
+    def write(self, text: str) -> int:
+        lines = (self.pending + text).split("\n")
+        self.pending = lines.pop()
+        if lines:
+            self.stream.write("".join(line.rstrip(" ") + "\n" for line in lines))
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.stream.write(self.pending)
+            self.pending = ""
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
+def output_console(stderr: bool = False) -> Console:
+    """The CLI's console on stdout or stderr: a terminal as rich drives it; a pipe or a log
+    without trailing padding."""
+    stream = sys.stderr if stderr else sys.stdout
+    probe = Console(file=stream)
+    if probe.is_terminal:
+        return probe
+    return Console(file=TrimmedLines(stream), width=probe.width)
 
 
 def report_to_text(report: Report, width: int = 120) -> str:

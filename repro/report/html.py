@@ -12,7 +12,7 @@ import jinja2
 
 from repro.files import write_text_atomic
 from repro.outcome import Report
-from repro.report.charts import layout, trial_charts
+from repro.report.charts import layout, missing_charts, trial_charts
 from repro.report.view import run_view
 
 TEMPLATE = "report.html"
@@ -23,6 +23,7 @@ def environment() -> jinja2.Environment:
                              autoescape=True, undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True)
     env.globals["charts"] = lambda tv: [layout(c) for c in trial_charts(tv.record)]
+    env.globals["no_charts"] = lambda tv: missing_charts(tv.record)
     return env
 
 

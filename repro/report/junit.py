@@ -40,7 +40,7 @@ def failure_details(tv: TrialView) -> str:
     lines += tv.basis
     lines += [f"{f.label}: {f.value}" for f in tv.facts]
     for fv in tv.findings:
-        lines.append(f"finding: rank {fv.rank} {fv.slot} {fv.status}")
+        lines.append(f"finding: {fv.where} {fv.slot} {fv.status}")
         lines += [f"    {f.label:<12} {f.value}" for f in fv.facts]
     for row in tv.ranks.rows:
         error = row.cells["error"].text

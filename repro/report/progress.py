@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape as escape_markup
 from rich.progress import BarColumn, MofNCompleteColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
+from rich.table import Column
 from rich.text import Text
 
 from repro.outcome import Outcome
@@ -31,10 +32,14 @@ class Progress:
         self.started: dict[str, float] = {}
         self.last: dict[str, tuple[int, str]] = {}  # plain mode: skip repeats of the same event
         self.lock = threading.Lock()              # runners report from reader threads
+        # On a narrow terminal the trial's name gives way (cut with an ellipsis), never the
+        # counts or the timer ("0:00:…" said nothing).
         self.bar = RichProgress(
-            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
-            console=console, transient=False) if self.live else None
+            SpinnerColumn(), TextColumn("{task.description}", table_column=Column(ratio=1, no_wrap=True)),
+            BarColumn(bar_width=20), MofNCompleteColumn(table_column=Column(no_wrap=True)),
+            TextColumn("{task.fields[status]}", table_column=Column(no_wrap=True)),
+            TimeElapsedColumn(table_column=Column(no_wrap=True, min_width=7)),
+            console=console, transient=False, expand=True) if self.live else None
 
     def __enter__(self) -> "Progress":
         if self.bar is not None:
@@ -63,12 +68,16 @@ class Progress:
         self.emit(trial_id, Text(f"started {label}{steps}"))
 
     def update(self, trial_id: str, steps_done: int, status_text: str = "") -> None:
+        """steps_done: steps recorded so far. Polled, so a quick trial's lines skip counts; each
+        line says what is done, and past the last step the trial is finishing, not running."""
         with self.lock:
             if trial_id not in self.started:
                 self.started[trial_id] = time.monotonic()
                 self.totals[trial_id] = None
                 if self.bar is not None:
                     self.tasks[trial_id] = self.bar.add_task(escape_markup(trial_id), total=None, status="")
+            total = self.totals.get(trial_id)
+            status_text = status_text or ("finishing" if total and steps_done >= total else "running")
             if self.bar is not None:
                 # The columns read markup; caller text is escaped so "[rank0]" prints as written.
                 self.bar.update(self.tasks[trial_id], completed=steps_done,
@@ -77,9 +86,8 @@ class Progress:
             if self.last.get(trial_id) == (steps_done, status_text):
                 return
             self.last[trial_id] = (steps_done, status_text)
-        total = self.totals.get(trial_id)
         count = f"{steps_done}/{total}" if total else f"{steps_done}"
-        self.emit(trial_id, Text(f"step {count}" + (f" {plain(status_text)}" if status_text else "")))
+        self.emit(trial_id, Text(f"{count} steps done · {plain(status_text)}"))
 
     def finish(self, trial_id: str, outcome: Outcome, detail: str = "") -> None:
         outcome = Outcome(outcome)

@@ -19,6 +19,7 @@ from urllib.parse import quote
 
 from repro.scenarios import SCENARIO_RUN_KEYS, SCENARIOS
 from repro.outcome import Finding, FirstFailure, Outcome, RankExit, Report, StepRecord, TrialRecord
+from repro.report.groups import FindingGroup, group_findings
 from repro.report.fmt import (
     fmt_bytes, fmt_expected, fmt_float, fmt_ptr, fmt_seconds, fmt_value, plain, tail, unique,
 )
@@ -55,7 +56,10 @@ MEANINGS: dict[Outcome, str] = {
     Outcome.STALE_CAPTURE: "Captured memory was found freed, moved or reused{where} (by the guard or "
                            "the graph census) with no visible symptom yet: the bug is latent and shows "
                            "once the memory is reused.",
-    Outcome.HANG: "A rank passed its deadline{where} and the harness killed the process group.",
+    Outcome.HANG: "No rank made progress{where} (no record for the stall limit, or none by the deadline); "
+                  "the harness killed the process group.",
+    Outcome.DEADLINE: "The trial's deadline came while it was still progressing{where}: too slow for its "
+                      "budget, not stuck; no verdict, so not a pass.",
     Outcome.CRASH: "A rank exited abnormally{where} (signal or uncaught exception); its stderr tail says why.",
     Outcome.UNSUPPORTED: "This environment cannot run the trial (e.g. fewer GPUs than --tp): "
                          "nothing was tested, so this is not a pass.",
@@ -286,6 +290,8 @@ def met_cell(trial: TrialRecord) -> Cell:
         return Cell("skipped (not a pass)", SKIP) if trial.met else Cell("✗", BAD)
     if trial.outcome is Outcome.INTERRUPTED:
         return Cell("– interrupted", SKIP)
+    if trial.outcome is Outcome.DEADLINE:
+        return Cell("✗ no verdict", BAD)
     return Cell("✓", OK) if trial.met else Cell("✗", BAD)
 
 
@@ -295,6 +301,8 @@ def verdict_words(trial: TrialRecord) -> Cell:
         return Cell("not a pass: skipped, as expected", SKIP)
     if trial.outcome is Outcome.INTERRUPTED:
         return Cell("– interrupted: no verdict (not a pass)", SKIP)
+    if trial.outcome is Outcome.DEADLINE:
+        return Cell("✗ deadline reached: no verdict (not a pass)", BAD)
     mark = met_cell(trial)
     words = "met its expectation" if trial.met else "did NOT meet its expectation"
     return Cell(f"{mark.text} {words}", mark.tone)
@@ -365,22 +373,39 @@ def trial_facts(trial: TrialRecord) -> list[Fact]:
 # Findings (guard and census)
 
 
-def group_findings(findings: list[Finding]) -> list[list[Finding]]:
-    """Findings grouped per storage: one dead tensor shows up once for every graph that captured it."""
-    groups: dict[tuple, list[Finding]] = {}
-    for f in findings:
-        groups.setdefault((f.rank, f.slot, f.old_ptr, f.status, f.new_ptr), []).append(f)
-    return list(groups.values())
+# Findings are grouped by problem (repro/report/groups.py): one dead tensor in every graph and
+# on every rank, or one mistake repeated across layers, is one group and one headline.
 
 
 def finding_address(f: Finding) -> str:
     return fmt_ptr(f.old_ptr) + (f" → {fmt_ptr(f.new_ptr)}" if f.new_ptr is not None else "")
 
 
+def group_address(g: FindingGroup) -> str:
+    """The first member's address; the others have their own (each rank its own copy)."""
+    text = finding_address(g.first)
+    storages = len({(f.rank, f.old_ptr) for f in g.findings})
+    if storages > 1:
+        text += f" (rank {g.first.rank}; {storages} storages in all)"
+    return text
+
+
 def seen_text(group: list[Finding]) -> str:
     graphs = unique(x.graph for x in group)
     where = f" in {len(graphs)} graphs: " if len(graphs) > 1 else " in graph "
     return " | ".join(unique(x.when for x in group)) + where + ", ".join(graphs)
+
+
+def names_text(g: FindingGroup) -> str | None:
+    names = g.names()
+    if len(names) < 2:
+        return None
+    shown = ", ".join(names[:3])
+    return shown + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+
+
+def ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 # Per dead storage, in reading order; a value of None or "" leaves the line out.
@@ -406,16 +431,17 @@ def block_text(f: Finding) -> str | None:
             f"{c['status']} ({c['how']})")
 
 
-FINDING_FACTS: tuple[tuple[str, Callable[[list[Finding]], Any]], ...] = (
-    ("address", lambda g: finding_address(g[0])),
-    ("tensor", lambda g: tensor_text(g[0])),
-    ("seen by", lambda g: g[0].mechanism),
-    ("seen", seen_text),
-    ("created at", lambda g: g[0].created_at),
-    ("freed at", lambda g: g[0].freed_at),
-    ("captured by", lambda g: captured_by_text(g[0])),
-    ("block", lambda g: block_text(g[0])),
-    ("disagreement", lambda g: g[0].disagreement),
+FINDING_FACTS: tuple[tuple[str, Callable[[FindingGroup], Any]], ...] = (
+    ("names", names_text),
+    ("address", group_address),
+    ("tensor", lambda g: tensor_text(g.first)),
+    ("seen by", lambda g: g.mechanism),
+    ("seen", lambda g: seen_text(g.findings)),
+    ("created at", lambda g: g.first.created_at),
+    ("freed at", lambda g: g.freed_at),
+    ("captured by", lambda g: captured_by_text(g.first)),
+    ("block", lambda g: block_text(g.first)),
+    ("disagreement", lambda g: g.first.disagreement),
 )
 
 
@@ -429,23 +455,31 @@ def stack_facts(label: str, stack: list[str]) -> list[Fact]:
 
 @dataclass
 class FindingView:
-    """One dead storage (all the graphs that captured it)."""
+    """One problem: a group of findings (every graph, rank and layer that shows it)."""
     status: str
-    slot: str
-    rank: int
+    slot: str                 # the name, or its pattern when the members' names differ
+    rank: int                 # the first member's
     tone: str
     facts: list[Fact]
+    ranks: str = ""           # "rank 0" | "ranks 0, 1"
+    count: int = 1            # findings in the group
+
+    @property
+    def where(self) -> str:
+        return self.ranks + (f" · {self.count} findings" if self.count > 1 else "")
 
 
-def finding_view(group: list[Finding]) -> FindingView:
-    f = group[0]
+def finding_view(group: FindingGroup) -> FindingView:
+    f = group.first
     facts = [Fact(label, plain(str(value))) for label, get in FINDING_FACTS
              if (value := get(group)) not in (None, "")]
     facts += stack_facts("alloc stack", f.alloc_stack) + stack_facts("free stack", f.free_stack)
     if f.message:
         facts.append(Fact("message", plain(f.message)))
-    return FindingView(status=f.status, slot=plain(f.slot), rank=f.rank,
-                       tone=BAD if f.status == "freed" else WARN, facts=facts)
+    slot = f.slot if len(group.names()) == 1 else group.pattern
+    return FindingView(status=f.status, slot=plain(slot), rank=f.rank,
+                       tone=BAD if f.status == "freed" else WARN, facts=facts,
+                       ranks=ranks_text(group.ranks() or [f.rank]), count=group.count)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -460,7 +494,7 @@ STEP_COLUMNS: tuple[Column, ...] = (
     Column("step", "step", lambda s: cell(s.step), numeric=True),
     Column("rank", "rank", lambda s: cell(s.rank), numeric=True),
     Column("label", "label", lambda s: cell(s.label), wrap=True),
-    Column("batch", "batch", lambda s: cell(s.batch), numeric=True, fold=True, drop=3),
+    Column("batch", "tokens", lambda s: cell(s.batch), numeric=True, fold=True, drop=3),
     Column("replayed", "replayed", lambda s: Cell("graph") if s.replayed else Cell("eager", WARN), fold=True),
     Column("nonfinite", "nonfinite/numel", lambda s: Cell(f"{s.nonfinite}/{s.numel}", BAD if s.nonfinite else ""),
            numeric=True, stacked="nonfinite\n/numel"),
@@ -470,6 +504,9 @@ STEP_COLUMNS: tuple[Column, ...] = (
     Column("max_abs_err", "max abs err", lambda s: cell(fmt_float(s.max_abs_err), BAD if step_failed(s) else ""),
            numeric=True, stacked="max abs\nerr"),
     Column("rel_err", "rel err", lambda s: cell(fmt_float(s.rel_err)), numeric=True, drop=2),
+    # nvfp4-reload's verdict measure, |y - y_cold| / (|y_cold| + rms(y_cold)); its chart's axis.
+    Column("scaled_err", "scaled err", lambda s: cell(fmt_float(s.extra.get("max_scaled_err"))), numeric=True,
+           drop=2),
     Column("tolerance", "tolerance", lambda s: cell(fmt_float(s.tolerance)), numeric=True, fold=True, drop=4),
     Column("ms", "ms", lambda s: Cell(f"{s.seconds * 1000:.1f}"), numeric=True, drop=1),
 )
@@ -520,6 +557,7 @@ class TableView:
     all_rows: list[Row] = field(default_factory=list)             # every row, when some are hidden
     hidden: int = 0
     summary: str = ""
+    note: str = ""            # a line under the table, where a count would otherwise mislead
 
 
 def table_rows(columns: tuple[Column, ...] | list[Column], items: list[Any],
@@ -641,6 +679,13 @@ class TrialView:
     def seconds_text(self) -> str:
         return f"{self.seconds:.1f}" if self.seconds is not None else "-"
 
+    @property
+    def details_parts(self) -> list[str]:
+        """What the HTML page folds under the trial's verdict, named in its summary line."""
+        parts = [("facts", self.facts), ("storages after reloads", self.manifests), ("steps", self.steps),
+                 ("timings", self.timings), ("notes", self.notes), ("artifacts", self.artifacts)]
+        return [name for name, present in parts if present]
+
 
 def artifact_href(path: str, link_base: Path | None) -> str:
     if link_base is None:
@@ -650,6 +695,16 @@ def artifact_href(path: str, link_base: Path | None) -> str:
     except ValueError:        # another drive (Windows): an absolute link still works
         return Path(path).resolve().as_uri()
     return quote(Path(rel).as_posix())
+
+
+def manifest_note(trial: TrialRecord) -> str:
+    """A finding may say a name now points at another tensor while `rebound` reads 0: each
+    storage is counted once, and freed outranks rebound. Said where that happens."""
+    renamed = {(f.rank, f.slot) for f in trial.guard_findings if f.status == "freed" and f.new_ptr is not None}
+    if not renamed:
+        return ""
+    return (f"each storage is counted once, freed before rebound: the {len(renamed)} freed storage(s) whose "
+            "name now points at another tensor are counted as freed")
 
 
 def trial_view(index: int, trial: TrialRecord, link_base: Path | None = None) -> TrialView:
@@ -667,7 +722,8 @@ def trial_view(index: int, trial: TrialRecord, link_base: Path | None = None) ->
         findings=[finding_view(g) for g in groups[:MAX_FINDING_GROUPS]],
         hidden_finding_groups=max(0, len(groups) - MAX_FINDING_GROUPS),
         manifests=TableView("Captured storages after reloads", list(MANIFEST_COLUMNS),
-                            table_rows(MANIFEST_COLUMNS, trial.manifests)) if trial.manifests else None,
+                            table_rows(MANIFEST_COLUMNS, trial.manifests),
+                            note=manifest_note(trial)) if trial.manifests else None,
         steps=steps_view(trial.steps) if trial.steps else None,
         timings=[(k, fmt_seconds(v)) for k, v in ordered_timings(trial.timings)],
         notes=[plain(n) for n in trial.notes],
