@@ -238,3 +238,29 @@ def marked_ancestor(rf: RecordFile, by_pid: dict[int, RecordFile],
         parent = by_pid.get(pid)
         pid, hops = (parent.ppid if parent else None), hops + 1
     return pid
+
+
+@dataclass
+class RunStats:
+    """What the hooks saw in a run directory, so "no findings" is never said of nothing checked."""
+    processes: int = 0
+    captures: int = 0             # graphs checked (captured by the program itself)
+    managed: int = 0              # captured by torch.compile's cudagraph trees: counted only
+    internal_errors: list[str] = field(default_factory=list)
+
+
+def run_stats(run_dir: Path) -> RunStats:
+    stats = RunStats()
+    for path in sorted(run_dir.glob("*.jsonl")):
+        for _, r in RecordFile(path).read_new():
+            kind = r.get("kind")
+            if kind == "process":
+                stats.processes += 1
+            elif kind == "capture":
+                if r.get("managed"):
+                    stats.managed += 1
+                else:
+                    stats.captures += 1
+            elif kind == "internal":
+                stats.internal_errors.append(f"pid {r.get('pid')}: {r.get('where')}: {r.get('error')}")
+    return stats

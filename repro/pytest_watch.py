@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from repro import watch_hooks
-from repro.attribution import OUTSIDE, Attribution, Phase, PhaseFinding, all_findings
+from repro.attribution import OUTSIDE, Attribution, Phase, PhaseFinding, RunStats, all_findings, run_stats
 from repro.watch import watch_env
 
 REPORT_ATTR = "repro_watch"       # on TestReport: list of PhaseFinding dicts
@@ -95,6 +95,7 @@ class WatchSession:
     claimed: set[str] = field(default_factory=set)
     per_item: dict[str, list[PhaseFinding]] = field(default_factory=dict)  # this test, all phases
     unclaimed: list[PhaseFinding] = field(default_factory=list)
+    stats: RunStats | None = None
 
     @classmethod
     def start(cls, config: pytest.Config, mode: str) -> WatchSession:
@@ -201,6 +202,7 @@ class WatchSession:
             return
         try:
             self.unclaimed = [tf for tf in all_findings(self.run_dir) if tf.id not in self.claimed]
+            self.stats = run_stats(self.run_dir)
         except OSError:
             self.unclaimed = []
         if self.unclaimed and self.mode == "fail" and session.exitstatus == 0:
@@ -212,6 +214,14 @@ class WatchSession:
         tr = terminalreporter
         count = sum(len(v) for v in self.by_test.values()) + len(self.unclaimed)
         tr.write_sep("=", f"repro watch: {count} finding(s)" if count else "repro watch: no findings")
+        stats = self.stats
+        if stats is not None:
+            checked = (f"{stats.captures} CUDA graph(s) captured and checked" if stats.captures
+                       else "no CUDA graph was captured: nothing was checked")
+            managed = f", {stats.managed} by torch.compile's cudagraph trees (not checked)" if stats.managed else ""
+            tr.write_line(f"{checked}{managed}; {stats.processes} watched process(es)")
+            for error in stats.internal_errors[:5]:
+                tr.write_line(f"hooks' own error (the check may be incomplete): {error}")
         for nodeid, found in self.by_test.items():
             tr.write_line(nodeid or "outside any test")
             for tf, allowed in found:

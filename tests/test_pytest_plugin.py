@@ -144,7 +144,7 @@ def test_fail_mode_fails_the_replaying_test_with_both_phases(tmp_path):
     assert "captured in: test_stale.py::test_replays_stale (setup)" in out     # the module fixture
     assert "replayed in: test_stale.py::test_replays_stale (call)" in out
     assert "dropped at:  test_stale.py:" in out
-    assert "repro watch: 1 finding(s)" in out
+    assert "repro watch: 1 finding(s)" in out and "2 CUDA graph(s) captured and checked" in out
     case = {c.get("name"): c for c in ET.parse(tmp_path / "junit.xml").iter("testcase")}
     stale = case["test_replays_stale"]
     assert stale.find("failure") is not None and "freed" in stale.find("failure").get("message")
@@ -170,7 +170,8 @@ def test_warn_mode_passes_and_lists_findings_per_test(tmp_path):
     assert proc.returncode == 0, out
     assert "2 passed" in proc.stdout
     summary = out[out.index("repro watch: 1 finding(s)"):]
-    assert summary.splitlines()[1] == "test_stale.py::test_replays_stale"
+    assert summary.splitlines()[1].startswith("2 CUDA graph(s) captured and checked")
+    assert summary.splitlines()[2] == "test_stale.py::test_replays_stale"
     assert "<local weight of capture_routine" in summary and "records: " in summary
 
 
@@ -180,7 +181,7 @@ def test_env_switch_turns_it_on_and_the_session_env_is_restored(tmp_path):
 
         @pytest.hookimpl(trylast=True)
         def pytest_unconfigure(config):
-            print("ENV-AFTER", os.environ.get("REPRO_WATCH_DIR"), flush=True)
+            print("ENV-AFTER", os.environ.get("REPRO_WATCH_SITE"), os.environ.get("PYTHONPATH"), flush=True)
     """)
     check_env = """
         import os
@@ -192,7 +193,7 @@ def test_env_switch_turns_it_on_and_the_session_env_is_restored(tmp_path):
                       env_extra={"REPRO_WATCH": "1"})
     out = out_of(proc)
     assert proc.returncode == 0, out
-    assert "ENV-AFTER None" in out
+    assert f"ENV-AFTER None {REPO}\n" in out          # as before the session
 
 
 def test_no_switch_no_watch(tmp_path):
@@ -277,7 +278,7 @@ def test_forked_children_report_their_own_findings_once(tmp_path):
     out = out_of(proc)
     assert "1 failed, 1 passed" in proc.stdout, out
     assert "replayed in: test_stale.py::test_replays_stale (call)" in out
-    assert "repro watch: 1 finding(s)" in out
+    assert "repro watch: 1 finding(s)" in out and "2 CUDA graph(s) captured and checked" in out
 
 
 HANG = """
@@ -324,3 +325,63 @@ def test_shards_each_report_their_own_tests(tmp_path):
     failed = [o for o in outs if "FAILED test_stale.py::test_replays_stale" in o.stdout]
     assert len(failed) == 1, [out_of(o) for o in outs]
     assert "repro watch: 1 finding(s)" in out_of(failed[0])
+
+
+# -- examples/engine_ci ---------------------------------------------------------------------------
+
+EXAMPLES = REPO / "examples" / "engine_ci"
+
+REBUILD = f"""
+import sys
+import torch
+sys.path.insert(0, {str(EXAMPLES)!r})
+from fake_graph import FakeGraph, capture
+from engine_layer import Layer, new_weights
+
+
+def capture_layer(layer, x):
+    graph = FakeGraph()
+    with capture(graph):
+        out = layer(x)
+    return graph, out
+
+
+def test_reload_rebuilds_the_kernel_under_a_graph():
+    layer = Layer(16, torch.device("cpu"), reuse_kernel=False)
+    x = torch.randn(2, 16)
+    graph, out = capture_layer(layer, x)
+    graph.replay()
+    layer.reload(new_weights(layer, seed=1))
+    graph.replay()
+
+
+def test_reused_kernel_is_clean():
+    layer = Layer(16, torch.device("cpu"), reuse_kernel=True)
+    x = torch.randn(2, 16)
+    graph, out = capture_layer(layer, x)
+    graph.replay()
+    layer.reload(new_weights(layer, seed=1))
+    graph.replay()
+"""
+
+
+def test_example_layer_rebuilt_on_reload_is_named_by_path(tmp_path):
+    """The example suite's graph test, driven on CPU through the stand-in graph class."""
+    proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_rebuild.py": REBUILD}, "-q", "--repro-watch")
+    out = out_of(proc)
+    assert "1 failed, 1 passed" in proc.stdout, out
+    assert "FAILED test_rebuild.py::test_reload_rebuilds_the_kernel_under_a_graph" in proc.stdout
+    assert "layer.kernel.workspace freed" in out and "layer.kernel.scale freed" in out
+    assert "dropped at:  engine_layer.py:" in out and "in process_weights_after_loading" in out
+
+
+def test_example_suite_on_cpu_skips_graph_tests_and_says_why(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the graph tests run: tests/test_pytest_plugin_gpu.py")
+    proc = run_pytest(tmp_path, {}, "-q", "-rs", "--repro-watch", str(EXAMPLES))
+    out = out_of(proc)
+    assert proc.returncode == 0, out
+    assert "2 passed, 2 skipped" in proc.stdout
+    assert out.count("needs CUDA: CUDA graphs exist only on a GPU") == 2
+    assert "repro watch: no findings" in out and "no CUDA graph was captured: nothing was checked" in out
