@@ -2,23 +2,24 @@
 
 The pytest plugin writes a ``{"kind": "test", "nodeid", "phase"}`` marker into its process's
 record file at the start of every phase (setup / call / teardown; nodeid "" between tests), so
-every capture and finding record that follows in the same file belongs to that phase. A
-subprocess a test starts has a record file of its own, without markers: its records belong to
-the phase that was running in its ancestor (found through the process records' ppid) at the
-record's time. Records are read back incrementally, complete lines only (a line being written
-is read next time). No torch, no pytest: plain records in, findings with their phases out.
+every capture and finding record that follows in the same file belongs to that phase. A process
+a test starts (directly, through a shell, at any depth) has a record file of its own without
+markers; its process record carries REPRO_WATCH_OWNER, the record file of the test process
+that started it (the plugin keeps that variable in the session's environment), and its records
+belong to the phase that was running there at the record's time. Records are read back
+incrementally, complete lines only (a line being written is read next time). No torch, no
+pytest: plain records in, findings with their phases out.
 """
 from __future__ import annotations
 
 import bisect
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 MARKER = "test"
-PHASES = ("setup", "call", "teardown")
+OWNER_KEY = "REPRO_WATCH_OWNER"   # repro.watch_hooks.ENV_OWNER, in a process record's "env"
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class PhaseFinding:
     pid: int
     mechanism: str
     finding: dict[str, Any]       # repro.outcome.Finding as the hooks wrote it
-    captured_in: Phase | None     # None: the capture record was not found (another process)
+    captured_in: Phase | None     # None: no capture record for its graph in these records
     replayed_in: Phase
 
     def as_dict(self) -> dict[str, Any]:
@@ -66,9 +67,13 @@ class RecordFile:
     offset: int = 0
     lines: int = 0
     pid: int | None = None
-    ppid: int | None = None
+    owner: str | None = None      # stem of the test process's file that started this process
     markers: bool = False         # the plugin ran in this process: it reports its own findings
     current: Phase = OUTSIDE      # the last marker read
+
+    @property
+    def stem(self) -> str:
+        return self.path.stem
 
     def read_new(self) -> list[tuple[int, dict[str, Any]]]:
         """(line number, record) of each complete line appended since the last read."""
@@ -84,10 +89,32 @@ class RecordFile:
         for raw in data[:end].splitlines():
             self.lines += 1
             try:
-                out.append((self.lines, json.loads(raw)))
+                record = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 continue
+            if record.get("kind") == "process":
+                self.pid = record.get("pid")
+                self.owner = (record.get("env") or {}).get(OWNER_KEY)
+            out.append((self.lines, record))
         return out
+
+    def head(self) -> None:
+        """The process record only (the first line), leaving the file to be read from its start."""
+        if self.pid is not None:
+            return
+        try:
+            with open(self.path, "rb") as f:
+                line = f.readline()
+        except OSError:
+            return
+        if line.endswith(b"\n"):
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return
+            if record.get("kind") == "process":
+                self.pid = record.get("pid")
+                self.owner = (record.get("env") or {}).get(OWNER_KEY)
 
 
 def graph_key(label: str) -> str:
@@ -96,26 +123,28 @@ def graph_key(label: str) -> str:
     return label if cut < 0 else label[:cut]
 
 
+def marker_phase(r: dict[str, Any]) -> Phase:
+    return Phase(r.get("nodeid", ""), r.get("phase", ""))
+
+
 @dataclass
 class Attribution:
-    """Findings of one test process and the processes it started, each with its two phases."""
+    """Findings of one test process and of the processes its tests start, with their phases.
+
+    me: the stem of this process's record file (it changes in a forked child)."""
     run_dir: Path
-    pid: int = field(default_factory=os.getpid)
+    me: str
     files: dict[Path, RecordFile] = field(default_factory=dict)
-    captures: dict[tuple[int, str], Phase] = field(default_factory=dict)
-    timeline: list[tuple[float, Phase]] = field(default_factory=list)   # this process's markers
+    captures: dict[tuple[str, str], Phase] = field(default_factory=dict)   # (file stem, graph)
+    timeline: list[tuple[float, Phase]] = field(default_factory=list)      # this process's markers
 
     def note_phase(self, at: float, phase: Phase) -> None:
-        """The plugin wrote a marker at `at` (time.time()): subprocess records map to it."""
+        """The plugin wrote a marker at `at` (time.time()): started processes' records map to it."""
         self.timeline.append((at, phase))
 
     def phase_at(self, t: float) -> Phase:
         i = bisect.bisect_right([at for at, _ in self.timeline], t) - 1
         return self.timeline[i][1] if i >= 0 else OUTSIDE
-
-    def reset_for_fork(self, pid: int) -> None:
-        """In a forked child (pytest-forked): its own record file is new; keep what was read."""
-        self.pid = pid
 
     def file(self, path: Path) -> RecordFile:
         rf = self.files.get(path)
@@ -123,51 +152,30 @@ class Attribution:
             rf = self.files[path] = RecordFile(path)
         return rf
 
-    def descends(self, rf: RecordFile) -> bool:
-        """Whether the file's process was started (at any depth) by this process."""
-        ppid, hops = rf.ppid, 0
-        by_pid = {f.pid: f for f in self.files.values() if f.pid is not None}
-        while ppid is not None and hops < 64:
-            if ppid == self.pid:
-                return True
-            parent = by_pid.get(ppid)
-            ppid, hops = (parent.ppid if parent else None), hops + 1
-        return False
-
     def poll(self) -> list[PhaseFinding]:
-        """New findings in this process's file and its descendants' since the last poll."""
+        """New findings in this process's file and its started processes' since the last poll."""
         found: list[PhaseFinding] = []
-        paths = sorted(self.run_dir.glob("*.jsonl"))
-        for path in paths:
+        for path in sorted(self.run_dir.glob("*.jsonl")):
             rf = self.file(path)
-            if rf.pid is None:
-                self.read_into(rf, found, own=False, head_only=True)
-        for path in paths:
-            rf = self.files[path]
-            own = rf.pid == self.pid
-            if own or (self.descends(rf) and not rf.markers):
-                self.read_into(rf, found, own=own)
+            rf.head()
+            own = rf.stem == self.me
+            if own or (rf.owner == self.me and not rf.markers):
+                self.read_into(rf, found, own)
         return found
 
-    def read_into(self, rf: RecordFile, found: list[PhaseFinding], own: bool,
-                  head_only: bool = False) -> None:
-        if head_only and rf.offset:
-            return
+    def read_into(self, rf: RecordFile, found: list[PhaseFinding], own: bool) -> None:
+        mine: list[PhaseFinding] = []
         for line, r in rf.read_new():
             kind = r.get("kind")
-            if kind == "process":
-                rf.pid, rf.ppid = r.get("pid"), r.get("ppid")
-                if head_only:
-                    rf.offset, rf.lines = 0, 0      # read the whole file again when it is ours
-                    return
-                own = rf.pid == self.pid
-            elif kind == MARKER:
+            if kind == MARKER:
                 rf.markers = True
                 rf.current = marker_phase(r)
             elif kind == "capture":
-                self.captures[(rf.pid, r.get("graph", ""))] = self.context(rf, r)
+                self.captures[(rf.stem, r.get("graph", ""))] = self.context(rf, r)
             elif kind == "finding":
-                found.append(self.finding(rf, line, r))
+                mine.append(self.finding(rf, line, r))
+        if own or not rf.markers:   # a started process running its own session reports itself
+            found.extend(mine)
 
     def context(self, rf: RecordFile, r: dict[str, Any]) -> Phase:
         return rf.current if rf.markers else self.phase_at(r.get("t", 0.0))
@@ -175,42 +183,42 @@ class Attribution:
     def finding(self, rf: RecordFile, line: int, r: dict[str, Any]) -> PhaseFinding:
         f = r.get("finding", {})
         return PhaseFinding(id=f"{rf.path.name}:{line}", pid=rf.pid or 0,
-                           mechanism=r.get("mechanism", "guard"), finding=f,
-                           captured_in=self.capture_phase(rf, graph_key(f.get("graph", ""))),
-                           replayed_in=self.context(rf, r))
+                            mechanism=r.get("mechanism", "guard"), finding=f,
+                            captured_in=self.capture_phase(rf, graph_key(f.get("graph", ""))),
+                            replayed_in=self.context(rf, r))
 
     def capture_phase(self, rf: RecordFile, label: str) -> Phase | None:
-        """The capture in this process, else in an ancestor (a graph captured before a fork)."""
-        by_pid = {f.pid: f for f in self.files.values() if f.pid is not None}
-        pid, hops = rf.pid, 0
-        while pid is not None and hops < 64:
-            if (pid, label) in self.captures:
-                return self.captures[(pid, label)]
-            parent = by_pid.get(pid)
-            pid, hops = (parent.ppid if parent else None), hops + 1
+        """The capture in this process, else in its owner's (a graph captured before a fork)."""
+        by_stem = {f.stem: f for f in self.files.values()}
+        stem, hops = rf.stem, 0
+        while stem is not None and hops < 64:
+            if (stem, label) in self.captures:
+                return self.captures[(stem, label)]
+            owner = by_stem.get(stem)
+            stem, hops = (owner.owner if owner else None), hops + 1
         return None
 
 
-def all_findings(run_dir: Path) -> list[PhaseFinding]:
-    """Every finding in a run directory, attributed by each file's own markers or, for a
-    process without them, by its nearest marked ancestor's markers at the record's time."""
+def all_findings(run_dir: Path, root: str) -> list[PhaseFinding]:
+    """Every finding of the session whose main process wrote `root`.jsonl (its own, its
+    workers', forked children's and started processes': every file whose owner chain reaches
+    it; a directory reused across sessions holds others). A file with markers is attributed
+    by its own, a started process by its owner's markers at the record's time."""
     files = {p: RecordFile(p) for p in sorted(run_dir.glob("*.jsonl"))}
     records = {p: rf.read_new() for p, rf in files.items()}
-    by_pid: dict[int, RecordFile] = {}
-    timelines: dict[int, list[tuple[float, Phase]]] = {}
+    by_stem = {rf.stem: rf for rf in files.values()}
+    files = {p: rf for p, rf in files.items() if reaches(rf, root, by_stem)}
+    records = {p: records[p] for p in files}
+    timelines: dict[str, list[tuple[float, Phase]]] = {}
     for p, recs in records.items():
-        rf = files[p]
         for _, r in recs:
-            if r.get("kind") == "process":
-                rf.pid, rf.ppid = r.get("pid"), r.get("ppid")
-                by_pid[rf.pid] = rf
-            elif r.get("kind") == MARKER:
-                rf.markers = True
-                timelines.setdefault(rf.pid, []).append((r.get("at", r.get("t", 0.0)), marker_phase(r)))
-    captures: dict[tuple[int, str], Phase] = {}
-    views = {p: Attribution(run_dir, pid=files[p].pid or 0, files=files, captures=captures,
-                            timeline=timelines.get(marked_ancestor(files[p], by_pid, timelines), []))
-             for p in files}
+            if r.get("kind") == MARKER:
+                files[p].markers = True
+                timelines.setdefault(files[p].stem, []).append((r.get("at", r.get("t", 0.0)), marker_phase(r)))
+    captures: dict[tuple[str, str], Phase] = {}
+    views = {p: Attribution(run_dir, me=rf.stem, files=files, captures=captures,
+                            timeline=timelines.get(rf.owner or "", []))
+             for p, rf in files.items()}
     out: list[PhaseFinding] = []
     for wanted in ("capture", "finding"):    # every capture first: a fork's graph is its parent's
         for p, recs in records.items():
@@ -221,23 +229,20 @@ def all_findings(run_dir: Path) -> list[PhaseFinding]:
                 if kind == MARKER:
                     rf.current = marker_phase(r)
                 elif kind == wanted == "capture":
-                    captures[(rf.pid, r.get("graph", ""))] = view.context(rf, r)
+                    captures[(rf.stem, r.get("graph", ""))] = view.context(rf, r)
                 elif kind == wanted == "finding":
                     out.append(view.finding(rf, line, r))
     return out
 
 
-def marker_phase(r: dict[str, Any]) -> Phase:
-    return Phase(r.get("nodeid", ""), r.get("phase", ""))
-
-
-def marked_ancestor(rf: RecordFile, by_pid: dict[int, RecordFile],
-                    timelines: dict[int, list]) -> int | None:
-    pid, hops = rf.pid, 0
-    while pid is not None and pid not in timelines and hops < 64:
-        parent = by_pid.get(pid)
-        pid, hops = (parent.ppid if parent else None), hops + 1
-    return pid
+def reaches(rf: RecordFile, root: str, by_stem: dict[str, RecordFile]) -> bool:
+    stem, hops = rf.stem, 0
+    while stem is not None and hops < 64:
+        if stem == root:
+            return True
+        owner = by_stem.get(stem)
+        stem, hops = (owner.owner if owner else None), hops + 1
+    return False
 
 
 @dataclass
@@ -249,10 +254,16 @@ class RunStats:
     internal_errors: list[str] = field(default_factory=list)
 
 
-def run_stats(run_dir: Path) -> RunStats:
+def run_stats(run_dir: Path, root: str) -> RunStats:
+    files = [RecordFile(p) for p in sorted(run_dir.glob("*.jsonl"))]
+    for rf in files:
+        rf.head()
+    by_stem = {rf.stem: rf for rf in files}
     stats = RunStats()
-    for path in sorted(run_dir.glob("*.jsonl")):
-        for _, r in RecordFile(path).read_new():
+    for rf in files:
+        if not reaches(rf, root, by_stem):
+            continue
+        for _, r in rf.read_new():
             kind = r.get("kind")
             if kind == "process":
                 stats.processes += 1

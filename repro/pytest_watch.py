@@ -90,6 +90,7 @@ class WatchSession:
     watcher: Any
     saved_env: dict[str, str | None]
     attribution: Attribution
+    root: str                     # this session's main record file (stem): what is ours
     pid: int = field(default_factory=os.getpid)
     by_test: dict[str, list[tuple[PhaseFinding, bool]]] = field(default_factory=dict)  # (finding, allowed)
     claimed: set[str] = field(default_factory=set)
@@ -102,17 +103,19 @@ class WatchSession:
         run_dir = Path(config.getoption("repro_watch_dir", None)
                        or os.environ.get(watch_hooks.ENV_DIR)
                        or tempfile.mkdtemp(prefix="repro-watch-pytest-")).resolve()
-        saved = {k: os.environ.get(k) for k in (*watch_hooks.ENV_VARS, "PYTHONPATH")}
+        saved = {k: os.environ.get(k) for k in (*watch_hooks.ENV_VARS, watch_hooks.ENV_OWNER, "PYTHONPATH")}
         env = watch_env(dict(os.environ), run_dir, os.environ.get(watch_hooks.ENV_ON_FINDING) or "warn")
         if saved[watch_hooks.ENV_SITE] == env[watch_hooks.ENV_SITE]:
             env["PYTHONPATH"] = saved["PYTHONPATH"] or ""     # started under `repro watch`: on the path already
-        for key in saved:
+        for key in (*watch_hooks.ENV_VARS, "PYTHONPATH"):
             os.environ[key] = env[key]
         watcher = watch_hooks.activate(watch_hooks.WatchSettings(
             run_dir=str(run_dir), on_finding="warn", origin="pytest"))
         run_dir = Path(watcher.settings.run_dir)     # an earlier start (repro watch) decides
+        me = Path(watcher.recorder.path).stem
+        os.environ[watch_hooks.ENV_OWNER] = me        # processes tests start say whose they are
         return cls(config=config, mode=mode, run_dir=run_dir, watcher=watcher, saved_env=saved,
-                   attribution=Attribution(run_dir))
+                   attribution=Attribution(run_dir, me=me), root=me)
 
     # -- where this process is ------------------------------------------------------------------
 
@@ -122,7 +125,8 @@ class WatchSession:
     def mark(self, phase: Phase) -> None:
         if os.getpid() != self.pid:              # a forked child (pytest-forked): its own file
             self.pid = os.getpid()
-            self.attribution.reset_for_fork(self.pid)
+            self.attribution.me = Path(self.watcher.recorder.path).stem
+            os.environ[watch_hooks.ENV_OWNER] = self.attribution.me
         at = time.time()
         self.attribution.note_phase(at, phase)
         self.watcher.write({"kind": "test", "nodeid": phase.nodeid, "phase": phase.phase, "at": at})
@@ -201,8 +205,8 @@ class WatchSession:
         if self.is_worker() or os.getpid() != self.pid:
             return
         try:
-            self.unclaimed = [tf for tf in all_findings(self.run_dir) if tf.id not in self.claimed]
-            self.stats = run_stats(self.run_dir)
+            self.unclaimed = [tf for tf in all_findings(self.run_dir, self.root) if tf.id not in self.claimed]
+            self.stats = run_stats(self.run_dir, self.root)
         except OSError:
             self.unclaimed = []
         if self.unclaimed and self.mode == "fail" and session.exitstatus == 0:

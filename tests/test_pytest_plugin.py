@@ -245,16 +245,25 @@ import subprocess, sys
 
 def test_runs_a_program():
     assert subprocess.call([sys.executable, {str(PROGRAMS / 'stale_local.py')!r}]) == 0
+
+
+def test_runs_a_program_through_a_shell():
+    assert subprocess.call(f"{{sys.executable}} {str(PROGRAMS / 'stale_local.py')!r} | cat", shell=True) == 0
 """
 
 
 def test_a_subprocess_finding_is_the_starting_tests(tmp_path):
-    proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_sub.py": SUBPROCESS}, "-q", "--repro-watch")
-    out = out_of(proc)
-    assert "FAILED test_sub.py::test_runs_a_program" in proc.stdout, out
-    assert "captured in: test_sub.py::test_runs_a_program (call)" in out
-    assert "replayed in: test_sub.py::test_runs_a_program (call)" in out
-    assert "<local weight of capture_routine" in out
+    for _ in range(2):           # the same records directory twice: each session its own findings
+        proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_sub.py": SUBPROCESS}, "-q", "--repro-watch")
+        out = out_of(proc)
+        assert "2 failed" in proc.stdout, out
+        for test in ("test_runs_a_program", "test_runs_a_program_through_a_shell"):
+            assert f"FAILED test_sub.py::{test}" in proc.stdout
+            assert f"captured in: test_sub.py::{test} (call)" in out
+            assert f"replayed in: test_sub.py::{test} (call)" in out
+        assert "<local weight of capture_routine" in out
+        assert "repro watch: 2 finding(s)" in out and "in no test report" not in out
+    assert len(list((tmp_path / "records").glob("*.jsonl"))) == 6
 
 
 def test_xdist_workers_findings_merge_in_the_controller(tmp_path):
@@ -263,12 +272,14 @@ def test_xdist_workers_findings_merge_in_the_controller(tmp_path):
     proc = run_pytest(tmp_path, files, "-q", "-n", "2", "--repro-watch", "--junitxml", "junit.xml")
     out = out_of(proc)
     assert proc.returncode == 1, out
-    assert "2 failed, 1 passed" in proc.stdout, out
-    summary = out[out.index("repro watch: 2 finding(s)"):]
-    assert "test_stale.py::test_replays_stale" in summary and "test_sub.py::test_runs_a_program" in summary
+    assert "3 failed, 1 passed" in proc.stdout, out
+    summary = out[out.index("repro watch: 3 finding(s)"):]
+    for test in ("test_stale.py::test_replays_stale", "test_sub.py::test_runs_a_program",
+                 "test_sub.py::test_runs_a_program_through_a_shell"):
+        assert f"\n{test}\n" in summary
     props = [p.get("value") for p in ET.parse(tmp_path / "junit.xml").iter("property")
              if p.get("name") == "repro_watch_finding"]
-    assert len(props) == 2
+    assert len(props) == 3
 
 
 def test_forked_children_report_their_own_findings_once(tmp_path):
