@@ -390,9 +390,12 @@ def test_example_suite_on_cpu_skips_graph_tests_and_says_why(tmp_path):
     import torch
     if torch.cuda.is_available():
         pytest.skip("with CUDA the graph tests run: tests/test_pytest_plugin_gpu.py")
-    proc = run_pytest(tmp_path, {}, "-q", "-rs", "--repro-watch", str(EXAMPLES))
+    proc = run_pytest(tmp_path, {}, "-q", "-rs", "--repro-watch", "--junitxml", str(tmp_path / "j.xml"),
+                      str(EXAMPLES))
     out = out_of(proc)
     assert proc.returncode == 0, out
     assert "2 passed, 2 skipped" in proc.stdout
     assert out.count("needs CUDA: CUDA graphs exist only on a GPU") == 2
+    props = [p.get("value") for p in ET.parse(tmp_path / "j.xml").iter("property") if p.get("name") == "repro_reload"]
+    assert props == ["layer: 3 tensor slots, 0 changed"]         # the repro_stable fixture's census
     assert "repro watch: no findings" in out and "no CUDA graph was captured: nothing was checked" in out
