@@ -181,17 +181,20 @@ class WatchSession:
             setattr(report, REPORT_ATTR, [dict(tf.as_dict(), allowed=expectation.allowed(tf))
                                           for tf in found])
             for tf in found:
-                prop = (PROPERTY, finding_text(tf).splitlines()[0] + ("" if tf in failing else " [allowed]"))
+                prop = (PROPERTY, summary_line(tf) + ("" if tf in failing else " [allowed]"))
                 item.user_properties.append(prop)
                 if when == "teardown":   # the teardown report is made from a copy already taken
                     report.user_properties.append(prop)
+        if when == "teardown":
+            self.per_item.pop(item.nodeid, None)
         if not problems:
             return
         text = "\n\n".join(problems)
-        if self.mode == "fail" and report.passed:
+        # A skip does not hide a replay of dead memory; an xfail keeps its own verdict.
+        if self.mode == "fail" and not report.failed and not hasattr(report, "wasxfail"):
             report.outcome = "failed"
             report.longrepr = text
-        elif self.mode == "fail" or not report.passed:
+        else:
             report.sections.append(("repro watch", text))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
