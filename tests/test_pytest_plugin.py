@@ -218,6 +218,13 @@ def test_expected_found():
     g.replay()
 
 
+def test_skips_after_a_stale_replay():
+    g = FakeGraph()
+    capture_routine(g)
+    g.replay()
+    pytest.skip("a skip does not hide the replay")
+
+
 @pytest.mark.repro_watch(expect="*workspace*")
 def test_expected_missing():
     g = FakeGraph()
@@ -230,10 +237,11 @@ def test_expected_missing():
 
 def test_marker_off_and_expect(tmp_path):
     proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_marked.py": MARKED},
-                      "-q", "--repro-watch", "-k", "off or expected")
+                      "-q", "--repro-watch", "-k", "off or expected or skips")
     out = out_of(proc)
-    assert "1 failed, 2 passed" in proc.stdout, out
+    assert "2 failed, 2 passed" in proc.stdout, out
     assert "FAILED test_marked.py::test_expected_missing" in proc.stdout
+    assert "FAILED test_marked.py::test_skips_after_a_stale_replay" in proc.stdout
     assert "expected a finding matching '*workspace*'" in out
     assert "[allowed by the repro_watch marker]" in out
 
