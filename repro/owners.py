@@ -261,6 +261,9 @@ def walk_tensors(root: Any, name: str, max_depth: int, max_nodes: int, max_items
         path, value, depth = queue.popleft()
         if isinstance(value, torch.Tensor):
             found.append((path, value))
+            # A wrapper subclass (a quantized weight) holds its real storages as inner tensors.
+            for attr in inner_tensors(value) if depth < max_depth else ():
+                queue.append((f"{path}.{attr}", getattr(value, attr), depth + 1))
             continue
         if id(value) in seen or value is None or isinstance(value, (str, bytes, int, float, bool)):
             continue
@@ -276,6 +279,18 @@ def walk_tensors(root: Any, name: str, max_depth: int, max_nodes: int, max_items
                 else children(value, max_items, code=True):
             queue.append((path + step_text(kind, key), child, depth + 1))
     return Walk(found=found, nodes=nodes, truncated=truncated)
+
+
+def inner_tensors(t: torch.Tensor) -> list[str]:
+    """Attribute names of a traceable wrapper subclass's inner tensors (torchao-style)."""
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is None:
+        return []
+    try:
+        names, _ = t.__tensor_flatten__()
+    except Exception:             # a subclass whose flatten needs more than its own state
+        return []
+    return [n for n in names if isinstance(getattr(t, n, None), torch.Tensor)]
 
 
 def module_children(module: torch.nn.Module) -> list[tuple[str, Any, Any]]:

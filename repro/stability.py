@@ -15,7 +15,7 @@ pointer identity sees it (vLLM RFC #48312).
 
 The census walks everything reachable from the root (owners.walk_tensors: attributes,
 parameters and buffers, containers, dataclasses, partials, closure cells, bound methods,
-__dict__/__slots__), holding each storage by weak reference only, so it never keeps an old
+__dict__/__slots__, wrapper subclasses' inner tensors), holding each storage by weak reference only, so it never keeps an old
 storage alive and "freed" means freed. Runs on CPU whenever the reload code does.
 """
 from __future__ import annotations

@@ -74,6 +74,32 @@ def test_census_reaches_every_kind_of_holder_by_path():
                      "layer.bound.__self__.t"}
 
 
+class Wrapped(torch.Tensor):
+    """A wrapper subclass (as quantized weights are): no storage of its own, one inner tensor."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __tensor_flatten__(self):
+        return ["inner"], None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(func)
+
+
+def test_wrapper_subclass_inner_tensors_are_slots():
+    holder = Kernel(Wrapped(torch.zeros(4)))
+    with expect_stable(holder, "k", raises=False) as s:
+        holder.workspace.inner = torch.zeros(4)
+    assert set(s.before.slots) == {"k.workspace", "k.workspace.inner"}
+    assert [(c.path, c.status) for c in s.changes] == [("k.workspace.inner", "freed")]
+
+
 def test_census_holds_no_storage_alive():
     layer = Layer()
     census = reload_census(layer, "layer")
