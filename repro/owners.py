@@ -10,6 +10,7 @@ so rebinding the parent's attribute is seen.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import weakref
 from collections import deque
@@ -63,6 +64,8 @@ def hold(obj: Any) -> Callable[[], Any]:
 
 
 def step_text(kind: str, key: Any) -> str:
+    if kind == "cell":
+        return f".<cell {key}>"       # a closure variable: not reachable by getattr
     return f".{key}" if kind == "attr" else f"[{key!r}]"
 
 
@@ -159,13 +162,23 @@ def add_named(index: dict[int, Named], owner: Owner, steps: tuple, t: torch.Tens
                                    storage_ptr=storage.data_ptr())
 
 
-def children(value: Any) -> list[tuple[str, Any, Any]]:
-    """(kind, key, child) of containers and plain objects worth naming tensors through."""
+def children(value: Any, max_items: int = _MAX_ITEMS, code: bool = False) -> list[tuple[str, Any, Any]]:
+    """(kind, key, child) of containers and plain objects worth naming tensors through.
+
+    code: also look inside what holds tensors without being data: functools.partial (func,
+    args, keywords), a function's closure cells (kind "cell") and a bound method's __self__
+    and __func__. The reload census needs them (a kernel launcher kept as a partial over its
+    workspace is exactly what a reload rebuilds); naming at capture time does not.
+    """
     if isinstance(value, (list, tuple)):
-        return [("item", i, v) for i, v in enumerate(value[:_MAX_ITEMS])]
+        return [("item", i, v) for i, v in enumerate(value[:max_items])]
     if isinstance(value, dict):
         items = [(k, v) for k, v in value.items() if isinstance(k, (str, int))]
-        return [("item", k, v) for k, v in items[:_MAX_ITEMS]]
+        return [("item", k, v) for k, v in items[:max_items]]
+    if code:
+        held = code_children(value)
+        if held is not None:
+            return held
     if not is_plain_object(value):
         return []
     attrs = dict(vars(value)) if hasattr(value, "__dict__") else {}
@@ -173,7 +186,26 @@ def children(value: Any) -> list[tuple[str, Any, Any]]:
         for slot_name in getattr(cls, "__slots__", ()):
             if slot_name not in ("__dict__", "__weakref__") and hasattr(value, slot_name):
                 attrs.setdefault(slot_name, getattr(value, slot_name))
-    return [("attr", k, v) for k, v in list(attrs.items())[:_MAX_ITEMS]]
+    return [("attr", k, v) for k, v in list(attrs.items())[:max_items]]
+
+
+def code_children(value: Any) -> list[tuple[str, Any, Any]] | None:
+    """What a partial, a function or a bound method holds; None for anything else."""
+    if isinstance(value, functools.partial):
+        return [("attr", "func", value.func), ("attr", "args", value.args),
+                ("attr", "keywords", value.keywords)]
+    if isinstance(value, types.MethodType):
+        return [("attr", "__self__", value.__self__), ("attr", "__func__", value.__func__)]
+    if isinstance(value, types.FunctionType):
+        cells = zip(value.__code__.co_freevars, value.__closure__ or ())
+        out = []
+        for name, cell in cells:
+            try:
+                out.append(("cell", name, cell.cell_contents))
+            except ValueError:        # a cell not filled yet
+                continue
+        return out
+    return None
 
 
 def is_plain_object(value: Any) -> bool:
@@ -204,3 +236,67 @@ def storage_of(t: torch.Tensor):
     except (RuntimeError, NotImplementedError, TypeError):
         return None
     return storage
+
+
+@dataclass
+class Walk:
+    """Every (path, tensor) reachable from a root, for the reload census."""
+    found: list[tuple[str, torch.Tensor]]
+    nodes: int                    # objects expanded
+    truncated: str = ""           # why the walk stopped early ("" when it saw everything)
+
+
+def walk_tensors(root: Any, name: str, max_depth: int, max_nodes: int, max_items: int) -> Walk:
+    """Breadth first from `root`: each tensor at every path that reaches it, each other object
+    expanded once (at its shortest path, so cycles end). Modules anywhere in the graph give
+    their own parameters, buffers, submodules and plain attributes; code objects that hold
+    tensors (partials, closures, bound methods) are looked into (`children(code=True)`).
+    A tensor is a leaf: attributes hung on parameters (weight loaders) are not walked.
+    """
+    found: list[tuple[str, torch.Tensor]] = []
+    queue: deque[tuple[str, Any, int]] = deque([(name, root, 0)])
+    seen: set[int] = set()
+    nodes, truncated = 0, ""
+    while queue:
+        path, value, depth = queue.popleft()
+        if isinstance(value, torch.Tensor):
+            found.append((path, value))
+            # A wrapper subclass (a quantized weight) holds its real storages as inner tensors.
+            for attr in inner_tensors(value) if depth < max_depth else ():
+                queue.append((f"{path}.{attr}", getattr(value, attr), depth + 1))
+            continue
+        if id(value) in seen or value is None or isinstance(value, (str, bytes, int, float, bool)):
+            continue
+        if depth >= max_depth:
+            truncated = truncated or f"depth bound {max_depth} reached at {path}"
+            continue
+        if nodes >= max_nodes:
+            truncated = truncated or f"node bound {max_nodes} reached"
+            break
+        seen.add(id(value))
+        nodes += 1
+        for kind, key, child in module_children(value) if isinstance(value, torch.nn.Module) \
+                else children(value, max_items, code=True):
+            queue.append((path + step_text(kind, key), child, depth + 1))
+    return Walk(found=found, nodes=nodes, truncated=truncated)
+
+
+def inner_tensors(t: torch.Tensor) -> list[str]:
+    """Attribute names of a traceable wrapper subclass's inner tensors (torchao-style)."""
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is None:
+        return []
+    try:
+        names, _ = t.__tensor_flatten__()
+    except Exception:             # a subclass whose flatten needs more than its own state
+        return []
+    return [n for n in names if isinstance(getattr(t, n, None), torch.Tensor)]
+
+
+def module_children(module: torch.nn.Module) -> list[tuple[str, Any, Any]]:
+    """A module's parameters, buffers and submodules by attribute name, then its plain attributes."""
+    out: list[tuple[str, Any, Any]] = []
+    for table in (module._parameters, module._buffers, module._modules):
+        out.extend(("attr", key, value) for key, value in table.items() if value is not None)
+    out.extend(("attr", key, value) for key, value in vars(module).items() if key not in _MODULE_INTERNALS)
+    return out

@@ -43,6 +43,8 @@ ENV_DIR = "REPRO_WATCH_DIR"             # run directory for the per-process reco
 ENV_ON_FINDING = "REPRO_WATCH_ON_FINDING"   # warn | raise
 ENV_SITE = "REPRO_WATCH_SITE"           # the sitecustomize directory `repro watch` prepended
 ENV_VARS = (ENV_ON, ENV_DIR, ENV_ON_FINDING, ENV_SITE)
+ENV_OWNER = "REPRO_WATCH_OWNER"         # set by the pytest plugin: the record file (stem) of the
+                                        # test process whose test started this process
 DEFAULT_DIR = "repro-watch"
 ON_FINDING = ("warn", "raise")
 TARGET = "torch.cuda.graphs"
@@ -129,7 +131,7 @@ def process_record(settings: WatchSettings) -> dict[str, Any]:
         "host": socket.gethostname(), "argv": argv, "executable": sys.executable,
         "python": sys.version.split()[0], "started": time.time(), "origin": settings.origin,
         "on_finding": settings.on_finding,
-        "env": {k: os.environ[k] for k in _RANK_ENV if k in os.environ},
+        "env": {k: os.environ[k] for k in (*_RANK_ENV, ENV_OWNER) if k in os.environ},
     }
 
 

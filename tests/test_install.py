@@ -74,3 +74,22 @@ def test_installed_scenario_runs_on_cpu(installed):
     trial = json.loads(result.stdout)["trials"][0]
     assert trial["outcome"] == "STALE_CAPTURE" and trial["met"]      # CPU: the guard's verdict
     assert not any(installed[2].iterdir())             # nothing written where it ran
+
+
+def test_installed_wheel_registers_the_pytest_plugin_off_by_default(installed):
+    """The wheel's pytest11 entry point: auto-loaded, inert, and on with --repro-watch."""
+    _, site, elsewhere, env = installed
+    suite = elsewhere.parent / "suite"
+    suite.mkdir(exist_ok=True)
+    (suite / "test_one.py").write_text(
+        "import sys\n"
+        "def test_one(request):\n"
+        "    plugin = request.config.pluginmanager.get_plugin('repro')\n"
+        "    assert plugin is not None and plugin.__file__.startswith(%r)\n"
+        "    print('TORCH', 'torch' in sys.modules)\n" % str(site))
+    run = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "test_one.py"]
+    off = subprocess.run(run, cwd=suite, env=env, capture_output=True, text=True, timeout=300)
+    assert off.returncode == 0 and "TORCH False" in off.stdout, off.stdout + off.stderr
+    on = subprocess.run([*run, "--repro-watch", "--repro-watch-dir", str(suite / "records")], cwd=suite,
+                        env=env, capture_output=True, text=True, timeout=300)
+    assert on.returncode == 0 and "repro watch: no findings" in on.stdout, on.stdout + on.stderr

@@ -1,0 +1,409 @@
+"""The pytest plugin (repro.pytest) on CPU: inner pytest sessions in subprocesses.
+
+No CUDA graph exists on CPU: the inner suites drive the hooks through the stand-in graph class
+of tests/watch_programs/fake_graph.py (patched by the session's watcher), with real guard
+recordings on CPU tensors. Real graphs: tests/test_pytest_plugin_gpu.py.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PROGRAMS = Path(__file__).resolve().parent / "watch_programs"
+
+CONFTEST = f"""
+import sys
+import pytest
+sys.path.insert(0, {str(PROGRAMS)!r})
+import fake_graph
+
+
+@pytest.fixture(scope="session", autouse=True)
+def graphs_watched():
+    # The stand-in graph class goes through the hooks when the session is watched.
+    return fake_graph.patch_if_watched()
+"""
+
+STALE = """
+import torch
+import pytest
+from fake_graph import FakeGraph, capture
+
+X = torch.ones(2, 4)                      # the static input: alive for the session
+
+
+def capture_routine(graph, x=X):
+    weight = torch.randn(8, 4)            # held by this local only: freed on return
+    with capture(graph):
+        out = x @ weight.t()
+    return out
+
+
+@pytest.fixture(scope="module")
+def captured():
+    graph = FakeGraph()
+    capture_routine(graph)
+    return graph
+
+
+def test_clean():
+    weight = torch.ones(4, 4)
+    graph = FakeGraph()
+    with capture(graph):
+        weight.sum()
+    graph.replay()
+
+
+def test_replays_stale(captured):
+    captured.replay()
+"""
+
+
+def run_pytest(tmp_path: Path, files: dict[str, str], *args: str, ep: bool = False,
+               env_extra: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    for name, text in files.items():
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPRO_WATCH")}
+    path = [str(REPO)]
+    if ep:
+        path.insert(0, str(fake_install(tmp_path)))
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    env["REPRO_WATCH_DIR"] = str(tmp_path / "records")     # not a switch: only where records go
+    env.update(env_extra or {})
+    plugin = [] if ep else ["-p", "repro.pytest"]
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *plugin, *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def fake_install(tmp_path: Path) -> Path:
+    """A dist-info declaring our pytest11 entry point, as `pip install` would write it (the
+    machine's install of repro may predate the entry point)."""
+    site = tmp_path / "_site"
+    info = site / "repro_entry_point-0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: repro-entry-point\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[pytest11]\nrepro = repro.pytest\n")
+    return site
+
+
+def out_of(proc: subprocess.CompletedProcess) -> str:
+    return proc.stdout + proc.stderr
+
+
+# -- off ------------------------------------------------------------------------------------------
+
+OFF_CHECK = """
+import sys
+
+def test_nothing_heavy_imported(request):
+    assert request.config.pluginmanager.get_plugin("repro") is not None
+    heavy = [m for m in ("torch", "repro.guard", "repro.pytest_watch", "repro.watch_hooks", "rich")
+             if m in sys.modules]
+    assert heavy == []
+"""
+
+
+def test_off_by_default_it_loads_from_the_entry_point_and_imports_nothing_heavy(tmp_path):
+    proc = run_pytest(tmp_path, {"test_off.py": OFF_CHECK}, "-q", ep=True)
+    assert proc.returncode == 0, out_of(proc)
+    assert "repro watch" not in out_of(proc)
+
+
+def test_p_no_repro_keeps_it_out(tmp_path):
+    proc = run_pytest(tmp_path, {"test_off.py": OFF_CHECK}, "-q", "-p", "no:repro", ep=True)
+    assert proc.returncode == 1 and "assert None is not None" in out_of(proc), out_of(proc)
+    proc = run_pytest(tmp_path, {}, "-q", "-p", "no:repro", "--repro-watch", "test_off.py", ep=True)
+    assert proc.returncode == 4 and "unrecognized arguments: --repro-watch" in out_of(proc)
+
+
+def test_explicit_p_with_the_entry_point_installed_registers_once(tmp_path):
+    proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_stale.py": STALE},
+                      "-q", "-p", "repro.pytest", "--repro-watch", ep=True)
+    assert proc.returncode == 1, out_of(proc)
+    assert "1 failed, 1 passed" in proc.stdout
+
+
+# -- on: fail, warn, attribution, junit -----------------------------------------------------------
+
+def test_fail_mode_fails_the_replaying_test_with_both_phases(tmp_path):
+    proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_stale.py": STALE},
+                      "-q", "--repro-watch", "--junitxml", "junit.xml")
+    out = out_of(proc)
+    assert proc.returncode == 1, out
+    assert "1 failed, 1 passed" in proc.stdout
+    assert "FAILED test_stale.py::test_replays_stale" in proc.stdout
+    # The failure text: tensor, graph, status, created at, both phases.
+    assert "<local weight of capture_routine" in out and "freed" in out
+    assert "captured in: test_stale.py::test_replays_stale (setup)" in out     # the module fixture
+    assert "replayed in: test_stale.py::test_replays_stale (call)" in out
+    assert "dropped at:  test_stale.py:" in out
+    assert "repro watch: 1 finding(s)" in out and "2 CUDA graph(s) captured and checked" in out
+    case = {c.get("name"): c for c in ET.parse(tmp_path / "junit.xml").iter("testcase")}
+    stale = case["test_replays_stale"]
+    assert stale.find("failure") is not None and "freed" in stale.find("failure").get("message")
+    props = [p.get("value") for p in stale.iter("property") if p.get("name") == "repro_watch_finding"]
+    assert len(props) == 1 and "<local weight of capture_routine" in props[0]
+    assert case["test_clean"].find("failure") is None
+
+
+def test_capture_in_one_test_replay_in_another(tmp_path):
+    two = STALE.replace("def test_replays_stale(captured):\n    captured.replay()",
+                        "def test_captures(captured):\n    pass\n\n\n"
+                        "def test_replays_later(captured):\n    captured.replay()")
+    proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_two.py": two}, "-q", "--repro-watch")
+    out = out_of(proc)
+    assert "FAILED test_two.py::test_replays_later" in proc.stdout, out
+    assert "captured in: test_two.py::test_captures (setup)" in out
+    assert "replayed in: test_two.py::test_replays_later (call)" in out
+
+
+def test_warn_mode_passes_and_lists_findings_per_test(tmp_path):
+    proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_stale.py": STALE}, "-q", "--repro-watch=warn")
+    out = out_of(proc)
+    assert proc.returncode == 0, out
+    assert "2 passed" in proc.stdout
+    summary = out[out.index("repro watch: 1 finding(s)"):]
+    assert summary.splitlines()[1].startswith("2 CUDA graph(s) captured and checked")
+    assert summary.splitlines()[2] == "test_stale.py::test_replays_stale"
+    assert "<local weight of capture_routine" in summary and "records: " in summary
+
+
+def test_env_switch_turns_it_on_and_the_session_env_is_restored(tmp_path):
+    conftest = CONFTEST + textwrap.dedent("""
+        import os
+
+        @pytest.hookimpl(trylast=True)
+        def pytest_unconfigure(config):
+            print("ENV-AFTER", os.environ.get("REPRO_WATCH_SITE"), os.environ.get("PYTHONPATH"), flush=True)
+    """)
+    check_env = """
+        import os
+        def test_env_for_children():
+            assert os.environ["REPRO_WATCH"] == "1" and os.environ["REPRO_WATCH_DIR"]
+            assert os.environ["PYTHONPATH"].split(os.pathsep)[0].endswith("_site")
+    """
+    proc = run_pytest(tmp_path, {"conftest.py": conftest, "test_env.py": check_env}, "-q", "-s",
+                      env_extra={"REPRO_WATCH": "1"})
+    out = out_of(proc)
+    assert proc.returncode == 0, out
+    assert f"ENV-AFTER None {REPO}\n" in out          # as before the session
+
+
+def test_no_switch_no_watch(tmp_path):
+    proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_stale.py": STALE}, "-q")
+    assert proc.returncode == 0 and "2 passed" in proc.stdout, out_of(proc)
+    assert "repro watch" not in out_of(proc)
+
+
+# -- the marker -----------------------------------------------------------------------------------
+
+MARKED = STALE + """
+
+@pytest.mark.repro_watch(off=True)
+def test_off(captured):
+    captured.replay()
+
+
+@pytest.mark.repro_watch(expect="<local weight of capture_routine*")
+def test_expected_found():
+    g = FakeGraph()
+    capture_routine(g)
+    g.replay()
+
+
+def test_skips_after_a_stale_replay():
+    g = FakeGraph()
+    capture_routine(g)
+    g.replay()
+    pytest.skip("a skip does not hide the replay")
+
+
+@pytest.mark.repro_watch(expect="*workspace*")
+def test_expected_missing():
+    g = FakeGraph()
+    kept = torch.ones(3)
+    with capture(g):
+        kept.sum()
+    g.replay()
+"""
+
+
+def test_marker_off_and_expect(tmp_path):
+    proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_marked.py": MARKED},
+                      "-q", "--repro-watch", "-k", "off or expected or skips")
+    out = out_of(proc)
+    assert "2 failed, 2 passed" in proc.stdout, out
+    assert "FAILED test_marked.py::test_expected_missing" in proc.stdout
+    assert "FAILED test_marked.py::test_skips_after_a_stale_replay" in proc.stdout
+    assert "expected a finding matching '*workspace*'" in out
+    assert "[allowed by the repro_watch marker]" in out
+
+
+# -- processes tests start, xdist, forked, timeout, shard -----------------------------------------
+
+SUBPROCESS = f"""
+import subprocess, sys
+
+def test_runs_a_program():
+    assert subprocess.call([sys.executable, {str(PROGRAMS / 'stale_local.py')!r}]) == 0
+
+
+def test_runs_a_program_through_a_shell():
+    assert subprocess.call(f"{{sys.executable}} {str(PROGRAMS / 'stale_local.py')!r} | cat", shell=True) == 0
+"""
+
+
+def test_a_subprocess_finding_is_the_starting_tests(tmp_path):
+    for _ in range(2):           # the same records directory twice: each session its own findings
+        proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_sub.py": SUBPROCESS}, "-q", "--repro-watch")
+        out = out_of(proc)
+        assert "2 failed" in proc.stdout, out
+        for test in ("test_runs_a_program", "test_runs_a_program_through_a_shell"):
+            assert f"FAILED test_sub.py::{test}" in proc.stdout
+            assert f"captured in: test_sub.py::{test} (call)" in out
+            assert f"replayed in: test_sub.py::{test} (call)" in out
+        assert "<local weight of capture_routine" in out
+        assert "repro watch: 2 finding(s)" in out and "in no test report" not in out
+    assert len(list((tmp_path / "records").glob("*.jsonl"))) == 6
+
+
+def test_xdist_workers_findings_merge_in_the_controller(tmp_path):
+    pytest.importorskip("xdist")
+    files = {"conftest.py": CONFTEST, "test_stale.py": STALE, "test_sub.py": SUBPROCESS}
+    proc = run_pytest(tmp_path, files, "-q", "-n", "2", "--repro-watch", "--junitxml", "junit.xml")
+    out = out_of(proc)
+    assert proc.returncode == 1, out
+    assert "3 failed, 1 passed" in proc.stdout, out
+    summary = out[out.index("repro watch: 3 finding(s)"):]
+    for test in ("test_stale.py::test_replays_stale", "test_sub.py::test_runs_a_program",
+                 "test_sub.py::test_runs_a_program_through_a_shell"):
+        assert f"\n{test}\n" in summary
+    props = [p.get("value") for p in ET.parse(tmp_path / "junit.xml").iter("property")
+             if p.get("name") == "repro_watch_finding"]
+    assert len(props) == 3
+
+
+def test_forked_children_report_their_own_findings_once(tmp_path):
+    pytest.importorskip("pytest_forked")
+    files = {"conftest.py": CONFTEST, "test_stale.py": STALE}
+    proc = run_pytest(tmp_path, files, "-q", "--forked", "--repro-watch")
+    out = out_of(proc)
+    assert "1 failed, 1 passed" in proc.stdout, out
+    assert "replayed in: test_stale.py::test_replays_stale (call)" in out
+    assert "repro watch: 1 finding(s)" in out and "2 CUDA graph(s) captured and checked" in out
+
+
+HANG = """
+import time
+import torch
+from fake_graph import FakeGraph, capture
+
+
+class HangingGraph(FakeGraph):
+    def replay(self):
+        time.sleep(120)                    # a replay that never returns
+
+
+def test_hangs_in_replay():
+    from repro import watch_hooks
+    watch_hooks.active().patch(HangingGraph)
+    g = HangingGraph()
+    weight = torch.randn(4, 4)
+    with capture(g):
+        weight.sum()
+    del weight
+    g.replay()
+"""
+
+
+def test_a_hung_replay_killed_by_pytest_timeout_still_leaves_its_finding(tmp_path):
+    pytest.importorskip("pytest_timeout")
+    pytest.importorskip("xdist")
+    files = {"conftest.py": CONFTEST, "test_hang.py": HANG}
+    proc = run_pytest(tmp_path, files, "-q", "-n", "1", "--timeout", "5", "--timeout-method", "thread",
+                      "--repro-watch")
+    out = out_of(proc)
+    assert proc.returncode != 0, out
+    summary = out[out.index("repro watch: 1 finding(s)"):]
+    assert "in no test report" in summary
+    assert "replayed in test_hang.py::test_hangs_in_replay (call)" in summary
+
+
+def test_shards_each_report_their_own_tests(tmp_path):
+    pytest.importorskip("pytest_shard")
+    files = {"conftest.py": CONFTEST, "test_stale.py": STALE}
+    outs = [run_pytest(tmp_path, files, "-q", "--shard-id", str(i), "--num-shards", "2", "--repro-watch")
+            for i in range(2)]
+    failed = [o for o in outs if "FAILED test_stale.py::test_replays_stale" in o.stdout]
+    assert len(failed) == 1, [out_of(o) for o in outs]
+    assert "repro watch: 1 finding(s)" in out_of(failed[0])
+
+
+# -- examples/engine_ci ---------------------------------------------------------------------------
+
+EXAMPLES = REPO / "examples" / "engine_ci"
+
+REBUILD = f"""
+import sys
+import torch
+sys.path.insert(0, {str(EXAMPLES)!r})
+from fake_graph import FakeGraph, capture
+from engine_layer import Layer, new_weights
+
+
+def capture_layer(layer, x):
+    graph = FakeGraph()
+    with capture(graph):
+        out = layer(x)
+    return graph, out
+
+
+def test_reload_rebuilds_the_kernel_under_a_graph():
+    layer = Layer(16, torch.device("cpu"), reuse_kernel=False)
+    x = torch.randn(2, 16)
+    graph, out = capture_layer(layer, x)
+    graph.replay()
+    layer.reload(new_weights(layer, seed=1))
+    graph.replay()
+
+
+def test_reused_kernel_is_clean():
+    layer = Layer(16, torch.device("cpu"), reuse_kernel=True)
+    x = torch.randn(2, 16)
+    graph, out = capture_layer(layer, x)
+    graph.replay()
+    layer.reload(new_weights(layer, seed=1))
+    graph.replay()
+"""
+
+
+def test_example_layer_rebuilt_on_reload_is_named_by_path(tmp_path):
+    """The example suite's graph test, driven on CPU through the stand-in graph class."""
+    proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_rebuild.py": REBUILD}, "-q", "--repro-watch")
+    out = out_of(proc)
+    assert "1 failed, 1 passed" in proc.stdout, out
+    assert "FAILED test_rebuild.py::test_reload_rebuilds_the_kernel_under_a_graph" in proc.stdout
+    assert "layer.kernel.workspace freed" in out and "layer.kernel.scale freed" in out
+    assert "dropped at:  engine_layer.py:" in out and "in process_weights_after_loading" in out
+
+
+def test_example_suite_on_cpu_skips_graph_tests_and_says_why(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the graph tests run: tests/test_pytest_plugin_gpu.py")
+    proc = run_pytest(tmp_path, {}, "-q", "-rs", "--repro-watch", "--junitxml", str(tmp_path / "j.xml"),
+                      str(EXAMPLES))
+    out = out_of(proc)
+    assert proc.returncode == 0, out
+    assert "2 passed, 2 skipped" in proc.stdout
+    assert out.count("needs CUDA: CUDA graphs exist only on a GPU") == 2
+    props = [p.get("value") for p in ET.parse(tmp_path / "j.xml").iter("property") if p.get("name") == "repro_reload"]
+    assert props == ["layer: 3 tensor slots, 0 changed"]         # the repro_stable fixture's census
+    assert "repro watch: no findings" in out and "no CUDA graph was captured: nothing was checked" in out
