@@ -141,7 +141,7 @@ def run_planned(planned: list[Planned], out_root: Path, on_start: Callable[[str,
             env = pool.submit(environment)
             lanes = gpus.gpu_lanes(gpus.gpu_count(), dict(os.environ)) if jobs > 1 else []
             result = run_all(planned, run_dir, Hooks(on_start, on_tick, on_done), wrapper, jobs, lanes, server,
-                             interrupts)
+                             interrupts=interrupts)
             checkpoint("collected")
             result.report.environment = with_runtime(env.result(), result.report.trials)
     finally:

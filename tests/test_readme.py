@@ -138,7 +138,8 @@ def test_test_extra_holds_every_module_the_suite_imports_or_skips():
     import tomllib
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     names = {re.split(r"[<>=\[ ]", req)[0].lower() for req in extra}
-    distribution = {"yaml": "pyyaml"}
+    distribution = {"yaml": "pyyaml", "xdist": "pytest-xdist", "pytest_forked": "pytest-forked",
+                    "pytest_timeout": "pytest-timeout", "pytest_shard": "pytest-shard"}
     gpu_only = {"torch", "cuda.bindings.nvrtc"}          # torch is a dependency; nvrtc: GPU tests only
     for path in (REPO / "tests").glob("test_*.py"):
         for module in re.findall(r'importorskip\("([^"]+)"\)', path.read_text()):
