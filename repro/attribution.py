@@ -92,9 +92,7 @@ class RecordFile:
                 record = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 continue
-            if record.get("kind") == "process":
-                self.pid = record.get("pid")
-                self.owner = (record.get("env") or {}).get(OWNER_KEY)
+            self.note_process(record)
             out.append((self.lines, record))
         return out
 
@@ -112,9 +110,13 @@ class RecordFile:
                 record = json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 return
-            if record.get("kind") == "process":
-                self.pid = record.get("pid")
-                self.owner = (record.get("env") or {}).get(OWNER_KEY)
+            self.note_process(record)
+
+    def note_process(self, record: dict) -> None:
+        """The process record names the file's pid and the test process that owns it."""
+        if record.get("kind") == "process":
+            self.pid = record.get("pid")
+            self.owner = (record.get("env") or {}).get(OWNER_KEY)
 
 
 def graph_key(label: str) -> str:

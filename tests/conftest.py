@@ -43,3 +43,26 @@ def cuda_only():
     with torch.no_grad():
         yield
     torch.cuda.synchronize()
+
+
+# A three-trial CPU matrix (two pass, one cannot meet its expectation): what the shard, merge
+# and Ray tests split, place and join.
+TINY_MATRIX = """\
+[matrix]
+description = "tiny sharding check"
+device = "cpu"
+deadline_s = 60
+[[trial]]
+scenario = "selftest"
+tp = 2
+steps = 2
+[[trial]]
+scenario = "selftest"
+tp = 1
+steps = 2
+[[trial]]
+scenario = "selftest"
+tp = 2
+steps = 3
+expect = "CRASH"          # a clean self-test cannot meet this: the run must fail
+"""

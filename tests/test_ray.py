@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, alive
+from conftest import REPO, TINY_MATRIX, alive
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
@@ -27,24 +27,6 @@ OBJECT_STORE = "100000000"
 HEALTH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000",
           "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "500"}
 
-TINY = """\
-[matrix]
-device = "cpu"
-deadline_s = 60
-[[trial]]
-scenario = "selftest"
-tp = 2
-steps = 2
-[[trial]]
-scenario = "selftest"
-tp = 1
-steps = 2
-[[trial]]
-scenario = "selftest"
-tp = 2
-steps = 3
-expect = "CRASH"          # a clean self-test cannot meet this
-"""
 
 # One trial that runs for minutes (a gloo all-gather per step) unless stopped, and a short one.
 LONG = """\
@@ -127,7 +109,7 @@ def outcomes(doc):
 
 
 def test_matrix_on_ray_gives_each_trial_the_local_outcome(cluster, tmp_path):
-    (tmp_path / "m.toml").write_text(TINY)
+    (tmp_path / "m.toml").write_text(TINY_MATRIX)
     local = repro("matrix", "--config", "m.toml", "--json", "local.json", "--artifacts", "runs", cwd=tmp_path)
     remote = repro("matrix", "--config", "m.toml", "--ray", cluster, "--json", "ray.json", "--junit", "ray.xml",
                    "--artifacts", "runs", cwd=tmp_path)

@@ -14,29 +14,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from conftest import REPO
+from conftest import REPO, TINY_MATRIX
 from repro.config import ConfigError
 from repro.shard import Shard, assign, parse_shard, split_by_durations, split_by_id
 
-MATRIX = """\
-[matrix]
-description = "tiny sharding check"
-device = "cpu"
-deadline_s = 60
-[[trial]]
-scenario = "selftest"
-tp = 2
-steps = 2
-[[trial]]
-scenario = "selftest"
-tp = 1
-steps = 2
-[[trial]]
-scenario = "selftest"
-tp = 2
-steps = 3
-expect = "CRASH"          # a clean self-test cannot meet this: the run must fail
-"""
 
 ids_strategy = st.lists(st.text("abcdefgh0123456789-", min_size=1, max_size=12), min_size=0, max_size=40, unique=True)
 
@@ -129,7 +110,7 @@ def normalized(doc: dict) -> dict:
 
 
 def test_shards_merged_equal_one_run(tmp_path):
-    (tmp_path / "m.toml").write_text(MATRIX)
+    (tmp_path / "m.toml").write_text(TINY_MATRIX)
     full = repro("matrix", "--config", "m.toml", "--json", "full.json", "--artifacts", "runs", cwd=tmp_path)
     assert full.returncode == 1, full.stderr                # the CRASH expectation is not met
     codes = []
@@ -156,7 +137,7 @@ def test_shards_merged_equal_one_run(tmp_path):
 
 
 def shard_reports(tmp_path, count=2):
-    (tmp_path / "m.toml").write_text(MATRIX)
+    (tmp_path / "m.toml").write_text(TINY_MATRIX)
     for k in range(1, count + 1):
         repro("matrix", "--config", "m.toml", "--shard", f"{k}/{count}", "--json", f"s{k}.json",
               "--artifacts", "runs", cwd=tmp_path)
