@@ -557,6 +557,7 @@ def run_trial(cfg: TrialConfig, device: str, out_root: Path, trial_id: str,
 
     waited = wait_group(ranks, cfg.run.deadline_s, spawned_at, tick, stop, str(out_dir), cfg.run.stall_s)
     checkpoint("ended")
+    tick()   # the polls can miss the last steps of a quick trial; the final count is always said
     recs = read_records(out_dir, world)
     exits = [rank_exit(r, rr, str(out_dir), waited.stacks.get(r.rank, "")) for r, rr in zip(ranks, recs)]
     trial = build_record(trial_id, cfg, device, recs, exits, waited, str(out_dir), fault)
