@@ -36,7 +36,8 @@ API (all CUDA work is lazy: importing this module needs neither CUDA nor a drive
 
   CensusBook: the censuses of one process (one per graph label), the allocator trace and the
       segment map they share; ``dead_blocks()`` gives the after-free knob its targets,
-      ``check()`` / ``check_graphs()`` check several graphs against one snapshot, ``resolve()``
+      ``check()`` / ``check_graphs()`` check several graphs against one snapshot and one pass
+      over its trace (repro/trace_index.py: each graph from its own capture on), ``resolve()``
       matches every pending word now; ``merge_findings()`` joins census and guard findings into
       one list (mechanism "guard" | "census" | "both"), naming census findings after the guard's
       storage where the guard knows it and saying where the two disagree.
@@ -72,21 +73,21 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from repro.outcome import Finding
+from repro.trace_index import (ALLOC_ACTIONS, FREE_ACTIONS, RELEASE_ACTIONS, entries_at_points,
+                               entries_over_blocks, first_from, since)
 
 # Allocator trace kept while censuses are live. Without stacks an entry is small, but every
 # snapshot copies the whole ring, so it is bounded to keep a check within milliseconds.
 TRACE_ENTRIES = 8192
 WORD = 8                                   # device addresses are 64-bit, naturally aligned
 FREED, RELEASED, REUSED = "freed", "released", "reused"
-FREE_ACTIONS = ("free_requested", "free_completed")
-RELEASE_ACTIONS = ("segment_free", "segment_unmap")
-ALLOC_ACTIONS = ("alloc",)
 INACTIVE_STATES = ("inactive", "active_pending_free", "active_awaiting_free")
 DEFAULT_POOL = (0, 0)
 # User-space virtual addresses on x86-64/aarch64 Linux: a word outside this range is no pointer.
 MIN_ADDR, MAX_ADDR = 1 << 32, 1 << 48
 MAX_PARAMS = 4096                          # a launch's parameter buffer is at most 32 KiB
 MAX_EXTRA_PAIRS = 16
+SEEN_LIMIT = 1 << 20                       # addresses PoolMap remembers between refreshes
 
 
 # -- records ----------------------------------------------------------------------------------
@@ -164,13 +165,24 @@ class GraphCensus:
     # lives its pool keeps them; one returned to the driver is a finding.
     own_segments: dict[int, Reference] = field(default_factory=dict)
     events_at: int | None = None           # allocator_events() at census time
+    _grouped: tuple[int, dict[int, list[Reference]]] | None = field(default=None, repr=False, compare=False)
 
     def blocks(self) -> list[Block]:
         """Distinct captured blocks (outside the own pool), by start address."""
-        return sorted({r.block.start: r.block for r in self.references}.values(), key=lambda b: b.start)
+        return [refs[0].block for _, refs in sorted(self.refs_by_block().items())]
 
     def refs_of(self, block: Block) -> list[Reference]:
-        return [r for r in self.references if r.block.start == block.start]
+        return self.refs_by_block().get(block.start, [])
+
+    def refs_by_block(self) -> dict[int, list[Reference]]:
+        """block start -> its references, grouped once per set of references (a check asks
+        for the references of each block it found dead)."""
+        if self._grouped is None or self._grouped[0] != len(self.references):
+            grouped: dict[int, list[Reference]] = {}
+            for r in self.references:
+                grouped.setdefault(r.block.start, []).append(r)
+            self._grouped = (len(self.references), grouped)
+        return self._grouped[1]
 
     def summary(self) -> dict[str, Any]:
         """Counts for the trial record (no addresses of every word)."""
@@ -260,40 +272,61 @@ def entry_key(entry: dict[str, Any]) -> tuple:
             entry.get("time_us"))
 
 
+@dataclass
+class Trace:
+    """One snapshot's allocator trace, and where each census's part of it starts."""
+    entries: list[dict[str, Any]]
+    capacity: int | None = None            # the ring's max_entries (None: unknown or unbounded)
+    _times: list[int] | None = None
+
+    def start(self, marker: dict[str, Any] | None) -> int | None:
+        """Position of the first entry recorded after the marker; None when the ring has
+        wrapped past it (or there is no marker). A trace shorter than its capacity never
+        dropped an entry, so an empty marker (no entry at census time) means "from 0"."""
+        if marker is None:
+            return None
+        if "time_us" in marker:
+            return self.start_after(marker["time_us"])
+        last = marker.get("last")
+        trace = self.entries
+        if last is None:
+            return None if self.capacity is not None and len(trace) >= self.capacity else 0
+        # Search backwards: the marker is usually near the end.
+        n = len(last)
+        for i in range(len(trace) - 1, n - 2, -1):
+            if entry_key(trace[i]) == last[-1] and [entry_key(e) for e in trace[i - n + 1:i + 1]] == last:
+                return i + 1
+        return None
+
+    def start_after(self, time_us: int) -> int | None:
+        """Position of the first entry stamped after time_us; None when the ring (full) no
+        longer reaches back to it, or the entries carry no stamps (an old torch)."""
+        trace = self.entries
+        if not trace:
+            return 0
+        if "time_us" not in trace[0]:
+            return None
+        if self.capacity is not None and len(trace) >= self.capacity and trace[0]["time_us"] > time_us:
+            return None
+        if self._times is None:            # once per snapshot, however many censuses ask
+            self._times = [e["time_us"] for e in trace]
+        return bisect.bisect_right(self._times, time_us)
+
+    def since(self, marker: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+        start = self.start(marker)
+        return None if start is None else self.entries[start:]
+
+
 def events_since(trace: list[dict[str, Any]], marker: dict[str, Any] | None,
                  capacity: int | None = None) -> list[dict[str, Any]] | None:
-    """Trace entries recorded after the marker; None when the ring has wrapped past it.
-
-    capacity: the ring's max_entries. A trace shorter than that never dropped an entry, so an
-    empty marker (no entry at census time) means "everything is new".
-    """
-    if marker is None:
-        return None
-    if "time_us" in marker:
-        return events_after(trace, marker["time_us"], capacity)
-    last = marker.get("last")
-    if last is None:
-        if capacity is not None and len(trace) >= capacity:
-            return None
-        return list(trace)
-    # Search backwards: the marker is usually near the end.
-    n = len(last)
-    for i in range(len(trace) - 1, n - 2, -1):
-        if entry_key(trace[i]) == last[-1] and [entry_key(e) for e in trace[i - n + 1:i + 1]] == last:
-            return trace[i + 1:]
-    return None
+    """Trace entries recorded after the marker; None when the ring has wrapped past it."""
+    return Trace(trace, capacity).since(marker)
 
 
 def events_after(trace: list[dict[str, Any]], time_us: int, capacity: int | None) -> list[dict[str, Any]] | None:
     """Entries stamped after time_us; None when the ring (full) no longer reaches back to it."""
-    if not trace:
-        return []
-    if "time_us" not in trace[0]:
-        return None                    # an old torch: no stamps to place the census by
-    if capacity is not None and len(trace) >= capacity and trace[0]["time_us"] > time_us:
-        return None
-    i = bisect.bisect_right([e["time_us"] for e in trace], time_us)
-    return trace[i:]
+    start = Trace(trace, capacity).start_after(time_us)
+    return None if start is None else trace[start:]
 
 
 def overlaps(entry: dict[str, Any], block: Block) -> bool:
@@ -354,6 +387,19 @@ def aligned_words(buf: bytes, base: int) -> list[tuple[int, int]]:
     return list(zip(range(base + first, base + first + n * WORD, WORD), values))
 
 
+def plausible_words(buf: bytes, base: int) -> tuple[int, list[tuple[int, int]]]:
+    """(how many aligned words buf holds, (offset, value) of those that may be device
+    addresses): the filter runs over every word of every kernel of every graph, so it is one
+    comprehension over a memoryview, and only the survivors become tuples."""
+    first = -base % WORD
+    n = (len(buf) - first) // WORD
+    if n <= 0:
+        return 0, []
+    values = memoryview(buf)[first:first + n * WORD].cast("Q")     # little-endian hosts only
+    at = base + first
+    return n, [(at + WORD * i, v) for i, v in enumerate(values) if MIN_ADDR <= v < MAX_ADDR]
+
+
 def plausible_address(value: int) -> bool:
     return MIN_ADDR <= value < MAX_ADDR
 
@@ -390,6 +436,11 @@ class Matcher:
         census.references.append(Reference(node=node, kind=kind, kernel=kernel, where=where,
                                            offset=offset, addr=value, block=block))
 
+    def add_words(self, census: GraphCensus, node: int, kind: str, kernel: str,
+                  words: list[tuple[int, int]], where_of: Any) -> None:
+        for offset, value in words:
+            self.add(census, node, kind, kernel, where_of(offset), offset, value)
+
 
 class PoolMap:
     """Address -> graph pool of its segment, from the allocator's segments: a segment belongs
@@ -402,6 +453,7 @@ class PoolMap:
         self.segments: list[tuple[int, int, tuple[int, int]]] = []   # (start, end, pool)
         self.signature: tuple | None = None
         self.refreshes = 0
+        self.seen: dict[int, Any] = {}     # address -> its segment (or None), until the next refresh
 
     def pool_of(self, addr: int) -> tuple[int, int] | None:
         """The pool of the segment holding addr (DEFAULT_POOL for ordinary memory), or None
@@ -420,10 +472,14 @@ class PoolMap:
         return None if found is None else found[0]
 
     def find(self, addr: int) -> tuple[int, int, tuple[int, int]] | None:
+        found = self.seen.get(addr, self)
+        if found is not self:
+            return found
         i = bisect.bisect_right(self.starts, addr) - 1
-        if i >= 0 and addr < self.segments[i][1]:
-            return self.segments[i]
-        return None
+        found = self.segments[i] if i >= 0 and addr < self.segments[i][1] else None
+        if len(self.seen) < SEEN_LIMIT:
+            self.seen[addr] = found     # graphs of one engine read the same weights, again and again
+        return found
 
     def check(self) -> None:
         """Before a census: read the segments again if the allocator says they changed."""
@@ -443,6 +499,7 @@ class PoolMap:
             for seg in snapshot.get("segments", [])
             if self.device is None or seg.get("device", self.device) == self.device)
         self.starts = [seg[0] for seg in self.segments]
+        self.seen = {}
         self.refreshes += 1
 
 
@@ -495,8 +552,29 @@ class Deferred:
             return
         census.pending.append(Word(node, kind, kernel, where, offset, value, seg[2]))
 
+    def add_words(self, census: GraphCensus, node: int, kind: str, kernel: str,
+                  words: list[tuple[int, int]], where_of: Any) -> None:
+        """add() for a kernel's plausible words, inlined: a full decoder graph holds tens of
+        thousands, most of them in its own pool; where_of(offset) -> "param 3 +8" is made only
+        for the words kept."""
+        find, own, pending = self.pools.find, self.own_pool, census.pending
+        own_words = 0
+        for offset, value in words:
+            seg = find(value)
+            if seg is None:
+                if self.is_device_address is not None and self.is_device_address(value):
+                    census.outside += 1
+            elif own is not None and seg[2] == own:
+                own_words += 1
+                if seg[0] not in census.own_segments:
+                    block = Block(start=seg[0], size=seg[1] - seg[0], state="active_allocated", pool=seg[2], segment=seg[0])
+                    census.own_segments[seg[0]] = Reference(node, kind, kernel, where_of(offset), offset, value, block)
+            else:
+                pending.append(Word(node, kind, kernel, where_of(offset), offset, value, seg[2]))
+        census.own_pool += own_words
 
-def match_pending(census: GraphCensus, now: BlockIndex, events: list[dict[str, Any]] | None,
+
+def match_pending(census: GraphCensus, now: BlockIndex, first: dict[int, dict[str, Any]] | None,
                   pool_names: dict[tuple[int, int], str]) -> None:
     """Turn the census's pending words into references, as the allocator saw them at capture.
 
@@ -505,15 +583,19 @@ def match_pending(census: GraphCensus, now: BlockIndex, events: list[dict[str, A
     (a reference with that fate), a block already free at capture (stale bytes in a struct:
     counted, not a reference), or a segment released since. When the trace no longer reaches
     the census, a free block cannot be told from one that was free at capture: counted, noted.
+    first: address -> the first alloc or free touching it since the census (first_touches);
+    None when the trace no longer reaches the census.
     """
     lost = 0
-    first = first_events(census.pending, events)
+    traced = first is not None
+    first = first or {}
     for w in census.pending:
-        block = captured_block(w, now.find(w.addr), first.get(w.addr), events is not None)
+        current = now.find(w.addr)
+        block = captured_block(w, current, first.get(w.addr), traced)
         if block is None:
-            if events is None and now.find(w.addr) is None:
+            if not traced and current is None:
                 census.outside += 1
-            elif events is None:
+            elif not traced:
                 lost += 1
                 census.free_at_capture += 1
             else:
@@ -533,23 +615,28 @@ def match_pending(census: GraphCensus, now: BlockIndex, events: list[dict[str, A
                             "into free blocks could not be told from stale struct bytes (not checked).")
 
 
+def first_touches(words: list[Word], trace: list[dict[str, Any]], points: dict[int, list[int]],
+                  start: int | None) -> dict[int, dict[str, Any]] | None:
+    """address -> the first alloc or free since position `start` whose allocation holds it,
+    for the words' addresses; points: entries_at_points over (at least) those addresses, so
+    many censuses share one pass over the trace. None when start is (the trace is lost)."""
+    if start is None:
+        return None
+    first = {}
+    for a in {w.addr for w in words}:
+        positions = points.get(a)
+        if positions:
+            p = first_from(positions, start)
+            if p is not None:
+                first[a] = trace[p]
+    return first
+
+
 def first_events(words: list[Word], events: list[dict[str, Any]] | None) -> dict[int, dict[str, Any]]:
-    """address -> the first alloc or free since the census whose allocation holds it; one pass
-    over the trace with the addresses sorted, so a graph of thousands of words costs
-    O(events log words), not O(events x words)."""
+    """address -> the first alloc or free in events whose allocation holds it (one census)."""
     if not events:
         return {}
-    addrs = sorted({w.addr for w in words})
-    first: dict[int, dict[str, Any]] = {}
-    for e in events:
-        addr = e.get("addr")
-        if addr is None or e.get("action") not in FREE_ACTIONS + ALLOC_ACTIONS:
-            continue
-        lo = bisect.bisect_left(addrs, addr)
-        hi = bisect.bisect_left(addrs, addr + e.get("size", 0), lo)
-        for a in addrs[lo:hi]:
-            first.setdefault(a, e)
-    return first
+    return first_touches(words, events, entries_at_points(events, (w.addr for w in words)), 0) or {}
 
 
 def captured_block(w: Word, current: Block | None, first: dict[str, Any] | None, traced: bool) -> Block | None:
@@ -614,17 +701,22 @@ def census_message(label: str, fate: Fate, refs: list[Reference], trace_note: st
     return text + (f" {trace_note}" if trace_note else "")
 
 
-def census_fates(census: GraphCensus, now: BlockIndex, trace: list[dict[str, Any]],
-                 capacity: int | None) -> tuple[list[Fate], str]:
-    """Fates of the census's blocks not reported yet, and a note when the trace was lost."""
-    events = events_since(trace, census.marker, capacity)
-    note = "" if events is not None or census.marker is None else (
+def census_fates(census: GraphCensus, now: BlockIndex, trace: Trace,
+                 overlapping: dict[tuple[int, int], list[int]] | None = None) -> tuple[list[Fate], str]:
+    """Fates of the census's blocks not reported yet, and a note when the trace was lost.
+    overlapping: entries_over_blocks over (at least) this census's blocks, shared by every
+    census of one check; computed here when not given."""
+    start = trace.start(census.marker)
+    note = "" if start is not None or census.marker is None else (
         "The allocator trace no longer reaches the capture: reuse at the same address cannot be "
         "seen, only freed and released blocks.")
+    blocks = [b for b in census.blocks() if b.start not in census.reported]
+    if overlapping is None and start is not None:
+        overlapping = entries_over_blocks(trace.entries, ((b.start, b.end) for b in blocks), start)
     fates = []
-    for block in census.blocks():
-        if block.start in census.reported:
-            continue
+    for block in blocks:
+        events = None if start is None else [
+            trace.entries[p] for p in since((overlapping or {}).get((block.start, block.end), []), start)]
         fate = fate_of(block, now, events)
         if fate is not None:
             fates.append(fate)
@@ -641,10 +733,12 @@ def check_census(census: GraphCensus, when: str, snapshot: dict[str, Any] | None
     if snapshot is None:
         snapshot, device = take_snapshot()
     dev = 0 if device is None else device
-    now, trace = BlockIndex.of(snapshot, device), trace_of(snapshot, dev)
+    now, trace = BlockIndex.of(snapshot, device), Trace(trace_of(snapshot, dev), capacity)
+    start = trace.start(census.marker)
     if census.pending:
-        match_pending(census, now, events_since(trace, census.marker, capacity), {})
-    fates, note = census_fates(census, now, trace, capacity)
+        points = {} if start is None else entries_at_points(trace.entries, (w.addr for w in census.pending), start)
+        match_pending(census, now, first_touches(census.pending, trace.entries, points, start), {})
+    fates, note = census_fates(census, now, trace)
     if note and note not in census.notes:
         census.notes.append(note)
     findings = []
@@ -819,7 +913,7 @@ def load_driver() -> Driver:
 
 # -- reading a graph ----------------------------------------------------------------------------
 
-def function_info(driver: Driver, p: KernelNodeParams) -> tuple[str, list[tuple[int, int]] | DriverError]:
+def function_info(driver: Driver, p: KernelNodeParams) -> tuple[str, ParamLayout | DriverError]:
     """(name, parameter layout or the error reading it) of a node's function, read once per
     function: an engine's graphs launch the same few dozen kernels tens of thousands of times."""
     key = p.func or p.kern
@@ -828,7 +922,7 @@ def function_info(driver: Driver, p: KernelNodeParams) -> tuple[str, list[tuple[
         return cache[key]
     name = driver.name(p)
     try:
-        layout: list[tuple[int, int]] | DriverError = driver.param_layout(p) if p.kernelParams else []
+        layout: ParamLayout | DriverError = param_layout(driver.param_layout(p) if p.kernelParams else ())
     except DriverError as e:
         layout = e
     if key and cache is not None:
@@ -836,23 +930,52 @@ def function_info(driver: Driver, p: KernelNodeParams) -> tuple[str, list[tuple[
     return name, layout
 
 
-def param_words(slots: Any, layout: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], str | None]:
-    """(offset, value) of every aligned word of the parameters, and the first unreadable one.
+class ParamLayout(NamedTuple):
+    """A function's parameters as the driver lays them out, with what reading them needs,
+    derived once per function."""
+    pairs: tuple[tuple[int, int], ...]     # (offset, size) of each parameter
+    starts: tuple[int, ...]                # offset of each parameter
+    rel: tuple[int, ...]                   # offset of each parameter from the first
+    first: int                             # offset of the first parameter
+    end: int                               # end of the last parameter
+
+    def where(self, offset: int) -> str:
+        """'param 3 +8': the parameter holding the word at offset, and the offset in it."""
+        i = bisect.bisect_right(self.starts, offset) - 1
+        return f"param {i} +{offset - self.starts[i]}"
+
+
+def param_layout(pairs: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> ParamLayout:
+    pairs = tuple((int(off), int(size)) for off, size in pairs)
+    starts = tuple(off for off, _ in pairs)
+    first = starts[0] if starts else 0
+    return ParamLayout(pairs, starts, tuple(off - first for off in starts), first,
+                       max((off + size for off, size in pairs), default=0))
+
+
+def param_words(slots: Any, layout: ParamLayout) -> tuple[int, list[tuple[int, int]], str | None]:
+    """(aligned words in the parameters, (offset, value) of those that may be addresses, the
+    first parameter that cannot be read or None).
 
     The driver hands a graph node's parameters back as pointers into one buffer laid out as
     the layout says; where they are (the usual case), one read gets them all."""
-    if not layout:
-        return [], None
-    base, first = slots[0], layout[0][0]
-    end = max(off + size for off, size in layout)
-    if base and all(slots[i] == base + off - first for i, (off, _) in enumerate(layout)):
-        return aligned_words(ctypes.string_at(base, end - first), first), None
-    words = []
-    for i, (off, size) in enumerate(layout):
-        if not slots[i]:
-            return words, f"parameter {i} has no value"
-        words += aligned_words(ctypes.string_at(slots[i], size), off)
-    return words, None
+    n = len(layout.pairs)
+    if not n:
+        return 0, [], None
+    got = slots[:n]
+    base = got[0]
+    # Contiguous when every pointer sits at its offset from the first (map runs in C: this
+    # check is made for every kernel node of every graph).
+    if base and list(map(base.__rsub__, got)) == list(layout.rel):
+        count, words = plausible_words(ctypes.string_at(base, layout.end - layout.first), layout.first)
+        return count, words, None
+    count, words = 0, []
+    for i, (off, size) in enumerate(layout.pairs):
+        if not got[i]:
+            return count, words, f"parameter {i} has no value"
+        k, w = plausible_words(ctypes.string_at(got[i], size), off)
+        count, words = count + k, words + w
+    return count, words, None
 
 
 def read_kernel(driver: Driver, census: GraphCensus, match: Matcher, index: int, node: int) -> None:
@@ -863,35 +986,33 @@ def read_kernel(driver: Driver, census: GraphCensus, match: Matcher, index: int,
         if isinstance(layout, DriverError):
             census.unreadable.append(f"node {index} kernel {short_name(name)}: {layout}")
             return
-        slots = (ctypes.c_void_p * max(len(layout), 1)).from_address(p.kernelParams)
-        words, missing = param_words(slots, layout)
+        slots = (ctypes.c_void_p * max(len(layout.pairs), 1)).from_address(p.kernelParams)
+        count, words, missing = param_words(slots, layout)
         if missing:
             census.unreadable.append(f"node {index} kernel {short_name(name)}: {missing}")
-        census.words += len(words)
-        starts = [off for off, _ in layout]
-        for word_off, value in words:
-            if MIN_ADDR <= value < MAX_ADDR:
-                i = bisect.bisect_right(starts, word_off) - 1
-                match.add(census, index, "kernel", name, f"param {i} +{word_off - starts[i]}", word_off, value)
+        census.words += count
+        match.add_words(census, index, "kernel", name, words, layout.where)
     elif p.extra:
         buf = read_extra(p.extra)
         if buf is None:
             census.unreadable.append(f"node {index} kernel {short_name(name)}: 'extra' holds no "
                                      "CU_LAUNCH_PARAM_BUFFER_POINTER/SIZE pair")
             return
-        words = aligned_words(buf, 0)
-        census.words += len(words)
-        for word_off, value in words:
-            if MIN_ADDR <= value < MAX_ADDR:
-                match.add(census, index, "kernel", name, f"extra +{word_off}", word_off, value)
+        count, words = plausible_words(buf, 0)
+        census.words += count
+        match.add_words(census, index, "kernel", name, words, extra_where)
     else:
         try:
-            layout = driver.param_layout(p)
+            pairs = driver.param_layout(p)
         except DriverError:
-            layout = []
-        if layout:
-            census.unreadable.append(f"node {index} kernel {short_name(name)}: {len(layout)} parameters "
+            pairs = []
+        if pairs:
+            census.unreadable.append(f"node {index} kernel {short_name(name)}: {len(pairs)} parameters "
                                      "but neither kernelParams nor extra")
+
+
+def extra_where(offset: int) -> str:
+    return f"extra +{offset}"
 
 
 def read_extra(extra: int) -> bytes | None:
@@ -1132,15 +1253,22 @@ class CensusBook:
         self.pools.refresh(snapshot)
         return snapshot, device
 
-    def match(self, chosen: list[GraphCensus], snapshot: dict[str, Any], device: int | None) -> None:
-        """Match the pending words of the chosen censuses against one snapshot."""
-        if not any(c.pending for c in chosen):
+    def match(self, chosen: list[GraphCensus], snapshot: dict[str, Any], device: int | None,
+              now: BlockIndex | None = None, trace: Trace | None = None) -> None:
+        """Match the pending words of the chosen censuses against one snapshot, in one pass
+        over its trace for all of them (each from its own capture on)."""
+        waiting = [c for c in chosen if c.pending]
+        if not waiting:
             return
-        now = BlockIndex.of(snapshot, device)
-        trace = trace_of(snapshot, 0 if device is None else device)
-        for census in chosen:
-            if census.pending:
-                match_pending(census, now, events_since(trace, census.marker, self.capacity), self.pool_names)
+        now = now or BlockIndex.of(snapshot, device)
+        trace = trace or Trace(trace_of(snapshot, 0 if device is None else device), self.capacity)
+        starts = {c.label: trace.start(c.marker) for c in waiting}
+        traced = [c for c in waiting if starts[c.label] is not None]
+        points = entries_at_points(trace.entries, (w.addr for c in traced for w in c.pending),
+                                   min((starts[c.label] for c in traced), default=0))
+        for census in waiting:
+            first = first_touches(census.pending, trace.entries, points, starts[census.label])
+            match_pending(census, now, first, self.pool_names)
 
     def summary(self) -> list[dict[str, Any]]:
         return [c.summary() for c in self.censuses.values()]
@@ -1164,9 +1292,14 @@ class CensusBook:
 
     def findings_from(self, chosen: list[GraphCensus], snapshot: dict[str, Any], device: int | None,
                       when: str) -> list[Finding]:
-        self.match(chosen, snapshot, device)
         now = BlockIndex.of(snapshot, device)
-        trace = trace_of(snapshot, 0 if device is None else device)
+        trace = Trace(trace_of(snapshot, 0 if device is None else device), self.capacity)
+        self.match(chosen, snapshot, device, now, trace)
+        # One pass over the trace (from the oldest capture still in it) for every captured
+        # block of every graph checked.
+        starts = [s for s in (trace.start(c.marker) for c in chosen) if s is not None]
+        overlapping = entries_over_blocks(trace.entries, ((b.start, b.end) for c in chosen for b in c.blocks()),
+                                          min(starts, default=len(trace.entries)))
         by_block: dict[int, tuple[Fate, list[tuple[GraphCensus, list[Reference]]], str]] = {}
         present = {seg["address"] for seg in snapshot.get("segments", [])}
         for census in chosen:
@@ -1177,7 +1310,7 @@ class CensusBook:
                     entry = by_block.setdefault(start, (fate, [], "The graph's own pool segment: "
                                                         "its graph still lives."))
                     entry[1].append((census, [ref]))
-            fates, note = census_fates(census, now, trace, self.capacity)
+            fates, note = census_fates(census, now, trace, overlapping)
             if note and note not in census.notes:
                 census.notes.append(note)
             for fate in fates:

@@ -21,7 +21,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-FREE_ACTIONS = ("free_requested", "free_completed")
 TOP_FRAMES = 8
 # torch's own Python files (site-packages/torch/...) and native frames are noise in a stack
 # meant to point at the user's code.

@@ -237,8 +237,12 @@ class CaptureGuard:
         # graph label -> its slots, so a check costs what that graph captured, not what the
         # process captured before it (an engine captures thousands of graphs).
         self._by_graph: dict[str, list[Slot]] = {}
-        # Names of owners' tensors, reused across recordings until the owners change.
+        # Names of owners' tensors, reused across recordings until the owners change, and
+        # the storages a freshly built index did not know (a local, a library workspace):
+        # they do not rebuild it again in later recordings (an engine captures thousands).
         self._index: dict[int, Named] | None = None
+        self._unnamed: set[tuple[int, int]] = set()     # (storage key, data_ptr)
+        self.index_builds = 0
 
     # -- public API -------------------------------------------------------------------------
 
@@ -262,6 +266,7 @@ class CaptureGuard:
         owners.append(Owner(name, hold(obj)))
         self._owners = bind_owners(owners)
         self._index = None
+        self._unnamed.clear()
 
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:
@@ -458,16 +463,22 @@ class CaptureGuard:
         recording (an owner may have gained a tensor since)."""
         if rec.index is None:
             if self._index is None:
-                self._index, rec.index_fresh = build_index(self._owners), True
+                self._index, rec.index_fresh = self._build_index(), True
             rec.index = self._index
         named = rec.index.get(key)
-        if named is None and not rec.index_fresh:
-            self._index = rec.index = build_index(self._owners)
+        if named is None and not rec.index_fresh and (key, storage_ptr) not in self._unnamed:
+            self._index = rec.index = self._build_index()
             rec.index_fresh = True
             named = rec.index.get(key)
         if named is not None and named.storage_ptr != storage_ptr:
             named = None  # a stale key from a storage that died since the index was built
+        if named is None and rec.index_fresh:
+            self._unnamed.add((key, storage_ptr))
         return named
+
+    def _build_index(self) -> dict[int, Named]:
+        self.index_builds += 1
+        return build_index(self._owners)
 
     def _note_births(self, func, args, kwargs, out) -> None:
         input_keys = {s._cdata for s in map(storage_of, op_tensors(args, kwargs)) if s is not None}

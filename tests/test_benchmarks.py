@@ -28,3 +28,18 @@ def test_benchmark_script_imports_and_has_main(script, benchmarks_on_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)            # runs the imports, not main(): __name__ is not __main__
     assert callable(getattr(module, "main", None)), f"{script.name} has no main()"
+
+
+def test_census_host_benchmark_runs_on_the_cpu_at_a_small_size(benchmarks_on_path, tmp_path, capsys):
+    """The one benchmark that needs no GPU runs here for real, small: reading stand-in kernel
+    nodes and checking every graph against one trace."""
+    import json
+    spec = importlib.util.spec_from_file_location("benchmark_census_host", BENCHMARKS / "census_host.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "census.json"
+    assert module.main(["--graphs", "3", "--nodes", "12", "--trace", "200", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["kernel_nodes"] == 36 and doc["pending_words"] == 36     # one weight word per node
+    # 3 pointers + a 512-byte struct + two int32: 68 aligned words a node, all counted
+    assert doc["words"] == 36 * 68 and doc["check_together_s"] >= 0

@@ -500,17 +500,32 @@ def test_function_info_is_read_once_per_function():
     p = C.KernelNodeParams()
     p.func, p.kernelParams = 0x1234, 0x10
     d = Driver()
-    assert C.function_info(d, p) == C.function_info(d, p) == ("k", [(0, 8)])
+    first, again = C.function_info(d, p), C.function_info(d, p)
+    assert first == again and first[0] == "k" and first[1].pairs == ((0, 8),)
     assert Driver.calls == 2
 
 
 def test_param_words_reads_one_contiguous_buffer_or_each_parameter():
+    # Only words that may be addresses are kept (7 is not); every aligned word is counted.
+    layout = C.param_layout([(0, 4), (8, 8)])
     buf = ctypes.create_string_buffer((7).to_bytes(4, "little") + bytes(4) + (LOCAL).to_bytes(8, "little"), 16)
     base = ctypes.addressof(buf)
     contiguous = (ctypes.c_void_p * 2)(base, base + 8)
-    assert C.param_words(contiguous, [(0, 4), (8, 8)]) == ([(0, 7), (8, LOCAL)], None)
-    apart = ctypes.create_string_buffer((LOCAL).to_bytes(8, "little"), 8)
+    assert C.param_words(contiguous, layout) == (2, [(8, LOCAL)], None)
+    apart = ctypes.create_string_buffer((LOCAL + 8).to_bytes(8, "little"), 8)
     scattered = (ctypes.c_void_p * 2)(base, ctypes.addressof(apart))
-    assert C.param_words(scattered, [(0, 4), (8, 8)]) == ([(8, LOCAL)], None)
+    assert C.param_words(scattered, layout) == (1, [(8, LOCAL + 8)], None)   # read where each points
     missing = (ctypes.c_void_p * 2)(base, None)
-    assert C.param_words(missing, [(0, 4), (8, 8)])[1] == "parameter 1 has no value"
+    assert C.param_words(missing, layout)[2] == "parameter 1 has no value"
+
+
+def test_param_layout_names_the_parameter_of_an_offset():
+    layout = C.param_layout([(0, 4), (8, 24), (32, 8)])
+    assert (layout.first, layout.end, layout.rel) == (0, 40, (0, 8, 32))
+    assert [layout.where(o) for o in (0, 16, 32)] == ["param 0 +0", "param 1 +8", "param 2 +0"]
+
+
+def test_plausible_words_keep_only_what_may_be_an_address_and_count_every_word():
+    buf = b"".join(v.to_bytes(8, "little") for v in (5, LOCAL, 1 << 50, 0, LOCAL + 8))
+    assert C.plausible_words(buf, 0) == (5, [(8, LOCAL), (32, LOCAL + 8)])
+    assert C.plausible_words(b"\x00" * 4 + buf, 4) == (5, [(16, LOCAL), (40, LOCAL + 8)])   # buf[4:] is aligned
