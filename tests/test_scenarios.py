@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO
 from repro import config, runner
 from repro.cli import app
-from repro.scenarios import SCENARIOS, load_scenario
+from repro.scenarios import SCENARIOS, load_scenario, record_fields, trial_measures
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
@@ -43,6 +43,22 @@ def test_run_keys_keep_the_places_of_schema_1():
     assert names.index("reload_drafter") + 1 == names.index("num_speculative_tokens")
     assert names.index("num_speculative_tokens") + 1 == names.index("share_gpu")
     assert names[-2:] == ["identity_reload", "expect"]
+
+
+def test_every_trial_carries_every_record_field():
+    """Other scenarios' fields are null, so every trial of a report has the same keys."""
+    names = [f.name for f in record_fields()]
+    assert names == ["acceptance_rate", "mean_accepted_length", "lossless", "tokens_per_s"]
+    assert trial_measures("selftest", []) == dict.fromkeys(names)
+    assert trial_measures("gemma4-mtp", []) == dict.fromkeys(names)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_presets_named_by_the_registry_are_for_that_scenario(name):
+    spec = SCENARIOS[name]
+    for preset in {spec.default_preset, spec.cpu_preset}:
+        cfg = config.validate(config.load_preset(preset, name))
+        assert isinstance(cfg.model, spec.dims) and cfg.run.mode in spec.mode_names
 
 
 def test_run_keys_are_run_config_fields_and_off_by_default():

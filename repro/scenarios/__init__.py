@@ -1,8 +1,8 @@
 """Scenario registry: every scenario's ScenarioSpec, by name, read by every generic layer.
 
 config (run keys, presets, validation, expectations), footprint, the runner (preset choice,
-trial ids), the CLI (one command per scenario), the report (run keys) and the workers (which
-module to import) all ask the specs below.
+trial ids), the CLI (one command per scenario), the records (extra trial fields), the report
+(lines, columns, charts) and the workers (which module to import) all ask the specs below.
 
 A scenario is a spec (repro/scenarios/spec.py says what it holds) in a torch-free module and
 `run(ctx: repro.worker.WorkerContext) -> None` in the module the spec names, plus one entry in
@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Any
 
 from repro.scenarios import gemma4_mtp_spec, nvfp4_moe_spec, selftest_spec
-from repro.scenarios.spec import ModeSpec, RunKeySpec, ScenarioSpec  # noqa: F401
+from repro.scenarios.spec import (ModeSpec, RecordField, RunKeySpec, ScenarioSpec,  # noqa: F401
+                                  StepColumn)
 
 BUILTIN = (gemma4_mtp_spec.SPEC, nvfp4_moe_spec.SPEC, selftest_spec.SPEC)
 SCENARIOS: dict[str, ScenarioSpec] = {s.name: s for s in BUILTIN}
@@ -29,3 +31,22 @@ SCENARIO_RUN_KEYS = frozenset(k for s in SCENARIOS.values() for k in s.run_key_n
 def load_scenario(name: str) -> ModuleType:
     return importlib.import_module(SCENARIOS[name].module)
 
+
+def record_fields() -> list[RecordField]:
+    """Every scenario's extra trial fields, in registry order: every trial carries them all."""
+    return [f for s in SCENARIOS.values() for f in s.record_fields]
+
+
+def trial_measures(scenario: str, steps: list[Any]) -> dict[str, Any]:
+    """The trial's values of every record field: its scenario's measures from its steps, None
+    for what it did not measure and for other scenarios' fields."""
+    measures: dict[str, Any] = {f.name: None for f in record_fields()}
+    spec = SCENARIOS.get(scenario)
+    if spec is not None and steps:
+        measures.update(spec.measure(steps))
+    return measures
+
+
+def step_columns() -> list[StepColumn]:
+    """Every scenario's steps-table columns; a trial shows those its steps recorded."""
+    return [c for s in SCENARIOS.values() for c in s.step_columns]

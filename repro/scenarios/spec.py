@@ -1,9 +1,9 @@
 """What a scenario declares about itself: ScenarioSpec and the small types it is made of.
 
 A scenario's spec module (repro/scenarios/NAME_spec.py) builds one ScenarioSpec; the registry
-(repro/scenarios/__init__.py) collects them and every generic layer asks the spec: config (run
-keys, validation, the default expectation), footprint (memory per rank), the runner (presets,
-trial ids) and the CLI (one command each).
+(repro/scenarios/__init__.py) collects them and every generic layer asks the spec: config (run keys, validation, the default
+expectation), footprint (memory per rank), the runner (presets, trial ids), the CLI (one command
+each), the records (extra trial fields) and the report (lines, columns, charts).
 
 Torch-free, like every spec module: the parent imports them. Only `ScenarioSpec.module`, the
 code the ranks run, imports torch, and only inside the ranks (load_scenario).
@@ -43,6 +43,27 @@ class RunKeySpec:
     after: str = "share_gpu"
 
 
+@dataclass(frozen=True)
+class RecordField:
+    """A trial-level number a scenario computes from its step records (ScenarioSpec.measure).
+
+    It is a key of every trial in a report: null where the trial's scenario does not measure it,
+    so every trial of one schema has the same keys."""
+    name: str                         # the JSON key, e.g. acceptance_rate
+    help: str
+    column: str = ""                  # header of its column in the run summary; "" for none
+    fmt: str = ""                     # format spec of that column, e.g. ".0%"
+
+
+@dataclass(frozen=True)
+class StepColumn:
+    """A steps-table column for a number the scenario records in StepRecord.extra. Shown after
+    the error columns, and only for trials that recorded it."""
+    key: str                          # the column key and the StepRecord.extra key
+    header: str
+    drop: int = 0                     # narrow consoles leave out the highest first; 0: always kept
+
+
 def no_rules(model: Any, run: Any, check: Check) -> None:
     """A scenario without dims rules of its own."""
 
@@ -55,6 +76,14 @@ def usual_expectation(run: Any) -> str:
 def no_footprint(model: Any, tp: int) -> int:
     """0: negligible memory, nothing to check before the trial starts."""
     return 0
+
+
+def no_measures(steps: list[Any]) -> dict[str, Any]:
+    return {}
+
+
+def no_lines(trial: Any) -> list[str]:
+    return []
 
 
 @dataclass(frozen=True)
@@ -78,6 +107,15 @@ class ScenarioSpec:
     expectation: Callable[[Any], str] = usual_expectation
     # footprint(model, tp): a lower bound of one rank's memory in bytes (repro/footprint.py).
     footprint: Callable[[Any, int], int] = no_footprint
+    record_fields: tuple[RecordField, ...] = ()
+    # measure(steps): the record fields' values from the trial's step records; {} when unmeasured.
+    measure: Callable[[list[Any]], dict[str, Any]] = no_measures
+    step_columns: tuple[StepColumn, ...] = ()
+    # report_lines(trial): sentences under the verdict, on what the trial's numbers mean.
+    report_lines: Callable[[Any], list[str]] = no_lines
+    # chart(steps): the HTML report's chart (repro.report.charts.ChartData), or why there is none
+    # (a str); None: the scenario has no chart.
+    chart: Callable[[list[Any]], Any] | None = None
 
     @property
     def mode_names(self) -> tuple[str, ...]:
