@@ -91,6 +91,11 @@ class TrialConfig:
                            model=spec.dims(**d["model"]), run=RunConfig(**d["run"]))
 
 
+def bare_config(spec: ScenarioSpec) -> TrialConfig:
+    """A scenario that names no preset: its dims' defaults, its first mode, the common [run] defaults."""
+    return TrialConfig(scenario=spec.name, preset="", model=spec.dims(), run=RunConfig(mode=spec.mode_names[0]))
+
+
 def resolve_preset_path(name_or_path: str) -> Path:
     """A preset name ('gemma4-e2b') or a path to a TOML file."""
     p = Path(name_or_path)

@@ -5,8 +5,10 @@ trial ids), the CLI (one command per scenario), the records (extra trial fields)
 (lines, columns, charts) and the workers (which module to import) all ask the specs below.
 
 A scenario is a spec (repro/scenarios/spec.py says what it holds) in a torch-free module and
-`run(ctx: repro.worker.WorkerContext) -> None` in the module the spec names, plus one entry in
-BUILTIN.
+`run(ctx: repro.worker.WorkerContext) -> None` in the module the spec names. The built-in ones
+are listed here; any installed package adds its own through the `repro.scenarios` entry-point
+group (`name = "package.module:SPEC"`), read in every process, ranks included, so a plugin
+scenario is known wherever the registry is.
 
 This module stays torch-free: the parent imports it. Scenario modules import torch and touch
 CUDA, so they are imported lazily, inside workers only (load_scenario).
@@ -14,6 +16,7 @@ CUDA, so they are imported lazily, inside workers only (load_scenario).
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from types import ModuleType
 from typing import Any
 
@@ -22,7 +25,26 @@ from repro.scenarios.spec import (ModeSpec, RecordField, RunKeySpec, ScenarioSpe
                                   StepColumn)
 
 BUILTIN = (gemma4_mtp_spec.SPEC, nvfp4_moe_spec.SPEC, selftest_spec.SPEC)
-SCENARIOS: dict[str, ScenarioSpec] = {s.name: s for s in BUILTIN}
+ENTRY_POINT_GROUP = "repro.scenarios"
+
+
+def plugin_specs() -> list[ScenarioSpec]:
+    return [ep.load() for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)]
+
+
+def by_name(specs: list[ScenarioSpec]) -> dict[str, ScenarioSpec]:
+    registry: dict[str, ScenarioSpec] = {}
+    for spec in specs:
+        if not isinstance(spec, ScenarioSpec):
+            raise TypeError(f"entry point group {ENTRY_POINT_GROUP!r} gave {spec!r}, not a ScenarioSpec")
+        if spec.name in registry:
+            raise ValueError(f"scenario {spec.name!r} is registered twice ({registry[spec.name].module}, "
+                             f"{spec.module}); rename one")
+        registry[spec.name] = spec
+    return registry
+
+
+SCENARIOS: dict[str, ScenarioSpec] = by_name([*BUILTIN, *plugin_specs()])
 
 # Every scenario-only [run] key; a trial of another scenario must leave it off.
 SCENARIO_RUN_KEYS = frozenset(k for s in SCENARIOS.values() for k in s.run_key_names)

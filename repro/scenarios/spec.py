@@ -1,7 +1,8 @@
 """What a scenario declares about itself: ScenarioSpec and the small types it is made of.
 
-A scenario's spec module (repro/scenarios/NAME_spec.py) builds one ScenarioSpec; the registry
-(repro/scenarios/__init__.py) collects them and every generic layer asks the spec: config (run keys, validation, the default
+A scenario's spec module (repro/scenarios/NAME_spec.py, or any module an entry point of the
+`repro.scenarios` group names) builds one ScenarioSpec; the registry (repro/scenarios/__init__.py)
+collects them and every generic layer asks the spec: config (run keys, validation, the default
 expectation), footprint (memory per rank), the runner (presets, trial ids), the CLI (one command
 each), the records (extra trial fields) and the report (lines, columns, charts).
 
@@ -92,9 +93,9 @@ class ScenarioSpec:
     module: str                       # the ranks' code, `run(ctx)`; imported in the ranks only
     modes: tuple[ModeSpec, ...]       # the first is the default
     default_after_free: str
-    dims: type                        # the [model] table, a dataclass
-    default_preset: str               # real dims, used on CUDA
-    cpu_preset: str                   # tiny dims, used when no GPU is present and none was named
+    dims: type                        # the [model] table: a dataclass whose defaults are valid dims
+    default_preset: str = ""          # real dims, used on CUDA; "": none, the dims' defaults
+    cpu_preset: str = ""              # tiny dims, used when no GPU is present and none was named
     run_keys: tuple[RunKeySpec, ...] = ()
     tensor_parallel: bool = True      # False: one rank only; the command has no --tp
     help: str = ""                    # the CLI command's help
