@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 # The scenario facts live in the registry; re-exported here for config's readers.
-from repro.scenarios import (SCENARIO_RUN_KEYS, SCENARIOS, Gemma4Dims, MoeDims, ScenarioSpec,  # noqa: F401
-                             SelftestDims)
+from repro.scenarios import SCENARIO_RUN_KEYS, SCENARIOS, ScenarioSpec  # noqa: F401
 
 # The presets ship inside the package (a wheel install has them too); they are plain TOML files
 # on disk, so `repro presets NAME` can show them and users can copy one and pass --config FILE.
@@ -30,10 +29,6 @@ DEVICES = ("auto", "cuda", "cpu")
 # Collective timeouts are set past the deadline (a timedelta, in int milliseconds inside torch);
 # a week is far beyond any trial and far inside what those can hold.
 MAX_DEADLINE_S = 7 * 24 * 3600.0
-# vLLM's Gemma 4 examples draft 1 token per step, which never feeds a draft back into the
-# drafter; 3 feeds it back twice per step, the path where a wrong draft poisons the rest.
-DEFAULT_NUM_SPECULATIVE_TOKENS = 3
-MAX_SPECULATIVE_TOKENS = 16
 
 
 class ConfigError(ValueError):
@@ -41,7 +36,8 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class RunConfig:
+class CommonRun:
+    """The [run] keys of every scenario; RunConfig adds each scenario's own (RunKeySpec)."""
     mode: str = "unfixed"
     tp: int = 1
     steps: int = 8
@@ -52,18 +48,36 @@ class RunConfig:
     deadline_s: float = 180.0         # the whole trial's budget: past it, DEADLINE (or HANG if stuck)
     stall_s: float = 60.0             # no record from any rank this long: HANG (the progress watchdog)
     forensics: bool = False
-    reload_drafter: bool = False      # gemma4-mtp: reload drafter weights after capture
-    num_speculative_tokens: int = 0   # gemma4-mtp: drafts per decode step; 0 -> the scenario's default
     share_gpu: bool = False           # TP ranks share one GPU over gloo (NCCL refuses two ranks on one GPU)
-    identity_reload: bool = False     # nvfp4-reload: reload the same weights every step
     expect: str = ""                  # "" -> unfixed: reproduced, otherwise clean
+
+
+def run_fields(specs: list[ScenarioSpec]) -> list[tuple[str, Any, Any]]:
+    """CommonRun's fields with every scenario's run keys, each after its RunKeySpec.after key
+    (and after the scenario keys already placed there), so a trial's config lists its [run]
+    keys in the order schema repro.report/1 fixed."""
+    common = [f.name for f in dataclasses.fields(CommonRun)]
+    fields: list[tuple[str, Any, Any]] = [(f.name, f.type, dataclasses.field(default=f.default))
+                                          for f in dataclasses.fields(CommonRun)]
+    for key in (k for s in specs for k in s.run_keys):
+        at = [name for name, _, _ in fields].index(key.after) + 1
+        while at < len(fields) and fields[at][0] not in common:
+            at += 1
+        fields.insert(at, (key.name, key.type, dataclasses.field(default=key.type())))
+    return fields
+
+
+# One dataclass for every [run] key, the scenarios' too: presets, --set, matrices and trial
+# records treat them alike, and a trial of another scenario carries them off (validate checks).
+RunConfig = dataclasses.make_dataclass("RunConfig", run_fields(list(SCENARIOS.values())))
+RunConfig.__module__ = __name__     # pickles (Ray) find it here; make_dataclass takes no module= before 3.12
 
 
 @dataclass
 class TrialConfig:
     scenario: str
     preset: str                       # preset name or path it came from
-    model: Any                        # Gemma4Dims | MoeDims
+    model: Any                        # the scenario's dims (ScenarioSpec.dims)
     run: RunConfig
 
     def to_dict(self) -> dict[str, Any]:
@@ -75,6 +89,11 @@ class TrialConfig:
         spec = SCENARIOS[d["scenario"]]
         return TrialConfig(scenario=d["scenario"], preset=d["preset"],
                            model=spec.dims(**d["model"]), run=RunConfig(**d["run"]))
+
+
+def bare_config(spec: ScenarioSpec) -> TrialConfig:
+    """A scenario that names no preset: its dims' defaults, its first mode, the common [run] defaults."""
+    return TrialConfig(scenario=spec.name, preset="", model=spec.dims(), run=RunConfig(mode=spec.mode_names[0]))
 
 
 def resolve_preset_path(name_or_path: str) -> Path:
@@ -272,10 +291,7 @@ def validate(cfg: TrialConfig, sources: dict[str, str] | None = None) -> TrialCo
         check(not getattr(r, key), at(key), f"{key} does not apply to {spec.name} (it belongs to "
               + ", ".join(s.name for s in SCENARIOS.values() if key in s.run_key_names) + ")")
     check(m.dtype in ("bfloat16", "float16", "float32"), w, f"model.dtype = {m.dtype!r} is not bfloat16, float16 or float32")
-    if isinstance(m, Gemma4Dims):
-        validate_gemma4(m, r, w, at)
-    elif isinstance(m, MoeDims):
-        validate_moe(m, r, w)
+    spec.validate(m, r, lambda ok, key, message: check(ok, at(key) if key else w, message))
     if r.expect:
         from repro.outcome import parse_expectation
         try:
@@ -285,47 +301,9 @@ def validate(cfg: TrialConfig, sources: dict[str, str] | None = None) -> TrialCo
     return cfg
 
 
-def validate_gemma4(m: Gemma4Dims, r: RunConfig, w: str, at: Any = None) -> None:
-    at = at or (lambda key: w)
-    for key in ("vocab_size", "hidden_size", "num_centroids", "centroid_top_k"):
-        check(getattr(m, key) >= 1, w, f"model.{key} = {getattr(m, key)} must be >= 1")
-    check(m.vocab_size % m.num_centroids == 0, w,
-          f"model.vocab_size = {m.vocab_size} is not divisible by model.num_centroids = {m.num_centroids}; "
-          "token_ordering views the vocab as [num_centroids, vocab/num_centroids]")
-    check(m.centroid_top_k <= m.num_centroids, w,
-          f"model.centroid_top_k = {m.centroid_top_k} exceeds model.num_centroids = {m.num_centroids}")
-    bs = m.batch_sizes
-    check(bool(bs) and all(b >= 1 for b in bs) and bs == sorted(set(bs)), w,
-          f"model.batch_sizes = {bs} must be positive, strictly increasing integers")
-    check(r.tp <= m.vocab_size, w, f"tp = {r.tp} exceeds model.vocab_size = {m.vocab_size}")
-    check(m.backbone_hidden_size >= m.hidden_size, w,
-          f"model.backbone_hidden_size = {m.backbone_hidden_size} is smaller than model.hidden_size = "
-          f"{m.hidden_size}; the drafter reads its hidden state from the target's backbone state")
-    if r.num_speculative_tokens == 0:
-        r.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
-    check(1 <= r.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS, at("num_speculative_tokens"),
-          f"num_speculative_tokens = {r.num_speculative_tokens} must be between 1 and {MAX_SPECULATIVE_TOKENS}")
-
-
-def validate_moe(m: MoeDims, r: RunConfig, w: str) -> None:
-    for key in ("num_experts", "hidden_size", "intermediate_size", "top_k", "tokens"):
-        check(getattr(m, key) >= 1, w, f"model.{key} = {getattr(m, key)} must be >= 1")
-    for key in ("hidden_size", "intermediate_size"):
-        check(getattr(m, key) % 16 == 0, w,
-              f"model.{key} = {getattr(m, key)} is not a multiple of 16 (the NVFP4 block size along K)")
-    check(m.top_k <= m.num_experts, w, f"model.top_k = {m.top_k} exceeds model.num_experts = {m.num_experts}")
-
-
 def default_expectation(cfg: TrialConfig) -> str:
-    """unfixed reproduces; the fixed modes are clean; the documented exceptions are explicit."""
+    """unfixed reproduces; the fixed modes are clean; a scenario's exceptions are its spec's."""
     r = cfg.run
     if r.expect:
         return r.expect
-    if cfg.scenario == "gemma4-mtp":
-        if r.mode == "unfixed" and r.tp == 1:
-            return "clean"        # TP=1 takes a slice view of a live parameter: safe upstream too
-        if r.mode == "fixed" and r.reload_drafter and r.tp > 1:
-            return "reproduced"   # upstream's fix drops the cache on reload: the bug returns
-    if cfg.scenario == "nvfp4-reload" and r.mode == "kernel-reuse":
-        return "clean" if r.identity_reload else "MISMATCH"
-    return "reproduced" if r.mode == "unfixed" else "clean"
+    return SCENARIOS[cfg.scenario].expectation(r) or ("reproduced" if r.mode == "unfixed" else "clean")

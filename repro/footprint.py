@@ -2,9 +2,9 @@
 
 A size that cannot fit (100000 experts, a vocab of billions) would otherwise run for the
 whole deadline (swapping, or allocating until the OOM killer comes) and end as HANG or
-CRASH. Each bound counts only tensors the scenario holds at the same moment, so it is a
-lower bound: a trial refused here could not have run; one admitted may still need more.
-Plain arithmetic on the config: no torch (the parent must stay torch-free).
+CRASH. Each scenario's bound (ScenarioSpec.footprint) counts only tensors it holds at the same
+moment, so it is a lower bound: a trial refused here could not have run; one admitted may
+still need more. Plain arithmetic on the config: no torch (the parent must stay torch-free).
 """
 from __future__ import annotations
 
@@ -12,44 +12,12 @@ import os
 from pathlib import Path
 
 from repro import gpus
-from repro.config import Gemma4Dims, MoeDims, TrialConfig
-
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
-FP32 = 4
-INT64 = 8
-PAD_TO = 64                     # gemma4_mtp pads the vocab to a multiple of 64 * tp
-NVFP4_BYTES = 0.5 + 1 / 16      # packed E2M1 codes + one E4M3 scale per 16 elements
-
-
-def gemma4_bytes(m: Gemma4Dims, tp: int) -> int:
-    """Per rank. Building the lm_head shard holds the padded full head in the model dtype and
-    the fp32 random rows; a forward holds the full head and, at the largest batch, the
-    gathered candidate rows [B, K*V/C, H] in the model dtype and in fp32."""
-    item = ITEMSIZE[m.dtype]
-    unit = PAD_TO * tp
-    v_pad = (m.vocab_size + unit - 1) // unit * unit
-    build = v_pad * m.hidden_size * item + m.vocab_size * m.hidden_size * FP32
-    candidates = m.centroid_top_k * (m.vocab_size // m.num_centroids)
-    forward = (m.vocab_size * m.hidden_size * item
-               + max(m.batch_sizes) * candidates * m.hidden_size * (item + FP32))
-    return max(build, forward) + m.vocab_size * INT64          # + token_ordering
-
-
-def moe_bytes(m: MoeDims) -> int:
-    """A reload holds the new BF16 checkpoint, the re-materialised BF16 parameters, the live
-    kernel's dequantised workspaces and the NVFP4 experts at once (measured peak on CPU:
-    ~16 bytes per expert weight element; this counts 6.6)."""
-    elements = m.num_experts * 3 * m.intermediate_size * m.hidden_size    # w13 [E, 2I, D] + w2 [E, D, I]
-    return int(elements * (3 * ITEMSIZE[m.dtype] + NVFP4_BYTES))
+from repro.config import SCENARIOS, TrialConfig
 
 
 def needed_bytes(cfg: TrialConfig) -> int:
-    """Lower bound of one rank's memory for this trial; 0 when the scenario's is negligible."""
-    if isinstance(cfg.model, Gemma4Dims):
-        return gemma4_bytes(cfg.model, cfg.run.tp)
-    if isinstance(cfg.model, MoeDims):
-        return moe_bytes(cfg.model)
-    return 0
+    """Lower bound of one rank's memory for this trial (the scenario's formula); 0 when negligible."""
+    return SCENARIOS[cfg.scenario].footprint(cfg.model, cfg.run.tp)
 
 
 def host_available() -> int | None:

@@ -24,9 +24,10 @@ from repro.config import TrialConfig, default_expectation
 from repro.interrupts import checkpoint
 from repro.launch import RankServer, ServerUnavailable, StartCancelled, child_env
 from repro.outcome import (REPRODUCED, FirstFailure, Outcome, RankExit, TrialRecord, finding_from_dict,
-                           manifest_from_dict, parse_expectation, speculative_metrics, step_from_dict, worst)
+                           manifest_from_dict, parse_expectation, step_from_dict, worst)
 from repro.protocol import (STACKS_SIGNAL, Event, RankRecords, StepCounter, TrialSpec, log_path, read_records,
                             records_path, rendezvous_path, spec_path, stacks_path)
+from repro.scenarios import trial_measures
 
 POLL_S = 0.05
 # After the first rank dies, peers get this long to record their own error before the kill.
@@ -516,7 +517,8 @@ def build_record(trial_id: str, cfg: TrialConfig, device: str, recs: list[RankRe
         guard_findings=[finding_from_dict(e) for r in recs for e in r.of(Event.FINDING)],
         manifests=[manifest_from_dict(e) for r in recs for e in r.of(Event.MANIFEST)],
         timings=phase_timings(recs, waited), ranks=exits, notes=notes, artifacts=artifacts, details=details,
-        device=device, injected_fault=fault, runtime=runtime_facts(recs), **speculative_metrics(steps))
+        device=device, injected_fault=fault, runtime=runtime_facts(recs),
+        measures=trial_measures(cfg.scenario, steps))
 
 
 def unsupported_record(trial_id: str, cfg: TrialConfig, reason: str) -> TrialRecord:
@@ -525,7 +527,7 @@ def unsupported_record(trial_id: str, cfg: TrialConfig, reason: str) -> TrialRec
                        outcome=Outcome.UNSUPPORTED, expected=expected, met=Outcome.UNSUPPORTED in expected,
                        graph_replayed=False,
                        first_failure=FirstFailure(Outcome.UNSUPPORTED, None, None, reason),
-                       notes=[f"not run: {reason}"])
+                       notes=[f"not run: {reason}"], measures=trial_measures(cfg.scenario, []))
 
 
 def run_trial(cfg: TrialConfig, device: str, out_root: Path, trial_id: str,

@@ -75,14 +75,14 @@ def parse_expectation(text: str) -> list[Outcome]:
 
 @dataclass
 class StepRecord:
-    """One decode step (gemma4-mtp) or one reload+replay step (nvfp4-reload) on one rank."""
+    """One step of a scenario (a decode step, a reload and replay, ...) on one rank."""
     step: int
     rank: int
     batch: int                      # tokens fed to the captured region
     replayed: bool                  # False on CPU: the eager path stood in for the graph
     numel: int = 0                  # output elements checked for finiteness
     nonfinite: int = 0
-    compared: int = 0               # tokens (gemma) or elements (moe) compared to the oracle
+    compared: int = 0               # tokens or elements compared to the oracle
     mismatches: int = 0
     max_abs_err: float | None = None
     rel_err: float | None = None
@@ -191,17 +191,18 @@ class TrialRecord:
     device: str = ""                                        # "cpu" | "cuda" where the ranks ran; "" not run
     injected_fault: dict[str, Any] | None = None  # test hook {"kind", "rank", "step", "fired"}: never a reproduction
     runtime: dict[str, Any] = field(default_factory=dict)   # torch/CUDA/NCCL facts rank 0 reported
-    # Speculative decoding (gemma4-mtp), over every recorded step of rank 0; None: not measured
-    acceptance_rate: float | None = None        # accepted drafts / proposed drafts
-    mean_accepted_length: float | None = None   # tokens emitted per target pass, bonus included
-    lossless: bool | None = None                # emitted == target-only greedy decoding, every step
-    tokens_per_s: float | None = None           # emitted tokens / decode-loop seconds (propose + verify)
+    # The scenarios' own trial fields (ScenarioSpec.record_fields, e.g. acceptance_rate): keys of
+    # the trial itself in its JSON, here rather than in their own fields so that this module
+    # names no scenario. None: not measured, or another scenario's field.
+    measures: dict[str, Any] = field(default_factory=dict)
     # The cluster node that ran it (`repro matrix --ray`, or the shard's host after `repro merge`);
     # None on a local run, whose JSON then has no such key.
     node: str | None = None
     # Keys carried only where they apply (absent, not null, elsewhere): a local run's JSON is
     # what it always was.
     OPTIONAL: ClassVar[tuple[str, ...]] = ("node",)
+    # Dicts whose keys are written as the record's own, in the field's place.
+    FLAT: ClassVar[tuple[str, ...]] = ("measures",)
 
 
 @dataclass
@@ -228,28 +229,19 @@ class Report:
         return list((self.shard or {}).get("problems") or [])
 
 
-def speculative_metrics(steps: list[StepRecord]) -> dict[str, Any]:
-    """Trial-level acceptance, accepted length, lossless and tokens/s from the step records
-    (rank 0: the ranks verify the same drafts); {} when no step measured them."""
-    mine = [s for s in steps if s.rank == 0 and "proposed" in s.extra]
-    if not mine:
-        return {}
-    proposed = sum(s.extra["proposed"] for s in mine)
-    emitted = sum(s.extra["emitted"] for s in mine)
-    seconds = sum(s.seconds for s in mine)
-    return {"acceptance_rate": sum(s.extra["accepted"] for s in mine) / proposed if proposed else 0.0,
-            "mean_accepted_length": emitted / sum(s.extra["passes"] for s in mine),
-            "lossless": all(s.extra["lossless"] for s in mine),
-            "tokens_per_s": emitted / seconds if seconds > 0 else None}
-
-
 def to_jsonable(obj: Any) -> Any:
     """Dataclasses and enums -> plain JSON types."""
     if isinstance(obj, Enum):
         return obj.value
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                if not (f.name in getattr(obj, "OPTIONAL", ()) and getattr(obj, f.name) is None)}
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if f.name in getattr(obj, "FLAT", ()):
+                out.update(to_jsonable(value))
+            elif not (f.name in getattr(obj, "OPTIONAL", ()) and value is None):
+                out[f.name] = to_jsonable(value)
+        return out
     if isinstance(obj, dict):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -285,6 +277,9 @@ def trial_from_dict(d: dict[str, Any]) -> TrialRecord:
     d["guard_findings"] = [finding_from_dict(f) for f in d.get("guard_findings", [])]
     d["manifests"] = [manifest_from_dict(m) for m in d.get("manifests", [])]
     d["ranks"] = [_build(RankExit, r) for r in d.get("ranks", [])]
+    # The keys that are no field of the record are the scenarios' (TrialRecord.measures).
+    known = {f.name for f in dataclasses.fields(TrialRecord)}
+    d["measures"] = {k: d.pop(k) for k in list(d) if k not in known}
     return _build(TrialRecord, d)
 
 

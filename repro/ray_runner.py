@@ -43,6 +43,7 @@ from repro.outcome import (FirstFailure, Outcome, TrialRecord, parse_expectation
                            trial_from_dict)
 from repro.protocol import Event, StepCounter, read_records, records_path
 from repro.runner import Hooks, Planned, RunResult, environment, run_all, trial_id, with_runtime
+from repro.scenarios import trial_measures
 from repro.watch_ray import append_chunks, read_new
 
 RAY_MISSING = "--ray needs Ray, which is not installed here: pip install 'repro[ray]' (or pip install ray)"
@@ -261,7 +262,8 @@ def failed_record(tid: str, cfg: TrialConfig, device: str, outcome: Outcome, det
     steps = sorted((step_from_dict(e) for r in recs for e in r.of(Event.STEP)), key=lambda s: (s.step, s.rank))
     return TrialRecord(steps=steps, id=tid, scenario=cfg.scenario, mode=cfg.run.mode, config=cfg.to_dict(), outcome=outcome,
                        expected=expected, met=False, graph_replayed=False, device=device,
-                       first_failure=FirstFailure(outcome, None, None, detail), notes=notes, node=node)
+                       first_failure=FirstFailure(outcome, None, None, detail), notes=notes, node=node,
+                       measures=trial_measures(cfg.scenario, []))   # measured on the node, which never reported
 
 
 def relocate(trial: TrialRecord, node_dir: str, local_dir: Path) -> None:

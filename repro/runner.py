@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from repro import doctor, gpus
-from repro.config import SCENARIOS, TrialConfig, apply_overrides, load_preset, validate
+from repro.config import SCENARIOS, TrialConfig, apply_overrides, bare_config, load_preset, validate
 from repro.footprint import fit_reason
 from repro.interrupts import Interrupts, Terminated, checkpoint
 from repro.isolate import POLL_S, Interrupted, run_trial, unsupported_record
@@ -59,15 +59,17 @@ def resolve_device(requested: str, tp: int, gpus: int, share_gpu: bool = False) 
 
 def plan(scenario: str, preset: str | None, run: dict[str, Any], sets: list[str], gpus: int,
          sources: dict[str, str] | None = None) -> Planned:
-    """Load the preset (the CPU preset when no preset was named and the run lands on CPU).
+    """Load the preset (the CPU preset when no preset was named and the run lands on CPU; the
+    scenario's bare defaults when it has no such preset).
     sources: which [run] keys the command line set (config.override_sources), for errors."""
     spec = SCENARIOS[scenario]
     requested = run.get("device") or "auto"
     tp = run.get("tp") or 1
     if preset is None:
         device, _ = resolve_device(requested, tp, gpus, bool(run.get("share_gpu")))
-        preset = spec.cpu_preset if device == "cpu" else spec.default_preset
-    cfg = validate(apply_overrides(load_preset(preset, scenario), run, sets), sources)
+        preset = (spec.cpu_preset if device == "cpu" else spec.default_preset) or None
+    base = load_preset(preset, scenario) if preset is not None else bare_config(spec)
+    cfg = validate(apply_overrides(base, run, sets), sources)
     device, reason = resolve_device(cfg.run.device, cfg.run.tp, gpus, cfg.run.share_gpu)
     if device is not None:
         reason = fit_reason(cfg, device)

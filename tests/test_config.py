@@ -1,9 +1,11 @@
 """Config loading, overrides and validation: every bad input is one ConfigError line."""
 import pytest
 
-from repro.config import (ConfigError, Gemma4Dims, MoeDims, apply_overrides, default_expectation,
-                          load_preset, parse_set, validate)
+from repro.config import (ConfigError, apply_overrides, default_expectation, load_preset, parse_set,
+                          validate)
 from repro.outcome import Outcome, parse_expectation
+from repro.scenarios.gemma4_mtp_spec import Gemma4Dims
+from repro.scenarios.nvfp4_moe_spec import MoeDims
 
 
 def write(tmp_path, text, name="c.toml"):

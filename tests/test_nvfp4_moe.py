@@ -17,12 +17,13 @@ import pytest
 import torch
 
 from repro import nvfp4
-from repro.config import MoeDims, load_preset, validate
+from repro.config import load_preset, validate
 from repro.forensics import MemoryHistory
 from repro.graphs import HarnessMemory
 from repro.guard import CaptureGuard
 from repro.outcome import Outcome
 from repro.scenarios import nvfp4_moe as moe
+from repro.scenarios.nvfp4_moe_spec import MoeDims
 from repro.protocol import RecordSink, TrialSpec
 from repro.worker import WorkerContext
 

@@ -1,22 +1,56 @@
-"""The scenario registry is the one place scenario facts live; everything else agrees with it."""
+"""The scenario registry (each scenario's spec) is the one place scenario facts live; the rest agrees with it."""
 import dataclasses
 import inspect
+import os
+import subprocess
+import sys
 
 import pytest
 
+from conftest import REPO
 from repro import config, runner
 from repro.cli import app
-from repro.scenarios import SCENARIOS, load_scenario
+from repro.scenarios import SCENARIOS, load_scenario, record_fields, trial_measures
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_module_mode_table_matches_the_registry(name):
-    """Each scenario module's own MODES (mode -> fix flags) is what its registry entry says."""
+    """Each scenario module's MODES (mode -> fix flags, built from its spec) has every mode with
+    exactly the flags its Fixes declares."""
     spec, module = SCENARIOS[name], load_scenario(name)
     assert tuple(module.MODES) == spec.mode_names
     for mode in spec.modes:
         assert dataclasses.asdict(module.MODES[mode.name]) == mode.fixes, (name, mode.name)
     assert callable(module.run)
+
+
+def test_spec_modules_stay_torch_free():
+    """The parent imports every spec (the registry does); only the modules they name import torch."""
+    code = ("import sys, repro.scenarios, repro.config, repro.footprint, repro.report.view, repro.report.charts\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m in "
+            + repr([s.module for s in SCENARIOS.values()]) + "))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.stdout.strip() == "[]"
+
+
+def test_run_keys_keep_the_places_of_schema_1():
+    """A trial's config lists its [run] keys in one order; the first scenarios' keys sit where
+    reports of schema repro.report/1 always had them (RunKeySpec.after)."""
+    names = [f.name for f in dataclasses.fields(config.RunConfig)]
+    assert names[:10] == ["mode", "tp", "steps", "seed", "after_free", "guard", "device", "deadline_s", "stall_s",
+                          "forensics"]
+    assert names.index("reload_drafter") + 1 == names.index("num_speculative_tokens")
+    assert names.index("num_speculative_tokens") + 1 == names.index("share_gpu")
+    assert names[-2:] == ["identity_reload", "expect"]
+
+
+def test_every_trial_carries_every_record_field():
+    """Other scenarios' fields are null, so every trial of a report has the same keys."""
+    names = [f.name for f in record_fields()]
+    assert names == ["acceptance_rate", "mean_accepted_length", "lossless", "tokens_per_s"]
+    assert trial_measures("selftest", []) == dict.fromkeys(names)
+    assert trial_measures("gemma4-mtp", []) == dict.fromkeys(names)
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

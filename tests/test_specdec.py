@@ -4,8 +4,9 @@ import torch
 
 from repro.config import load_preset, validate
 from repro.dist import TP
-from repro.outcome import StepRecord, speculative_metrics
+from repro.outcome import StepRecord
 from repro.scenarios import gemma4_mtp as g
+from repro.scenarios.gemma4_mtp_spec import measure
 from repro.scenarios.gemma4_target import TargetStandIn
 from repro.specdec import SpecStats, accepted_lengths, emitted_tokens, first_divergence
 
@@ -128,8 +129,8 @@ def test_trial_metrics_come_from_rank_0_steps():
     steps = [StepRecord(step=i, rank=r, batch=2, replayed=True, seconds=0.5,
                         extra={"passes": 2, "proposed": 6, "accepted": a, "emitted": a + 2, "lossless": True})
              for i, a in enumerate([6, 0]) for r in (0, 1)]
-    m = speculative_metrics(steps)
+    m = measure(steps)
     assert m["acceptance_rate"] == pytest.approx(0.5)
     assert m["mean_accepted_length"] == pytest.approx(10 / 4)
     assert m["lossless"] is True and m["tokens_per_s"] == pytest.approx(10 / 1.0)
-    assert speculative_metrics([StepRecord(step=0, rank=0, batch=1, replayed=False)]) == {}
+    assert measure([StepRecord(step=0, rank=0, batch=1, replayed=False)]) == {}

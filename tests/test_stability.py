@@ -15,12 +15,13 @@ import pytest
 import torch
 
 import repro
-from repro.config import MoeDims, load_preset
+from repro.config import load_preset
 from repro.dist import TP
 from repro.guard import CaptureGuard
 from repro.stability import ReloadUnstable, compare, expect_stable, reload_census
 from repro.scenarios import gemma4_mtp as gemma
 from repro.scenarios import nvfp4_moe as moe
+from repro.scenarios.nvfp4_moe_spec import MoeDims
 
 CPU = torch.device("cpu")
 TINY = MoeDims(num_experts=8, hidden_size=64, intermediate_size=32, top_k=2, tokens=8)

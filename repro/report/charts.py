@@ -1,17 +1,18 @@
 """Small charts for the HTML report, where a curve says more than a table.
 
-Data first (which numbers, per scenario), then geometry for an inline SVG the template draws:
-no JavaScript, no external files. Values that are not finite are drawn at the top of the
-plot and labelled, never dropped.
+Data first (which numbers: each scenario's spec picks its own, ScenarioSpec.chart), then
+geometry for an inline SVG the template draws: no JavaScript, no external files. Values that
+are not finite are drawn at the top of the plot and labelled, never dropped.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from repro.outcome import StepRecord, TrialRecord
+from repro.outcome import TrialRecord
 from repro.report.fmt import fmt_float
+from repro.scenarios import SCENARIOS
 
 WIDTH, HEIGHT = 640, 240
 LEFT, RIGHT, TOP, BOTTOM = 64, 16, 16, 44
@@ -42,63 +43,10 @@ def number(value: Any) -> float | None:
     return None
 
 
-def reload_error_chart(steps: list[StepRecord]) -> ChartData | str:
-    """nvfp4-reload: the warm layer's error against a cold build of the same weights, per reload
-    (the steps table's "scaled err" column). A str: why there is no chart."""
-    if len({s.step for s in steps}) < 2:
-        return "a single reload: the steps table says it all"
-    scaled = all("max_scaled_err" in s.extra for s in steps)
-    values = [number(s.extra["max_scaled_err"] if scaled else s.rel_err) for s in steps]
-    if all(v == 0 for v in values):
-        return "the error was 0 at every reload (a flat line says nothing the table does not)"
-    series: dict[int, Series] = {}
-    for s in sorted(steps, key=lambda s: (s.rank, s.step)):
-        y = s.extra["max_scaled_err"] if scaled else s.rel_err
-        series.setdefault(s.rank, Series(f"rank {s.rank}", [])).points.append((s.step, number(y)))
-    tolerance = next((s.tolerance for s in steps if s.tolerance is not None), None)
-    return ChartData(
-        # "warm": the layer reloaded in place (replayed on GPU, run eagerly on CPU); the title
-        # must hold for both.
-        title="Error per reload: warm layer (reloaded in place) against cold (built fresh on the same weights)",
-        caption=("max scaled error |y - y_cold| / (|y_cold| + rms(y_cold)); above the tolerance line an "
-                 "element counts as a mismatch" if scaled else "relative error against the cold reference"),
-        kind="line", x_label="reload", y_label="scaled err" if scaled else "rel err",
-        series=list(series.values()) if len(series) > 1 else [Series("", next(iter(series.values())).points)],
-        threshold=tolerance if scaled else None, threshold_label=f"tolerance {fmt_float(tolerance)}")
-
-
-def graph_mismatch_chart(steps: list[StepRecord]) -> ChartData | str:
-    """gemma4-mtp: share of draft tokens that differ from the reference, per captured batch size.
-    A str: why there is no chart."""
-    totals: dict[str, list[int]] = {}
-    order: dict[str, int] = {}
-    for s in steps:
-        mismatched, compared = totals.setdefault(s.label, [0, 0])
-        totals[s.label] = [mismatched + s.mismatches, compared + s.compared]
-        order[s.label] = min(order.get(s.label, s.batch), s.batch)
-    # All zero is said by the table already; the chart earns its place when graphs differ.
-    if len(totals) < 2:
-        return "one graph size only: the steps table says it all"
-    if not any(m for m, _ in totals.values()):
-        return "no draft token differed from the reference in any graph (every bar would be 0)"
-    labels = sorted(totals, key=lambda k: (order[k], k))
-    points = [(k, totals[k][0] / totals[k][1] if totals[k][1] else None) for k in labels]
-    return ChartData(
-        title="Draft tokens that differ from the reference, per batch size (one captured graph each)",
-        caption="mismatched / compared tokens over all steps and ranks that used the graph",
-        kind="bar", x_label="graph", y_label="mismatched share", series=[Series("", points)])
-
-
-# Which chart a scenario's steps get; a scenario without an entry gets none.
-CHARTS: dict[str, Callable[[list[StepRecord]], ChartData | str]] = {
-    "nvfp4-reload": reload_error_chart,
-    "gemma4-mtp": graph_mismatch_chart,
-}
-
-
 def chart_or_reason(trial: TrialRecord) -> ChartData | str | None:
     """The trial's chart, or why its scenario's chart is left out; None: no chart exists for it."""
-    make = CHARTS.get(trial.scenario)
+    spec = SCENARIOS.get(trial.scenario)
+    make = spec.chart if spec is not None else None
     if make is None:
         return None
     if not trial.steps:

@@ -3,7 +3,8 @@
 Console, JUnit, HTML and the progress display read these objects; none of them pulls a fact
 out of a record or formats a number itself, so every renderer says the same thing. A new fact
 is one line in one of the tables below: TRIAL_FACTS (trial-level lines), FINDING_FACTS (per
-dead storage), STEP_COLUMNS, MANIFEST_COLUMNS, RANK_COLUMNS, SUMMARY_COLUMNS.
+dead storage), STEP_COLUMNS, MANIFEST_COLUMNS, RANK_COLUMNS, SUMMARY_COLUMNS. A scenario's own
+facts are in its spec (repro/scenarios/spec.py): its lines, step and summary columns join these.
 
 Every sentence here must be true of the trial it describes: what ran (a graph replay, or the
 eager path on CPU) decides the wording, not what usually runs. No torch import: this runs in
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import quote
 
-from repro.scenarios import SCENARIO_RUN_KEYS, SCENARIOS
+from repro.scenarios import SCENARIO_RUN_KEYS, SCENARIOS, RecordField, StepColumn, record_fields, step_columns
 from repro.outcome import Finding, FirstFailure, Outcome, RankExit, Report, StepRecord, TrialRecord
 from repro.report.groups import FindingGroup, group_findings
 from repro.report.fmt import (
@@ -39,7 +40,7 @@ EXIT_OUTCOMES = frozenset({Outcome.CRASH, Outcome.HANG, Outcome.ILLEGAL_ADDRESS,
 # Phases in the order a trial runs them; keys a trial adds beyond these follow in its own order.
 TIMING_ORDER = ("start", "import", "cuda", "init", "build", "capture", "reload", "replays", "oracle", "total")
 
-MAX_STEP_ROWS = 20       # a 500-step nvfp4 run must not bury the verdict
+MAX_STEP_ROWS = 20       # a 500-step run must not bury the verdict
 MAX_FINDING_GROUPS = 10  # distinct dead storages shown; one storage is often in 7+ graphs
 CONTEXT_STEP_ROWS = 3    # clean rows kept before the failures, so the reader sees where it turned
 STACK_FRAMES = 3
@@ -223,28 +224,10 @@ def verdict_basis(trial: TrialRecord) -> list[str]:
     return []
 
 
-def speculative_lines(trial: TrialRecord) -> list[str]:
-    """gemma4-mtp: the loop's numbers and, in one sentence, what an engine would show."""
-    crashed = trial.outcome in (Outcome.ILLEGAL_ADDRESS, Outcome.DEVICE_ASSERT)
-    if trial.acceptance_rate is None:
-        return (["Speculative decoding: an engine would crash here (the CUDA error is sticky: the "
-                 "worker, and with it the engine, dies)."] if crashed and trial.scenario == "gemma4-mtp" else [])
-    tps = f", {trial.tokens_per_s:.0f} tokens/s" if trial.tokens_per_s else ""
-    numbers = (f"Speculative decoding: acceptance {trial.acceptance_rate:.1%}, mean accepted length "
-               f"{trial.mean_accepted_length:.2f}, lossless {'yes' if trial.lossless else 'NO'}{tps}.")
-    if not trial.lossless:
-        view = "The emitted text differs from target-only greedy decoding: a bug in the loop itself."
-    elif crashed:
-        view = "An engine would crash (the CUDA error is sticky: the worker, and with it the engine, dies)."
-    elif trial.outcome in (Outcome.MISMATCH, Outcome.NONFINITE):
-        view = ("An engine would show the same text and no error, only this acceptance "
-                "(garbage drafts are rejected): lost throughput, silently.")
-    elif trial.outcome is Outcome.STALE_CAPTURE:
-        view = ("An engine would show nothing yet: the drafts are still right until the freed memory "
-                "is reused (then an acceptance drop, or a crash).")
-    else:
-        view = "An engine would show this acceptance and the same text as without a drafter."
-    return [f"{numbers} {view}"]
+def scenario_lines(trial: TrialRecord) -> list[str]:
+    """What the trial's scenario says about its numbers (ScenarioSpec.report_lines)."""
+    spec = SCENARIOS.get(trial.scenario)
+    return spec.report_lines(trial) if spec is not None else []
 
 
 def option_notes(trial: TrialRecord) -> list[str]:
@@ -490,6 +473,12 @@ def step_failed(step: StepRecord) -> bool:
     return step.outcome() is not Outcome.CLEAN
 
 
+def extra_column(c: StepColumn) -> Column:
+    """A scenario's number in StepRecord.extra (ScenarioSpec.step_columns); '-' where a step has none,
+    so the column is left out of trials that never recorded it."""
+    return Column(c.key, c.header, lambda s: cell(fmt_float(s.extra.get(c.key))), numeric=True, drop=c.drop)
+
+
 STEP_COLUMNS: tuple[Column, ...] = (
     Column("step", "step", lambda s: cell(s.step), numeric=True),
     Column("rank", "rank", lambda s: cell(s.rank), numeric=True),
@@ -504,9 +493,7 @@ STEP_COLUMNS: tuple[Column, ...] = (
     Column("max_abs_err", "max abs err", lambda s: cell(fmt_float(s.max_abs_err), BAD if step_failed(s) else ""),
            numeric=True, stacked="max abs\nerr"),
     Column("rel_err", "rel err", lambda s: cell(fmt_float(s.rel_err)), numeric=True, drop=2),
-    # nvfp4-reload's verdict measure, |y - y_cold| / (|y_cold| + rms(y_cold)); its chart's axis.
-    Column("scaled_err", "scaled err", lambda s: cell(fmt_float(s.extra.get("max_scaled_err"))), numeric=True,
-           drop=2),
+    *(extra_column(c) for c in step_columns()),
     Column("tolerance", "tolerance", lambda s: cell(fmt_float(s.tolerance)), numeric=True, fold=True, drop=4),
     Column("ms", "ms", lambda s: Cell(f"{s.seconds * 1000:.1f}"), numeric=True, drop=1),
 )
@@ -717,7 +704,7 @@ def trial_view(index: int, trial: TrialRecord, link_base: Path | None = None) ->
         meaning=describe(trial.outcome, trial.first_failure, replayed=trial.graph_replayed),
         first_failure=failure_line(trial.first_failure) if trial.first_failure else "",
         first_failure_short=short_failure(trial),
-        basis=verdict_basis(trial) + option_notes(trial) + speculative_lines(trial), facts=trial_facts(trial),
+        basis=verdict_basis(trial) + option_notes(trial) + scenario_lines(trial), facts=trial_facts(trial),
         seconds=trial_seconds(trial), findings_total=len(trial.guard_findings),
         findings=[finding_view(g) for g in groups[:MAX_FINDING_GROUPS]],
         hidden_finding_groups=max(0, len(groups) - MAX_FINDING_GROUPS),
@@ -738,6 +725,15 @@ def trial_view(index: int, trial: TrialRecord, link_base: Path | None = None) ->
 # A run
 
 
+def record_column(f: RecordField) -> Column:
+    """A scenario's trial field (ScenarioSpec.record_fields) as a summary column: '-' for trials
+    that did not measure it, those of other scenarios among them."""
+    def get(t: TrialView) -> Cell:
+        value = t.record.measures.get(f.name)
+        return Cell("-" if value is None else format(value, f.fmt))
+    return Column(f.name, f.column, get, numeric=True)
+
+
 SUMMARY_COLUMNS: tuple[Column, ...] = (
     Column("scenario", "scenario", lambda t: Cell(t.scenario)),
     Column("mode", "mode", lambda t: Cell(t.mode)),
@@ -745,8 +741,7 @@ SUMMARY_COLUMNS: tuple[Column, ...] = (
     Column("outcome", "outcome", lambda t: Cell(t.outcome, t.tone)),
     Column("expected", "expected", lambda t: Cell(t.expected)),
     Column("met", "met", lambda t: t.met_mark),
-    Column("accept", "accept", lambda t: Cell(f"{t.record.acceptance_rate:.0%}"
-                                                  if t.record.acceptance_rate is not None else "-"), numeric=True),
+    *(record_column(f) for f in record_fields() if f.column),
     # The one column that gives up width (it wraps); the trial's own section carries it in full.
     Column("first_failure", "first failure", lambda t: Cell(t.first_failure_short), wrap=True),
     Column("seconds", "seconds", lambda t: Cell(t.seconds_text), numeric=True),

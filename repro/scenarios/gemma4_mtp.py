@@ -35,10 +35,10 @@ from typing import Callable, ContextManager
 import torch
 from torch import nn
 
-from repro.config import Gemma4Dims
 from repro.dist import TP, all_gather_dim0
 from repro.graphs import Captured, capture
 from repro.outcome import StepRecord
+from repro.scenarios.gemma4_mtp_spec import SPEC, Gemma4Dims
 from repro.scenarios.gemma4_target import TargetStandIn, padded_vocab
 from repro.specdec import SpecStats, accepted_lengths, emitted_tokens, first_divergence
 
@@ -54,11 +54,8 @@ class Fixes:
     refresh_cache_on_reload: bool   # ours: load_weights refreshes the cache in place, never drops it
 
 
-MODES = {
-    "unfixed": Fixes(cache_gathered=False, refresh_cache_on_reload=False),
-    "fixed": Fixes(cache_gathered=True, refresh_cache_on_reload=False),
-    "reload-safe": Fixes(cache_gathered=True, refresh_cache_on_reload=True),
-}
+# The fix flags of each mode are the spec's (ModeSpec.fixes); Fixes names and documents them.
+MODES = {m.name: Fixes(**m.fixes) for m in SPEC.modes}
 
 
 def graph_label(size: int) -> str:

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from repro.config import Gemma4Dims
 from repro.dist import TP, all_gather_dim0
+from repro.scenarios.gemma4_mtp_spec import Gemma4Dims
 
 PRIVATE_NOISE = 0.45   # norm of a head row's private part (the drafter's rows have norm ~1)
 # Weight of the (mixed) previous state in the next state, per sqrt(backbone_hidden): a token's

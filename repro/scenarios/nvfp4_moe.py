@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from repro import nvfp4
 from repro.graphs import capture
 from repro.outcome import StepRecord
+from repro.scenarios.nvfp4_moe_spec import SPEC
 
 # Mismatch tolerance, per element: |y - y_ref| > TOLERANCE * (|y_ref| + rms(y_ref)); the rms
 # term keeps near-zero outputs from counting on rounding alone. Why 0.05:
@@ -82,11 +83,8 @@ class Fixes:
     refresh_alphas: bool      # #57954: copy the new scale_2 into the reused config's alphas
 
 
-MODES = {
-    "unfixed": Fixes(reuse_kernel=False, refresh_alphas=False),
-    "kernel-reuse": Fixes(reuse_kernel=True, refresh_alphas=False),
-    "fixed": Fixes(reuse_kernel=True, refresh_alphas=True),
-}
+# The fix flags of each mode are the spec's (ModeSpec.fixes); Fixes names and documents them.
+MODES = {m.name: Fixes(**m.fixes) for m in SPEC.modes}
 
 
 # ------------------------------------------------------------------------ quant config + kernel

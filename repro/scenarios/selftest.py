@@ -12,6 +12,7 @@ import torch
 
 from repro.dist import all_gather_dim0
 from repro.outcome import StepRecord
+from repro.scenarios.selftest_spec import SPEC
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,8 @@ class Fixes:
     """No bug, so nothing to fix: the one mode has no flags."""
 
 
-MODES = {"clean": Fixes()}
+# The fix flags of each mode are the spec's (ModeSpec.fixes); Fixes names and documents them.
+MODES = {m.name: Fixes(**m.fixes) for m in SPEC.modes}
 
 
 def run(ctx) -> None:
