@@ -130,6 +130,68 @@ def test_explicit_p_with_the_entry_point_installed_registers_once(tmp_path):
     assert "1 failed, 1 passed" in proc.stdout
 
 
+
+class Options:
+    """The one thing watch_mode asks of a pytest.Config."""
+
+    def __init__(self, repro_watch=None):
+        self.repro_watch = repro_watch
+
+    def getoption(self, name, default=None):
+        return getattr(self, name, default)
+
+
+@pytest.mark.parametrize("option, env, mode", [
+    (None, None, None), (None, "", None), (None, "0", None), (None, "1", "fail"), (None, "warn", "warn"),
+    (None, " WARN ", "warn"), (None, "fail", "fail"), ("warn", "1", "warn"), ("fail", "warn", "fail"),
+])
+def test_watch_mode_from_the_option_else_the_environment(monkeypatch, option, env, mode):
+    from repro.pytest import watch_mode
+    if env is None:
+        monkeypatch.delenv("REPRO_WATCH", raising=False)
+    else:
+        monkeypatch.setenv("REPRO_WATCH", env)
+    assert watch_mode(Options(option)) == mode
+
+
+def test_failure_text_of_a_census_finding_names_kernel_and_parameter():
+    from repro.attribution import Phase, PhaseFinding
+    from repro.census import Block, Fate, Reference, census_finding
+    from repro.outcome import to_jsonable
+    from repro.pytest_watch import finding_text
+
+    block = Block(start=0x7f0000001000, size=4096, state="inactive", pool=(0, 0), segment=0x7f0000000000)
+    ref = Reference(node=3, kind="kernel", kernel="ampere_sgemm_128x64_nn", where="param 2 +8", offset=24,
+                    addr=0x7f0000001000, block=block)
+    finding = to_jsonable(census_finding("#1 t.py:9 in capture", Fate(block, "freed", block, "allocator state"),
+                                         [ref], "before replay", 0))
+    tf = PhaseFinding(id="h-1.jsonl:4", pid=1, mechanism="census", finding=finding,
+                      captured_in=Phase("t.py::a", "setup"), replayed_in=Phase("t.py::b", "call"))
+    text = finding_text(tf)
+    assert "read by:     kernel ampere_sgemm_128x64_nn, param 2 +8\n" in text
+    assert "captured in: t.py::a (setup)" in text and "replayed in: t.py::b (call)" in text
+    memcpy = Reference(node=5, kind="memcpy", kernel="", where="src", offset=0, addr=block.start, block=block)
+    tf.finding = to_jsonable(census_finding("#1", Fate(block, "freed", block, "allocator state"), [memcpy],
+                                            "before replay", 0))
+    assert "read by:     node 5 src\n" in finding_text(tf)
+
+
+def test_failure_text_shows_where_a_guard_finding_was_created_and_dropped():
+    from repro.attribution import Phase, PhaseFinding
+    from repro.pytest_watch import finding_text
+    f = {"graph": "#1 g", "slot": "model.w", "status": "freed", "created_at": "m.py:3 in load (aten.randn)",
+         "freed_at": "m.py:9 in reload (reassigned)", "message": "graph '#1 g' captured tensor model.w ..."}
+    text = finding_text(PhaseFinding(id="x:1", pid=7, mechanism="guard", finding=f, captured_in=None,
+                                     replayed_in=Phase("t.py::b", "call")))
+    assert text.splitlines() == [
+        "repro watch: graph '#1 g': model.w freed (guard, pid 7)",
+        "  captured in: not found in these records",
+        "  replayed in: t.py::b (call)",
+        "  created at:  m.py:3 in load (aten.randn)",
+        "  dropped at:  m.py:9 in reload (reassigned)",
+        "  graph '#1 g' captured tensor model.w ..."]
+
+
 # -- on: fail, warn, attribution, junit -----------------------------------------------------------
 
 def test_fail_mode_fails_the_replaying_test_with_both_phases(tmp_path):
