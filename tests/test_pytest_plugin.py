@@ -107,6 +107,8 @@ def test_nothing_heavy_imported(request):
     heavy = [m for m in ("torch", "repro.guard", "repro.pytest_watch", "repro.watch_hooks", "rich")
              if m in sys.modules]
     assert heavy == []
+    # Of repro, the plugin module and the package's bare __init__ only.
+    assert sorted(m for m in sys.modules if m == "repro" or m.startswith("repro.")) == ["repro", "repro.pytest"]
 """
 
 
@@ -224,6 +226,50 @@ def test_capture_in_one_test_replay_in_another(tmp_path):
     assert "FAILED test_two.py::test_replays_later" in proc.stdout, out
     assert "captured in: test_two.py::test_captures (setup)" in out
     assert "replayed in: test_two.py::test_replays_later (call)" in out
+
+
+CLASS_FIXTURE = """
+import torch
+import pytest
+from fake_graph import FakeGraph, capture
+
+
+def capture_routine(graph):
+    weight = torch.randn(8, 4)            # held by this local only: freed on return
+    with capture(graph):
+        weight.sum()
+
+
+class TestReplayAtTeardown:
+    @pytest.fixture(scope="class")
+    def graph(self):
+        g = FakeGraph()
+        capture_routine(g)
+        yield g
+        g.replay()                        # the class fixture's teardown replays the dead graph
+
+    def test_first(self, graph):
+        pass
+
+    def test_second(self, graph):
+        pass
+"""
+
+
+def test_class_fixture_captured_in_setup_replayed_in_teardown(tmp_path):
+    proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_class.py": CLASS_FIXTURE},
+                      "-q", "--repro-watch", "--junitxml", "junit.xml")
+    out = out_of(proc)
+    assert proc.returncode == 1, out
+    assert "2 passed, 1 error" in proc.stdout, out
+    assert "ERROR test_class.py::TestReplayAtTeardown::test_second" in proc.stdout
+    assert "captured in: test_class.py::TestReplayAtTeardown::test_first (setup)" in out
+    assert "replayed in: test_class.py::TestReplayAtTeardown::test_second (teardown)" in out
+    case = {c.get("name"): c for c in ET.parse(tmp_path / "junit.xml").iter("testcase")}
+    props = [p.get("value") for p in case["test_second"].iter("property") if p.get("name") == "repro_watch_finding"]
+    assert len(props) == 1 and "(teardown)" in props[0]
+    assert case["test_second"].find("error") is not None
+    assert case["test_first"].find("error") is None and not list(case["test_first"].iter("property"))
 
 
 def test_warn_mode_passes_and_lists_findings_per_test(tmp_path):
@@ -469,3 +515,46 @@ def test_example_suite_on_cpu_skips_graph_tests_and_says_why(tmp_path):
     props = [p.get("value") for p in ET.parse(tmp_path / "j.xml").iter("property") if p.get("name") == "repro_reload"]
     assert props == ["layer: 3 tensor slots, 0 changed"]         # the repro_stable fixture's census
     assert "repro watch: no findings" in out and "no CUDA graph was captured: nothing was checked" in out
+
+
+STABLE_FIXTURE = f"""
+import sys
+import torch
+sys.path.insert(0, {str(EXAMPLES)!r})
+from engine_layer import Layer, new_weights
+
+
+def test_kernel_reused(repro_stable):
+    layer = Layer(16, torch.device("cpu"), reuse_kernel=True)
+    with repro_stable(layer, name="layer"):
+        layer.reload(new_weights(layer, seed=1))
+
+
+def test_kernel_rebuilt(repro_stable):
+    layer = Layer(16, torch.device("cpu"), reuse_kernel=False)
+    with repro_stable(layer, name="layer"):
+        layer.reload(new_weights(layer, seed=1))
+
+
+def test_kernel_rebuilt_but_ignored(repro_stable):
+    layer = Layer(16, torch.device("cpu"), reuse_kernel=False)
+    with repro_stable(layer, name="layer", ignore=["layer.kernel.*"]):
+        layer.reload(new_weights(layer, seed=1))
+"""
+
+
+def test_repro_stable_fixture_fails_an_unstable_reload_with_the_plugin_off(tmp_path):
+    """The fixture is there whenever the plugin is loaded, --repro-watch or not."""
+    proc = run_pytest(tmp_path, {"test_stable.py": STABLE_FIXTURE}, "-q", "--junitxml", "junit.xml", ep=True)
+    out = out_of(proc)
+    assert proc.returncode == 1, out
+    assert "1 failed, 2 passed" in proc.stdout, out
+    assert "FAILED test_stable.py::test_kernel_rebuilt" in proc.stdout
+    assert "ReloadUnstable: 2 of 3 tensor slots under layer changed across the reload (2 freed)" in out
+    assert "layer.kernel.workspace  freed" in out and "layer.kernel.scale  freed" in out
+    assert "repro watch" not in out
+    props = {c.get("name"): [p.get("value") for p in c.iter("property") if p.get("name") == "repro_reload"]
+             for c in ET.parse(tmp_path / "junit.xml").iter("testcase")}
+    assert props == {"test_kernel_reused": ["layer: 3 tensor slots, 0 changed"],
+                     "test_kernel_rebuilt": ["layer: 3 tensor slots, 2 changed"],
+                     "test_kernel_rebuilt_but_ignored": ["layer: 3 tensor slots, 0 changed"]}
