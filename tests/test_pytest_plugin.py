@@ -7,6 +7,7 @@ recordings on CPU tensors. Real graphs: tests/test_pytest_plugin_gpu.py.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -95,6 +96,43 @@ def fake_install(tmp_path: Path) -> Path:
 
 def out_of(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout + proc.stderr
+
+
+
+SUMMARY_HEAD = re.compile(r"^=+ repro watch: (no findings|\d+ finding\(s\)) =+$", re.M)
+NO_REPORT = "recorded, but in no test report"
+
+
+def findings_by_test(out: str) -> dict[str, list[str]]:
+    """The terminal summary's "repro watch" section: {test id: [its finding lines]}; findings
+    no report carried are under NO_REPORT."""
+    head = SUMMARY_HEAD.search(out)
+    assert head is not None, out
+    by_test: dict[str, list[str]] = {}
+    current = None
+    for line in out[head.end():].splitlines()[1:]:
+        if line.startswith("records: "):
+            break
+        if line.startswith("  ") and current is not None:
+            by_test[current].append(line.strip())
+        elif line.startswith(NO_REPORT):
+            current = NO_REPORT
+            by_test.setdefault(current, [])
+        elif not re.match(r"(\d+|no) CUDA graph|hooks' own error", line):
+            current = line
+            by_test.setdefault(current, [])
+    return by_test
+
+
+def graphs_checked(out: str) -> int:
+    found = re.search(r"^(\d+) CUDA graph\(s\) captured and checked", out, re.M)
+    return int(found.group(1)) if found else 0
+
+
+def junit_findings(path: Path) -> dict[str, list[str]]:
+    """{test case name: its repro_watch_finding property values} of a --junitxml file."""
+    return {c.get("name"): [p.get("value") for p in c.iter("property") if p.get("name") == "repro_watch_finding"]
+            for c in ET.parse(path).iter("testcase")}
 
 
 # -- off ------------------------------------------------------------------------------------------
@@ -389,13 +427,16 @@ def test_xdist_workers_findings_merge_in_the_controller(tmp_path):
     out = out_of(proc)
     assert proc.returncode == 1, out
     assert "3 failed, 1 passed" in proc.stdout, out
-    summary = out[out.index("repro watch: 3 finding(s)"):]
-    for test in ("test_stale.py::test_replays_stale", "test_sub.py::test_runs_a_program",
-                 "test_sub.py::test_runs_a_program_through_a_shell"):
-        assert f"\n{test}\n" in summary
-    props = [p.get("value") for p in ET.parse(tmp_path / "junit.xml").iter("property")
-             if p.get("name") == "repro_watch_finding"]
-    assert len(props) == 3
+    assert "repro watch: 3 finding(s)" in out
+    by_test = findings_by_test(out)
+    assert sorted(by_test) == ["test_stale.py::test_replays_stale", "test_sub.py::test_runs_a_program",
+                               "test_sub.py::test_runs_a_program_through_a_shell"]
+    assert all(len(lines) == 1 and "<local weight of capture_routine> freed" in lines[0]
+               for lines in by_test.values())
+    assert graphs_checked(out) == 4           # 2 in the workers, 1 in each started program
+    props = junit_findings(tmp_path / "junit.xml")
+    assert {name: len(v) for name, v in props.items()} == {
+        "test_clean": 0, "test_replays_stale": 1, "test_runs_a_program": 1, "test_runs_a_program_through_a_shell": 1}
 
 
 def test_forked_children_report_their_own_findings_once(tmp_path):
@@ -439,9 +480,8 @@ def test_a_hung_replay_killed_by_pytest_timeout_still_leaves_its_finding(tmp_pat
                       "--repro-watch")
     out = out_of(proc)
     assert proc.returncode != 0, out
-    summary = out[out.index("repro watch: 1 finding(s)"):]
-    assert "in no test report" in summary
-    assert "replayed in test_hang.py::test_hangs_in_replay (call)" in summary
+    (line,) = findings_by_test(out)[NO_REPORT]
+    assert "replayed in test_hang.py::test_hangs_in_replay (call)" in line
 
 
 def test_shards_each_report_their_own_tests(tmp_path):
