@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -598,3 +599,68 @@ def test_repro_stable_fixture_fails_an_unstable_reload_with_the_plugin_off(tmp_p
     assert props == {"test_kernel_reused": ["layer: 3 tensor slots, 0 changed"],
                      "test_kernel_rebuilt": ["layer: 3 tensor slots, 2 changed"],
                      "test_kernel_rebuilt_but_ignored": ["layer: 3 tensor slots, 0 changed"]}
+
+
+# -- README: the CI snippets ----------------------------------------------------------------------
+
+def readme_yaml_after(heading: str) -> dict:
+    """The first ```yaml block after `heading` in the README's "In your engine's CI" section."""
+    yaml = pytest.importorskip("yaml")
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## In your engine's CI"):]
+    section = section[:section.index("\n## ", 1)]
+    block = section[section.index(heading):]
+    block = block[block.index("```yaml\n") + len("```yaml\n"):]
+    return yaml.safe_load(block[:block.index("```")])
+
+
+def suite_at(tmp_path: Path, *dirs: str) -> None:
+    """The stale-graph suite in each of the snippet's test directories."""
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    for d in dirs:
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / f"test_{Path(d).name}.py").write_text(STALE)
+
+
+def test_readme_buildkite_step_runs_as_written(tmp_path):
+    """The pytest command of the Buildkite step, $$ as the agent passes it to the shell (one
+    shard of one), on the stale-graph suite placed where the step's paths point."""
+    for name in ("pytest_shard", "pytest_timeout"):
+        pytest.importorskip(name)
+    (step,) = readme_yaml_after("Buildkite")["steps"]
+    assert step["env"]["PYTHONFAULTHANDLER"] == "1" and step["artifact_paths"] == ["artifacts/**/*"]
+    command = shlex.split(step["commands"][1].replace("$$BUILDKITE_PARALLEL_JOB_COUNT", "1")
+                          .replace("$$BUILDKITE_PARALLEL_JOB", "0"))
+    assert command[0] == "pytest" and "--repro-watch" in command
+    paths = [a for a in command if a.startswith("tests/")]
+    suite_at(tmp_path, *paths)
+    proc = run_pytest(tmp_path, {}, *command[1:])
+    out = out_of(proc)
+    assert proc.returncode == 1, out
+    assert "2 failed, 2 passed" in proc.stdout, out
+    assert "repro watch: 2 finding(s)" in out
+    assert list((tmp_path / "artifacts" / "repro-watch").glob("*.jsonl"))
+    junit = ET.parse(tmp_path / "artifacts" / "junit-0.xml")
+    assert len([p for p in junit.iter("property") if p.get("name") == "repro_watch_finding"]) == 2
+
+
+def test_readme_github_actions_job_runs_as_written(tmp_path):
+    """The job's pytest command for one suite of its matrix, with two xdist workers instead of
+    four (this machine's cores)."""
+    pytest.importorskip("xdist")
+    job = readme_yaml_after("GitHub Actions")["jobs"]["gpu-tests"]
+    assert "self-hosted" in job["runs-on"] and "gpu" in job["runs-on"]
+    upload = next(s for s in job["steps"] if s.get("uses", "").startswith("actions/upload-artifact"))
+    assert upload["if"] == "failure()" and upload["with"]["path"].split() == ["junit.xml", "repro-watch/"]
+    (run,) = [s["run"] for s in job["steps"] if "pytest" in s.get("run", "")]
+    suite = job["strategy"]["matrix"]["suite"][0]
+    command = shlex.split(run.replace("${{ matrix.suite }}", suite))
+    assert command[:3] == ["python", "-m", "pytest"] and command[command.index("-n") + 1] == "4"
+    command[command.index("-n") + 1] = "2"
+    suite_at(tmp_path, suite)
+    proc = run_pytest(tmp_path, {}, *command[3:])
+    out = out_of(proc)
+    assert proc.returncode == 1 and "1 failed, 1 passed" in proc.stdout, out
+    assert list((tmp_path / "repro-watch").glob("*.jsonl"))
+    junit = ET.parse(tmp_path / "junit.xml")
+    assert len([p for p in junit.iter("property") if p.get("name") == "repro_watch_finding"]) == 1
