@@ -3,7 +3,8 @@
     PYTHONPATH=. python3 benchmarks/pytest_plugin_off.py [--runs 15] [--tests 200] [--json OUT]
 
 A generated suite of N trivial tests (no torch), run as `python -m pytest -q` in a fresh
-process, in three variants, interleaved run by run so machine load hits all alike:
+process, in three variants, interleaved run by run (the order rotated each round) so
+machine load hits all alike:
 
   no_plugin   -p no:repro            the plugin never imported
   off         (plugin auto-loaded)   installed through its pytest11 entry point, not enabled
@@ -11,13 +12,15 @@ process, in three variants, interleaved run by run so machine load hits all alik
 
 The entry point is declared by a dist-info written to a temporary directory on PYTHONPATH
 (the same for all variants), as `pip install` would write it. Reported: the median wall time
-of each variant and the ratios off / no_plugin and on / no_plugin, plus the import time of
-repro.pytest alone (`python -X importtime`).
+(wall) and CPU time (user + sys of the session process: less disturbed by other load) of each
+variant, the ratios off / no_plugin and on / no_plugin of both, the least CPU time of each
+variant, and the import time of repro.pytest alone (`python -X importtime`).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -48,11 +51,18 @@ def session_env(root: Path) -> dict[str, str]:
     return env
 
 
-def run_once(root: Path, env: dict[str, str], extra: list[str]) -> float:
-    start = time.perf_counter()
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_once(root: Path, env: dict[str, str], extra: list[str]) -> tuple[float, float]:
+    """(wall s, CPU s of the session process): CPU time is what other load on the machine
+    disturbs least."""
+    start, cpu = time.perf_counter(), children_cpu_s()
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, "test_many.py"],
                    cwd=root, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, children_cpu_s() - cpu
 
 
 def import_time_us(env: dict[str, str]) -> int:
@@ -79,11 +89,17 @@ def main(argv: list[str] | None = None) -> int:
         for extra in VARIANTS.values():          # warm the file cache and bytecode once each
             run_once(root, env, extra)
         times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-        for _ in range(args.runs):
-            for name, extra in VARIANTS.items():
-                times[name].append(run_once(root, env, extra))
+        cpu: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        names = list(VARIANTS)
+        for r in range(args.runs):
+            # Rotate the order each round: no variant always runs right after another.
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                wall, used = run_once(root, env, VARIANTS[name])
+                times[name].append(wall)
+                cpu[name].append(used)
         imported_us = import_time_us(env)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
+    cpu_medians = {name: statistics.median(ts) for name, ts in cpu.items()}
     base = medians["no_plugin"]
     doc = {"benchmark": "pytest_plugin_off", "runs": args.runs, "tests": args.tests,
            "python": sys.version.split()[0],
@@ -91,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
            "ratio_off_vs_no_plugin": round(medians["off"] / base, 4),
            "ratio_on_vs_no_plugin": round(medians["on"] / base, 4),
            "spread_no_plugin_s": round(max(times["no_plugin"]) - min(times["no_plugin"]), 4),
+           "median_cpu_s": {k: round(v, 4) for k, v in cpu_medians.items()},
+           "cpu_ratio_off_vs_no_plugin": round(cpu_medians["off"] / cpu_medians["no_plugin"], 4),
+           "cpu_ratio_on_vs_no_plugin": round(cpu_medians["on"] / cpu_medians["no_plugin"], 4),
+           # The least disturbed run of each: on a shared machine load only ever adds time.
+           "min_cpu_s": {k: round(min(ts), 4) for k, ts in cpu.items()},
            "import_repro_pytest_us": imported_us}
     emit(doc, args.json)
     return 0

@@ -67,11 +67,22 @@ def finding_text(tf: PhaseFinding) -> str:
         lines.append(f"  created at:  {f['created_at']}")
     if f.get("freed_at"):
         lines.append(f"  dropped at:  {f['freed_at']}")
-    census = f.get("census") or {}
-    if census.get("kernel"):
-        lines.append(f"  kernel:      {census['kernel']} ({census.get('where')} +{census.get('offset')})")
+    read_by = census_reader(f.get("census") or {})
+    if read_by:
+        lines.append(f"  read by:     {read_by}")
     lines.append(f"  {f.get('message', '')}")
     return "\n".join(lines)
+
+
+def census_reader(census: dict[str, Any]) -> str:
+    """The graph node that holds the address, for census findings: kernel and parameter
+    ("param 3 +8": the parameter and the byte offset in it), or a memcpy's src / dst."""
+    where = census.get("where") or ""
+    if census.get("kernel"):
+        return f"kernel {census['kernel']}, {where}"
+    if where:
+        return f"node {census.get('node')} {where}"
+    return ""
 
 
 def restore_env(saved: dict[str, str | None]) -> None:

@@ -7,6 +7,8 @@ recordings on CPU tensors. Real graphs: tests/test_pytest_plugin_gpu.py.
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -97,6 +99,43 @@ def out_of(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout + proc.stderr
 
 
+
+SUMMARY_HEAD = re.compile(r"^=+ repro watch: (no findings|\d+ finding\(s\)) =+$", re.M)
+NO_REPORT = "recorded, but in no test report"
+
+
+def findings_by_test(out: str) -> dict[str, list[str]]:
+    """The terminal summary's "repro watch" section: {test id: [its finding lines]}; findings
+    no report carried are under NO_REPORT."""
+    head = SUMMARY_HEAD.search(out)
+    assert head is not None, out
+    by_test: dict[str, list[str]] = {}
+    current = None
+    for line in out[head.end():].splitlines()[1:]:
+        if line.startswith("records: "):
+            break
+        if line.startswith("  ") and current is not None:
+            by_test[current].append(line.strip())
+        elif line.startswith(NO_REPORT):
+            current = NO_REPORT
+            by_test.setdefault(current, [])
+        elif not re.match(r"(\d+|no) CUDA graph|hooks' own error", line):
+            current = line
+            by_test.setdefault(current, [])
+    return by_test
+
+
+def graphs_checked(out: str) -> int:
+    found = re.search(r"^(\d+) CUDA graph\(s\) captured and checked", out, re.M)
+    return int(found.group(1)) if found else 0
+
+
+def junit_findings(path: Path) -> dict[str, list[str]]:
+    """{test case name: its repro_watch_finding property values} of a --junitxml file."""
+    return {c.get("name"): [p.get("value") for p in c.iter("property") if p.get("name") == "repro_watch_finding"]
+            for c in ET.parse(path).iter("testcase")}
+
+
 # -- off ------------------------------------------------------------------------------------------
 
 OFF_CHECK = """
@@ -107,6 +146,8 @@ def test_nothing_heavy_imported(request):
     heavy = [m for m in ("torch", "repro.guard", "repro.pytest_watch", "repro.watch_hooks", "rich")
              if m in sys.modules]
     assert heavy == []
+    # Of repro, the plugin module and the package's bare __init__ only.
+    assert sorted(m for m in sys.modules if m == "repro" or m.startswith("repro.")) == ["repro", "repro.pytest"]
 """
 
 
@@ -128,6 +169,68 @@ def test_explicit_p_with_the_entry_point_installed_registers_once(tmp_path):
                       "-q", "-p", "repro.pytest", "--repro-watch", ep=True)
     assert proc.returncode == 1, out_of(proc)
     assert "1 failed, 1 passed" in proc.stdout
+
+
+
+class Options:
+    """The one thing watch_mode asks of a pytest.Config."""
+
+    def __init__(self, repro_watch=None):
+        self.repro_watch = repro_watch
+
+    def getoption(self, name, default=None):
+        return getattr(self, name, default)
+
+
+@pytest.mark.parametrize("option, env, mode", [
+    (None, None, None), (None, "", None), (None, "0", None), (None, "1", "fail"), (None, "warn", "warn"),
+    (None, " WARN ", "warn"), (None, "fail", "fail"), ("warn", "1", "warn"), ("fail", "warn", "fail"),
+])
+def test_watch_mode_from_the_option_else_the_environment(monkeypatch, option, env, mode):
+    from repro.pytest import watch_mode
+    if env is None:
+        monkeypatch.delenv("REPRO_WATCH", raising=False)
+    else:
+        monkeypatch.setenv("REPRO_WATCH", env)
+    assert watch_mode(Options(option)) == mode
+
+
+def test_failure_text_of_a_census_finding_names_kernel_and_parameter():
+    from repro.attribution import Phase, PhaseFinding
+    from repro.census import Block, Fate, Reference, census_finding
+    from repro.outcome import to_jsonable
+    from repro.pytest_watch import finding_text
+
+    block = Block(start=0x7f0000001000, size=4096, state="inactive", pool=(0, 0), segment=0x7f0000000000)
+    ref = Reference(node=3, kind="kernel", kernel="ampere_sgemm_128x64_nn", where="param 2 +8", offset=24,
+                    addr=0x7f0000001000, block=block)
+    finding = to_jsonable(census_finding("#1 t.py:9 in capture", Fate(block, "freed", block, "allocator state"),
+                                         [ref], "before replay", 0))
+    tf = PhaseFinding(id="h-1.jsonl:4", pid=1, mechanism="census", finding=finding,
+                      captured_in=Phase("t.py::a", "setup"), replayed_in=Phase("t.py::b", "call"))
+    text = finding_text(tf)
+    assert "read by:     kernel ampere_sgemm_128x64_nn, param 2 +8\n" in text
+    assert "captured in: t.py::a (setup)" in text and "replayed in: t.py::b (call)" in text
+    memcpy = Reference(node=5, kind="memcpy", kernel="", where="src", offset=0, addr=block.start, block=block)
+    tf.finding = to_jsonable(census_finding("#1", Fate(block, "freed", block, "allocator state"), [memcpy],
+                                            "before replay", 0))
+    assert "read by:     node 5 src\n" in finding_text(tf)
+
+
+def test_failure_text_shows_where_a_guard_finding_was_created_and_dropped():
+    from repro.attribution import Phase, PhaseFinding
+    from repro.pytest_watch import finding_text
+    f = {"graph": "#1 g", "slot": "model.w", "status": "freed", "created_at": "m.py:3 in load (aten.randn)",
+         "freed_at": "m.py:9 in reload (reassigned)", "message": "graph '#1 g' captured tensor model.w ..."}
+    text = finding_text(PhaseFinding(id="x:1", pid=7, mechanism="guard", finding=f, captured_in=None,
+                                     replayed_in=Phase("t.py::b", "call")))
+    assert text.splitlines() == [
+        "repro watch: graph '#1 g': model.w freed (guard, pid 7)",
+        "  captured in: not found in these records",
+        "  replayed in: t.py::b (call)",
+        "  created at:  m.py:3 in load (aten.randn)",
+        "  dropped at:  m.py:9 in reload (reassigned)",
+        "  graph '#1 g' captured tensor model.w ..."]
 
 
 # -- on: fail, warn, attribution, junit -----------------------------------------------------------
@@ -162,6 +265,50 @@ def test_capture_in_one_test_replay_in_another(tmp_path):
     assert "FAILED test_two.py::test_replays_later" in proc.stdout, out
     assert "captured in: test_two.py::test_captures (setup)" in out
     assert "replayed in: test_two.py::test_replays_later (call)" in out
+
+
+CLASS_FIXTURE = """
+import torch
+import pytest
+from fake_graph import FakeGraph, capture
+
+
+def capture_routine(graph):
+    weight = torch.randn(8, 4)            # held by this local only: freed on return
+    with capture(graph):
+        weight.sum()
+
+
+class TestReplayAtTeardown:
+    @pytest.fixture(scope="class")
+    def graph(self):
+        g = FakeGraph()
+        capture_routine(g)
+        yield g
+        g.replay()                        # the class fixture's teardown replays the dead graph
+
+    def test_first(self, graph):
+        pass
+
+    def test_second(self, graph):
+        pass
+"""
+
+
+def test_class_fixture_captured_in_setup_replayed_in_teardown(tmp_path):
+    proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_class.py": CLASS_FIXTURE},
+                      "-q", "--repro-watch", "--junitxml", "junit.xml")
+    out = out_of(proc)
+    assert proc.returncode == 1, out
+    assert "2 passed, 1 error" in proc.stdout, out
+    assert "ERROR test_class.py::TestReplayAtTeardown::test_second" in proc.stdout
+    assert "captured in: test_class.py::TestReplayAtTeardown::test_first (setup)" in out
+    assert "replayed in: test_class.py::TestReplayAtTeardown::test_second (teardown)" in out
+    case = {c.get("name"): c for c in ET.parse(tmp_path / "junit.xml").iter("testcase")}
+    props = [p.get("value") for p in case["test_second"].iter("property") if p.get("name") == "repro_watch_finding"]
+    assert len(props) == 1 and "(teardown)" in props[0]
+    assert case["test_second"].find("error") is not None
+    assert case["test_first"].find("error") is None and not list(case["test_first"].iter("property"))
 
 
 def test_warn_mode_passes_and_lists_findings_per_test(tmp_path):
@@ -281,13 +428,16 @@ def test_xdist_workers_findings_merge_in_the_controller(tmp_path):
     out = out_of(proc)
     assert proc.returncode == 1, out
     assert "3 failed, 1 passed" in proc.stdout, out
-    summary = out[out.index("repro watch: 3 finding(s)"):]
-    for test in ("test_stale.py::test_replays_stale", "test_sub.py::test_runs_a_program",
-                 "test_sub.py::test_runs_a_program_through_a_shell"):
-        assert f"\n{test}\n" in summary
-    props = [p.get("value") for p in ET.parse(tmp_path / "junit.xml").iter("property")
-             if p.get("name") == "repro_watch_finding"]
-    assert len(props) == 3
+    assert "repro watch: 3 finding(s)" in out
+    by_test = findings_by_test(out)
+    assert sorted(by_test) == ["test_stale.py::test_replays_stale", "test_sub.py::test_runs_a_program",
+                               "test_sub.py::test_runs_a_program_through_a_shell"]
+    assert all(len(lines) == 1 and "<local weight of capture_routine> freed" in lines[0]
+               for lines in by_test.values())
+    assert graphs_checked(out) == 4           # 2 in the workers, 1 in each started program
+    props = junit_findings(tmp_path / "junit.xml")
+    assert {name: len(v) for name, v in props.items()} == {
+        "test_clean": 0, "test_replays_stale": 1, "test_runs_a_program": 1, "test_runs_a_program_through_a_shell": 1}
 
 
 def test_forked_children_report_their_own_findings_once(tmp_path):
@@ -331,9 +481,8 @@ def test_a_hung_replay_killed_by_pytest_timeout_still_leaves_its_finding(tmp_pat
                       "--repro-watch")
     out = out_of(proc)
     assert proc.returncode != 0, out
-    summary = out[out.index("repro watch: 1 finding(s)"):]
-    assert "in no test report" in summary
-    assert "replayed in test_hang.py::test_hangs_in_replay (call)" in summary
+    (line,) = findings_by_test(out)[NO_REPORT]
+    assert "replayed in test_hang.py::test_hangs_in_replay (call)" in line
 
 
 def test_shards_each_report_their_own_tests(tmp_path):
@@ -407,3 +556,111 @@ def test_example_suite_on_cpu_skips_graph_tests_and_says_why(tmp_path):
     props = [p.get("value") for p in ET.parse(tmp_path / "j.xml").iter("property") if p.get("name") == "repro_reload"]
     assert props == ["layer: 3 tensor slots, 0 changed"]         # the repro_stable fixture's census
     assert "repro watch: no findings" in out and "no CUDA graph was captured: nothing was checked" in out
+
+
+STABLE_FIXTURE = f"""
+import sys
+import torch
+sys.path.insert(0, {str(EXAMPLES)!r})
+from engine_layer import Layer, new_weights
+
+
+def test_kernel_reused(repro_stable):
+    layer = Layer(16, torch.device("cpu"), reuse_kernel=True)
+    with repro_stable(layer, name="layer"):
+        layer.reload(new_weights(layer, seed=1))
+
+
+def test_kernel_rebuilt(repro_stable):
+    layer = Layer(16, torch.device("cpu"), reuse_kernel=False)
+    with repro_stable(layer, name="layer"):
+        layer.reload(new_weights(layer, seed=1))
+
+
+def test_kernel_rebuilt_but_ignored(repro_stable):
+    layer = Layer(16, torch.device("cpu"), reuse_kernel=False)
+    with repro_stable(layer, name="layer", ignore=["layer.kernel.*"]):
+        layer.reload(new_weights(layer, seed=1))
+"""
+
+
+def test_repro_stable_fixture_fails_an_unstable_reload_with_the_plugin_off(tmp_path):
+    """The fixture is there whenever the plugin is loaded, --repro-watch or not."""
+    proc = run_pytest(tmp_path, {"test_stable.py": STABLE_FIXTURE}, "-q", "--junitxml", "junit.xml", ep=True)
+    out = out_of(proc)
+    assert proc.returncode == 1, out
+    assert "1 failed, 2 passed" in proc.stdout, out
+    assert "FAILED test_stable.py::test_kernel_rebuilt" in proc.stdout
+    assert "ReloadUnstable: 2 of 3 tensor slots under layer changed across the reload (2 freed)" in out
+    assert "layer.kernel.workspace  freed" in out and "layer.kernel.scale  freed" in out
+    assert "repro watch" not in out
+    props = {c.get("name"): [p.get("value") for p in c.iter("property") if p.get("name") == "repro_reload"]
+             for c in ET.parse(tmp_path / "junit.xml").iter("testcase")}
+    assert props == {"test_kernel_reused": ["layer: 3 tensor slots, 0 changed"],
+                     "test_kernel_rebuilt": ["layer: 3 tensor slots, 2 changed"],
+                     "test_kernel_rebuilt_but_ignored": ["layer: 3 tensor slots, 0 changed"]}
+
+
+# -- README: the CI snippets ----------------------------------------------------------------------
+
+def readme_yaml_after(heading: str) -> dict:
+    """The first ```yaml block after `heading` in the README's "In your engine's CI" section."""
+    yaml = pytest.importorskip("yaml")
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## In your engine's CI"):]
+    section = section[:section.index("\n## ", 1)]
+    block = section[section.index(heading):]
+    block = block[block.index("```yaml\n") + len("```yaml\n"):]
+    return yaml.safe_load(block[:block.index("```")])
+
+
+def suite_at(tmp_path: Path, *dirs: str) -> None:
+    """The stale-graph suite in each of the snippet's test directories."""
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    for d in dirs:
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / f"test_{Path(d).name}.py").write_text(STALE)
+
+
+def test_readme_buildkite_step_runs_as_written(tmp_path):
+    """The pytest command of the Buildkite step, $$ as the agent passes it to the shell (one
+    shard of one), on the stale-graph suite placed where the step's paths point."""
+    for name in ("pytest_shard", "pytest_timeout"):
+        pytest.importorskip(name)
+    (step,) = readme_yaml_after("Buildkite")["steps"]
+    assert step["env"]["PYTHONFAULTHANDLER"] == "1" and step["artifact_paths"] == ["artifacts/**/*"]
+    command = shlex.split(step["commands"][1].replace("$$BUILDKITE_PARALLEL_JOB_COUNT", "1")
+                          .replace("$$BUILDKITE_PARALLEL_JOB", "0"))
+    assert command[0] == "pytest" and "--repro-watch" in command
+    paths = [a for a in command if a.startswith("tests/")]
+    suite_at(tmp_path, *paths)
+    proc = run_pytest(tmp_path, {}, *command[1:])
+    out = out_of(proc)
+    assert proc.returncode == 1, out
+    assert "2 failed, 2 passed" in proc.stdout, out
+    assert "repro watch: 2 finding(s)" in out
+    assert list((tmp_path / "artifacts" / "repro-watch").glob("*.jsonl"))
+    junit = ET.parse(tmp_path / "artifacts" / "junit-0.xml")
+    assert len([p for p in junit.iter("property") if p.get("name") == "repro_watch_finding"]) == 2
+
+
+def test_readme_github_actions_job_runs_as_written(tmp_path):
+    """The job's pytest command for one suite of its matrix, with two xdist workers instead of
+    four (this machine's cores)."""
+    pytest.importorskip("xdist")
+    job = readme_yaml_after("GitHub Actions")["jobs"]["gpu-tests"]
+    assert "self-hosted" in job["runs-on"] and "gpu" in job["runs-on"]
+    upload = next(s for s in job["steps"] if s.get("uses", "").startswith("actions/upload-artifact"))
+    assert upload["if"] == "failure()" and upload["with"]["path"].split() == ["junit.xml", "repro-watch/"]
+    (run,) = [s["run"] for s in job["steps"] if "pytest" in s.get("run", "")]
+    suite = job["strategy"]["matrix"]["suite"][0]
+    command = shlex.split(run.replace("${{ matrix.suite }}", suite))
+    assert command[:3] == ["python", "-m", "pytest"] and command[command.index("-n") + 1] == "4"
+    command[command.index("-n") + 1] = "2"
+    suite_at(tmp_path, suite)
+    proc = run_pytest(tmp_path, {}, *command[3:])
+    out = out_of(proc)
+    assert proc.returncode == 1 and "1 failed, 1 passed" in proc.stdout, out
+    assert list((tmp_path / "repro-watch").glob("*.jsonl"))
+    junit = ET.parse(tmp_path / "junit.xml")
+    assert len([p for p in junit.iter("property") if p.get("name") == "repro_watch_finding"]) == 1

@@ -140,6 +140,21 @@ def test_statuses_freed_rebound_moved_reshaped_added_dropped():
     del held_elsewhere
 
 
+def test_view_changes_of_one_storage_are_named_field_by_field():
+    holder = {"shape": torch.zeros(8), "dtype": torch.zeros(8), "offset": torch.zeros(8)[:4]}
+    with expect_stable(holder, "h", raises=False) as s:
+        holder["shape"] = holder["shape"][:4]                        # fewer elements, same start
+        holder["dtype"] = holder["dtype"].view(torch.int32)          # same bytes read as int32
+        holder["offset"] = holder["offset"].as_strided((4,), (1,), 4)   # the storage's other half
+    by_path = {c.path: (c.status, c.changed) for c in s.changes}
+    assert by_path == {"h['shape']": ("reshaped", ["shape"]), "h['dtype']": ("reshaped", ["dtype"]),
+                       "h['offset']": ("reshaped", ["data_ptr", "storage_offset"])}
+    messages = {c.path: c.message for c in s.changes}
+    assert "shape (8,) -> (4,)" in messages["h['shape']"]
+    assert "dtype float32 -> int32" in messages["h['dtype']"]
+    assert "storage_offset 0 -> 4" in messages["h['offset']"]
+
+
 def test_dropped_slot_whose_storage_lives_on_names_where():
     layer = Layer()
     layer.spare = layer.kernel.workspace
