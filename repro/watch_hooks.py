@@ -114,7 +114,8 @@ class Recorder:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
 
     def write(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record, default=str, ensure_ascii=False) + "\n"
+        # ASCII: an argv or message that was not UTF-8 (surrogate escapes) must not lose the record.
+        line = json.dumps(record, default=str, ensure_ascii=True) + "\n"
         os.write(self._fd, line.encode("utf-8"))
 
     def close(self) -> None:

@@ -555,3 +555,14 @@ def test_sight_notes_stay_quiet_once_a_graph_was_checked():
     blind = WatchReport(processes=[WatchedProcess(pid=1, host="h", torch_hooked=True)], findings=[])
     assert "this machine has no GPU" in sight_notes(blind, gpu_count=0)[0]
     assert "this machine has no GPU" not in sight_notes(blind, gpu_count=2)[0]
+
+
+def test_a_record_holding_text_that_was_not_utf8_is_still_written(tmp_path):
+    """An argv byte that was not UTF-8 reaches Python as a surrogate escape; the record of that
+    process must still be written (it was lost: strict UTF-8 encoding raised)."""
+    from repro import watch_hooks
+    recorder = watch_hooks.Recorder(str(tmp_path))
+    recorder.write({"kind": "process", "argv": ["prog", "caf\udce9"]})
+    recorder.close()
+    [line] = Path(recorder.path).read_text(encoding="ascii").splitlines()
+    assert json.loads(line)["argv"] == ["prog", "caf\udce9"]
