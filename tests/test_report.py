@@ -370,6 +370,24 @@ def test_junit_survives_control_characters_in_stderr(tmp_path):
     assert SLOT in case.find("failure").text
 
 
+def test_junit_writer_makes_every_attribute_and_text_xml_safe(tmp_path):
+    """The one writer both report kinds use: a character XML forbids anywhere (control
+    characters, a surrogate escape of bytes that are not UTF-8) is dropped, never written."""
+    from repro.report.junit import JunitCase, JunitFailure, JunitSuite, junit_document
+    bad = "a\x01b\udcffc<d>"
+    suite = JunitSuite(name=bad, properties={bad: bad}, timestamp=bad, cases=[
+        JunitCase(classname=bad, name=bad, properties={"p": bad}, failures=[JunitFailure(bad, bad, bad)],
+                  system_out=bad, system_err=bad),
+        JunitCase(classname="c", name="skipped", skipped=bad)])
+    path = tmp_path / "junit.xml"
+    files.write_text_atomic(path, junit_document(suite))
+    root = ET.parse(path).getroot()
+    values = [v for node in root.iter() for v in [*node.attrib.values(), node.text or ""]]
+    assert "abc<d>" in values and values.count("abc<d>") >= 12
+    assert not any("\x01" in v or "\udcff" in v for v in values)
+    assert (root.get("tests"), root.get("failures"), root.get("skipped")) == ("2", "1", "1")
+
+
 def test_html_is_self_contained_and_escaped(tmp_path):
     path = tmp_path / "report.html"
     rp.write_html(full_report(), path)
