@@ -304,6 +304,15 @@ def test_json_is_strict_even_with_nonfinite_numbers(tmp_path):
     assert "Infinity" in rp.report_to_text(report_from_dict(data))
 
 
+def test_json_holds_text_that_was_not_utf8(tmp_path):
+    """Bytes that are not UTF-8 reach a record as surrogate escapes; the file is still written."""
+    report = full_report()
+    report.trials[0].notes = ["argv x\udcffy.py"]
+    path = tmp_path / "r.json"
+    rp.write_json(report, path)
+    assert json.loads(path.read_text(encoding="utf-8"))["trials"][0]["notes"] == ["argv x\ufffdy.py"]
+
+
 def test_json_dash_writes_only_json_to_stdout(capsys):
     rp.write_json(full_report(), "-")
     out, err = capsys.readouterr()
