@@ -380,8 +380,8 @@ def test_junit_survives_control_characters_in_stderr(tmp_path):
 
 
 def test_junit_writer_makes_every_attribute_and_text_xml_safe(tmp_path):
-    """The one writer both report kinds use: a character XML forbids anywhere (control
-    characters, a surrogate escape of bytes that are not UTF-8) is dropped, never written."""
+    """The one writer both report kinds use: a character XML forbids anywhere is dropped and a
+    surrogate escape (bytes that were not UTF-8) written as U+FFFD, never as itself."""
     from repro.report.junit import JunitCase, JunitFailure, JunitSuite, junit_document
     bad = "a\x01b\udcffc<d>"
     suite = JunitSuite(name=bad, properties={bad: bad}, timestamp=bad, cases=[
@@ -392,7 +392,7 @@ def test_junit_writer_makes_every_attribute_and_text_xml_safe(tmp_path):
     files.write_text_atomic(path, junit_document(suite))
     root = ET.parse(path).getroot()
     values = [v for node in root.iter() for v in [*node.attrib.values(), node.text or ""]]
-    assert "abc<d>" in values and values.count("abc<d>") >= 12
+    assert values.count("ab\ufffdc<d>") == 14
     assert not any("\x01" in v or "\udcff" in v for v in values)
     assert (root.get("tests"), root.get("failures"), root.get("skipped")) == ("2", "1", "1")
 

@@ -5,16 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 from typing import Any
 
 from repro.files import write_text_atomic
 from repro.outcome import Report, to_jsonable
-
-# A program's argv or output that is not UTF-8 reaches the records as surrogate escapes; a
-# UTF-8 file cannot hold one, so it becomes the replacement character decoders use.
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+from repro.report.fmt import encodable
 
 
 def strict_json(value: Any) -> Any:
@@ -26,7 +22,7 @@ def strict_json(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, str):
-        return LONE_SURROGATE.sub("\ufffd", value)
+        return encodable(value)
     if isinstance(value, dict):
         return {strict_json(k): strict_json(v) for k, v in value.items()}
     if isinstance(value, list):

@@ -14,16 +14,16 @@ from typing import Any
 
 from repro.files import write_text_atomic
 from repro.outcome import Outcome, Report
+from repro.report.fmt import encodable
 from repro.report.view import RunView, TrialView, config_params, run_config, run_view
 
 # Characters XML 1.0 forbids even escaped; one in a stderr tail would make the whole file unreadable.
-# Lone surrogates too: a program's argv or output that is not UTF-8 reaches the records as
-# surrogate escapes, which no UTF-8 file can hold.
-XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 
 
 def xml_text(text: Any) -> str:
-    return XML_INVALID.sub("", str(text))
+    """Forbidden characters dropped; a surrogate escape (bytes that were not UTF-8) is U+FFFD."""
+    return XML_INVALID.sub("", encodable(str(text)))
 
 
 # ---- the writer -------------------------------------------------------------------------------
