@@ -1,8 +1,8 @@
 """JUnit XML: the one writer every report kind uses, and the trial report's cases.
 
-A report kind maps its view model to a JunitSuite; junit_document writes it. Every attribute
-and text goes through xml_text in that one place, so no kind can let a character XML forbids
-into the file.
+A report kind maps its view model to a JunitSuite (trial_suite, watch_suite); junit_document
+writes it. Every attribute and text goes through xml_text in that one place, so no kind can let
+a character XML forbids into the file.
 """
 from __future__ import annotations
 
@@ -10,12 +10,15 @@ import os
 import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from repro.files import write_text_atomic
 from repro.outcome import Outcome, Report
 from repro.report.fmt import encodable
 from repro.report.view import RunView, TrialView, config_params, run_config, run_view
+
+if TYPE_CHECKING:       # repro.watch_report imports this package: the type alone is needed here
+    from repro.watch_report import WatchView
 
 # Characters XML 1.0 forbids even escaped; one in a stderr tail would make the whole file unreadable.
 XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
@@ -187,3 +190,17 @@ def junit_xml(report: Report) -> str:
 
 def write_junit(report: Report, path: str | os.PathLike) -> None:
     write_text_atomic(path, junit_xml(report))
+
+
+# ---- `repro watch` ----------------------------------------------------------------------------
+
+
+def watch_suite(wv: WatchView) -> JunitSuite:
+    """One testcase per watched process; one failure per group of its findings."""
+    cases = [JunitCase(classname="repro.watch", name=c.name, system_out=c.command,
+                       failures=[JunitFailure(f"{p.pattern} {p.headline}", p.status,
+                                              "\n".join(f"{f.label}: {f.value}" for f in p.facts))
+                                 for p in c.problems])
+             for c in wv.cases]
+    return JunitSuite(name="repro watch", cases=cases, timestamp=wv.created,
+                      properties={"command": wv.command, "schema": wv.schema})
