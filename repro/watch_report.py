@@ -1,32 +1,36 @@
-"""`repro watch` records -> one report over every process: rich text, JSON, JUnit XML, HTML.
+"""`repro watch` records -> the watch report: what a run's records say, as one view model.
 
 Reads the ``<host>-<pid>.jsonl`` files the hooks wrote in one or more run directories (one
 per node after a multi-node run), tolerating a last line cut short by a crash. No torch import.
+
+This module decides what the report says (WatchView, and the JSON document of schema
+repro.watch/1); the trial report's writers in repro/report/ draw it: console.py on the
+terminal, junit.py (the one XML-safe JUnit writer), html.py (templates/watch.html, autoescaped)
+and jsonfile.py (the one strict JSON writer).
 """
 from __future__ import annotations
 
-import html
 import json
 import time
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.padding import Padding
-from rich.table import Table
-from rich.text import Text
 
-from repro.outcome import Finding, finding_from_dict, to_jsonable
 from repro.files import write_text_atomic
-from repro.report.fmt import fmt_bytes, fmt_ptr
+from repro.outcome import Finding, finding_from_dict, to_jsonable
+from repro.report.console import render_watch
+from repro.report.fmt import fmt_bytes, fmt_ptr, plain
 from repro.report.groups import FindingGroup, group_findings
-from repro.report.junit import xml_text
+from repro.report.jsonfile import json_text, write_document
+from repro.report.junit import junit_document, watch_suite
+from repro.report.view import BAD, OK, WARN, Cell, Column, Fact, TableView, table_rows
 
 SCHEMA = "repro.watch/1"
-MAX_GROUPS_SHOWN = 10         # groups printed in full; the rest are counted (all are in --json)
+MAX_GROUPS_SHOWN = 10         # groups shown in full; the rest are counted (all are in --json)
 MAX_NAMES_SHOWN = 4           # member names listed under a group
+MAX_ERRORS_SHOWN = 3          # internal errors shown per process
 
 
 @dataclass
@@ -172,30 +176,36 @@ def load_report(run_dirs: list[Path]) -> WatchReport:
                        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
-# -- console ------------------------------------------------------------------------------------
+# -- the view model -----------------------------------------------------------------------------
 
 def short_argv(argv: list[str], width: int = 60) -> str:
-    text = " ".join(argv[1:] if len(argv) > 1 else argv)
+    text = plain(" ".join(argv[1:] if len(argv) > 1 else argv))
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def processes_table(rep: WatchReport) -> Table:
-    table = Table(title=f"Processes watched ({len(rep.processes)})", title_justify="left",
-                  show_edge=False, pad_edge=False)
+def graphs_text(p: WatchedProcess) -> str:
+    return str(p.graphs) + (f" ({p.managed_graphs} managed)" if p.managed_graphs else "")
+
+
+PROCESS_COLUMNS: tuple[Column, ...] = (
+    Column("host", "host", lambda p: Cell(plain(p.host))),
+    Column("pid", "pid", lambda p: Cell(str(p.pid)), numeric=True),
+    Column("rank", "rank", lambda p: Cell("" if p.rank is None else str(p.rank)), numeric=True),
+    Column("torch", "torch", lambda p: Cell("hooked" if p.torch_hooked else "not imported")),
+    Column("graphs", "graphs", lambda p: Cell(graphs_text(p)), numeric=True),
+    Column("replays", "replays", lambda p: Cell("?" if p.replays is None else str(p.replays)), numeric=True),
+    Column("findings", "findings", lambda p: Cell(str(p.findings)), numeric=True),
+    Column("exited", "exited", lambda p: Cell("yes" if p.exited else "no")),
+    Column("command", "command", lambda p: Cell(short_argv(p.argv)), wrap=True),
+)
+
+
+def processes_view(rep: WatchReport) -> TableView:
+    """One row per process; the host column only when the processes ran on several hosts."""
     multi_host = len({p.host for p in rep.processes}) > 1
-    for col in (["host"] if multi_host else []) + ["pid", "rank", "torch", "graphs", "replays",
-                                                  "findings", "exited", "command"]:
-        table.add_column(col, justify="right" if col in ("pid", "rank", "graphs", "replays", "findings") else "left",
-                         overflow="fold" if col == "command" else "ellipsis")
-    for p in rep.processes:
-        graphs = str(p.graphs) + (f" ({p.managed_graphs} managed)" if p.managed_graphs else "")
-        row = ([p.host] if multi_host else []) + [
-            str(p.pid), "" if p.rank is None else str(p.rank),
-            "hooked" if p.torch_hooked else "not imported", graphs,
-            "?" if p.replays is None else str(p.replays), str(p.findings), "yes" if p.exited else "no",
-            short_argv(p.argv)]
-        table.add_row(*[Text(c) for c in row], style="red" if p.findings else "")
-    return table
+    columns = [c for c in PROCESS_COLUMNS if c.key != "host" or multi_host]
+    return TableView(f"Processes watched ({len(rep.processes)})", columns,
+                     table_rows(columns, rep.processes, failed=lambda p: p.findings > 0))
 
 
 def finding_facts(w: WatchFinding) -> list[tuple[str, str]]:
@@ -240,24 +250,41 @@ def group_facts(g: FindingGroup) -> list[tuple[str, str]]:
     return facts + finding_facts(g.members[0])
 
 
-def findings_block(rep: WatchReport) -> list[Any]:
-    groups = rep.groups()
-    out: list[Any] = [Text(f"Findings ({len(rep.findings)} in {len(groups)} group{'s' if len(groups) != 1 else ''})",
-                           style="bold")]
-    for g in groups[:MAX_GROUPS_SHOWN]:
-        out.append(Text.assemble("  ", (g.status.upper(), "bold red" if g.status == "freed" else "bold yellow"),
-                                 " ", (g.pattern, "bold"), f" · {group_headline(g)}"))
-        grid = Table.grid(padding=(0, 2))
-        grid.add_column(style="dim", no_wrap=True)
-        grid.add_column(overflow="fold")
-        for label, value in group_facts(g):
-            grid.add_row(label, Text(value))
-        out.append(Padding(grid, (0, 0, 0, 4)))
-    hidden = groups[MAX_GROUPS_SHOWN:]
-    if hidden:
-        out.append(Text(f"  {len(hidden)} more groups ({sum(g.count for g in hidden)} findings; all are in --json)",
-                        style="dim"))
-    return out
+@dataclass
+class ProblemView:
+    """One group of findings as every renderer shows it; record text made printable."""
+    status: str
+    pattern: str
+    headline: str             # 'in 67 graphs of 2 processes, ranks 0, 1'
+    tone: str
+    facts: list[Fact]
+
+
+def problem_view(g: FindingGroup) -> ProblemView:
+    return ProblemView(status=plain(g.status), pattern=plain(g.pattern), headline=plain(group_headline(g)),
+                       tone=BAD if g.status == "freed" else WARN,
+                       facts=[Fact(label, plain(str(value))) for label, value in group_facts(g)])
+
+
+@dataclass
+class ProcessCase:
+    """A watched process as one test (JUnit): its findings grouped among themselves."""
+    name: str                 # 'host:pid[rank r]'
+    command: str              # the whole argv
+    problems: list[ProblemView]
+
+
+def process_case(p: WatchedProcess, findings: list[WatchFinding]) -> ProcessCase:
+    name = f"{p.host}:{p.pid}" + ("" if p.rank is None else f"[rank {p.rank}]")
+    groups = group_findings(findings, finding_of=lambda w: w.finding)
+    return ProcessCase(name=plain(name), command=plain(" ".join(p.argv)), problems=[problem_view(g) for g in groups])
+
+
+def process_cases(rep: WatchReport) -> list[ProcessCase]:
+    by_process: dict[tuple[str, int], list[WatchFinding]] = {}
+    for w in rep.findings:
+        by_process.setdefault((w.host, w.pid), []).append(w)
+    return [process_case(p, by_process.get((p.host, p.pid), [])) for p in rep.processes]
 
 
 def pool_note(rep: WatchReport) -> str | None:
@@ -273,46 +300,71 @@ def pool_note(rep: WatchReport) -> str | None:
     return text
 
 
-def verdict_line(rep: WatchReport) -> Text:
+def verdict_cells(rep: WatchReport, groups: int) -> list[Cell]:
     hooked = sum(p.torch_hooked for p in rep.processes)
     graphs = sum(p.graphs for p in rep.processes)
-    text = Text()
-    if rep.interrupted:
-        text.append("INTERRUPTED  ", style="bold yellow")
+    cells = [Cell("INTERRUPTED  ", WARN)] if rep.interrupted else []
     if rep.findings:
-        text.append(f"{len(rep.findings)} finding(s) in {len(rep.groups())} group(s)", style="bold red")
+        cells.append(Cell(f"{len(rep.findings)} finding(s) in {groups} group(s)", BAD))
     else:
-        text.append("no findings", style="bold green")
-    text.append(f" · {len(rep.processes)} process(es) watched, {hooked} imported torch, "
-                f"{graphs} graph capture(s)")
+        cells.append(Cell("no findings", OK))
+    cells.append(Cell(f" · {len(rep.processes)} process(es) watched, {hooked} imported torch, "
+                      f"{graphs} graph capture(s)"))
     if rep.command_exit is not None:
-        text.append(f" · command exited {rep.command_exit}")
-    return text
+        cells.append(Cell(f" · command exited {rep.command_exit}"))
+    return cells
 
 
-def render(rep: WatchReport, console: Console) -> None:
-    console.print(verdict_line(rep))
-    if rep.processes:
-        console.print(processes_table(rep))
-    if rep.findings:
-        for item in findings_block(rep):
-            console.print(item)
-    censuses = sorted({p.census for p in rep.processes if p.graphs})
-    if censuses:
-        console.print(Text("census: " + "; ".join(censuses), style="dim"))
-    note = pool_note(rep)
-    if note:
-        console.print(Text(note, style="dim"))
-    for p in rep.processes:
-        for err in p.internal_errors[:3]:
-            console.print(Text(f"watch internal error in pid {p.pid}: {err}", style="yellow"))
-    for note in rep.notes:
-        console.print(Text(note, style="dim"))
-    if rep.run_dirs:
-        console.print(Text("records: " + ", ".join(rep.run_dirs), style="dim"))
+def internal_errors(rep: WatchReport) -> list[str]:
+    return [plain(f"watch internal error in pid {p.pid}: {err}")
+            for p in rep.processes for err in p.internal_errors[:MAX_ERRORS_SHOWN]]
 
 
-# -- files --------------------------------------------------------------------------------------
+@dataclass
+class WatchView:
+    """What a watch report says, decided once for the console, JUnit and HTML."""
+    verdict: list[Cell]
+    command: str
+    created: str
+    schema: str
+    processes: TableView
+    findings_total: int
+    groups_total: int
+    problems: list[ProblemView]       # the first MAX_GROUPS_SHOWN groups
+    hidden_findings: int              # in the groups past those
+    census: str                       # the census states of the processes that captured a graph
+    pool_note: str
+    internal_errors: list[str]
+    notes: list[str]
+    records: str                      # the run directories read
+    cases: list[ProcessCase]
+
+    @property
+    def verdict_text(self) -> str:
+        return "".join(c.text for c in self.verdict)
+
+    @property
+    def findings_title(self) -> str:
+        return f"Findings ({self.findings_total} in {self.groups_total} group{'s' if self.groups_total != 1 else ''})"
+
+    @property
+    def hidden_groups(self) -> int:
+        return self.groups_total - len(self.problems)
+
+
+def watch_view(rep: WatchReport) -> WatchView:
+    groups = rep.groups()
+    return WatchView(
+        verdict=verdict_cells(rep, len(groups)), command=plain(" ".join(rep.command)), created=rep.created,
+        schema=rep.schema, processes=processes_view(rep), findings_total=len(rep.findings), groups_total=len(groups),
+        problems=[problem_view(g) for g in groups[:MAX_GROUPS_SHOWN]],
+        hidden_findings=sum(g.count for g in groups[MAX_GROUPS_SHOWN:]),
+        census="; ".join(sorted({plain(p.census) for p in rep.processes if p.graphs})),
+        pool_note=pool_note(rep) or "", internal_errors=internal_errors(rep), notes=[plain(n) for n in rep.notes],
+        records=plain(", ".join(rep.run_dirs)), cases=process_cases(rep))
+
+
+# -- the JSON document --------------------------------------------------------------------------
 
 def group_json(g: FindingGroup, rep: WatchReport) -> dict[str, Any]:
     index = {id(w): i for i, w in enumerate(rep.findings)}
@@ -323,68 +375,40 @@ def group_json(g: FindingGroup, rep: WatchReport) -> dict[str, Any]:
             "findings": [index[id(w)] for w in g.members]}
 
 
-def report_json(rep: WatchReport) -> str:
+def watch_document(rep: WatchReport) -> dict[str, Any]:
+    """Every record as read (schema repro.watch/1), the groups as indices into findings[]."""
     doc = to_jsonable(rep)
-    doc["groups"] = [group_json(g, rep) for g in rep.groups()]     # indices into findings[]
+    doc["groups"] = [group_json(g, rep) for g in rep.groups()]
     note = pool_note(rep)
     if note:
         doc["notes"] = doc["notes"] + [note]
-    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+    return doc
 
 
-def write_json(rep: WatchReport, path: str) -> None:
-    """'-' writes to stdout, after everything the command itself printed there."""
-    import sys
-    text = report_json(rep)
-    if path == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    else:
-        write_text_atomic(path, text)
+# -- handed to the report writers ---------------------------------------------------------------
+
+def render(rep: WatchReport, console: Console) -> None:
+    render_watch(watch_view(rep), console)
+
+
+def report_json(rep: WatchReport) -> str:
+    return json_text(watch_document(rep))
 
 
 def junit_xml(rep: WatchReport) -> str:
-    """One testcase per watched process; one failure per group of its findings (text XML-safe:
-    a program's argv or a tensor name may hold characters XML forbids)."""
-    suite = ET.Element("testsuite", name="repro watch", tests=str(len(rep.processes)),
-                       failures=str(sum(1 for p in rep.processes if p.findings)))
-    by_process: dict[tuple[str, int], list[WatchFinding]] = {}
-    for w in rep.findings:
-        by_process.setdefault((w.host, w.pid), []).append(w)
-    for p in rep.processes:
-        name = f"{p.host}:{p.pid}" + ("" if p.rank is None else f"[rank {p.rank}]")
-        case = ET.SubElement(suite, "testcase", classname="repro.watch", name=xml_text(name))
-        for g in group_findings(by_process.get((p.host, p.pid), []), finding_of=lambda w: w.finding):
-            failure = ET.SubElement(case, "failure", type=g.status,
-                                    message=xml_text(f"{g.pattern} {group_headline(g)}"))
-            failure.text = xml_text("\n".join(f"{k}: {v}" for k, v in group_facts(g)))
-        ET.SubElement(case, "system-out").text = xml_text(" ".join(p.argv))
-    return ET.tostring(suite, encoding="unicode") + "\n"
+    return junit_document(watch_suite(watch_view(rep)))
 
 
 def report_html(rep: WatchReport) -> str:
-    e = html.escape
-    rows = "".join(
-        f"<tr><td>{e(p.host)}</td><td>{p.pid}</td><td>{'' if p.rank is None else p.rank}</td>"
-        f"<td><code>{e(' '.join(p.argv))}</code></td><td>{'hooked' if p.torch_hooked else 'not imported'}</td>"
-        f"<td>{p.graphs}</td><td>{'?' if p.replays is None else p.replays}</td><td>{p.findings}</td></tr>"
-        for p in rep.processes)
-    blocks = "".join(
-        "<section><h3>" + e(g.status.upper()) + " " + e(g.pattern) + " · " + e(group_headline(g)) + "</h3><dl>"
-        + "".join(f"<dt>{e(k)}</dt><dd>{e(str(v))}</dd>" for k, v in group_facts(g)) + "</dl></section>"
-        for g in rep.groups())
-    verdict = e(verdict_line(rep).plain)
-    return ("<!doctype html><html><head><meta charset='utf-8'><title>repro watch</title><style>"
-            "body{font-family:system-ui,sans-serif;margin:2em}td,th{padding:2px 8px;text-align:left}"
-            "dt{font-weight:bold;float:left;width:8em}dd{margin-left:9em}code{font-size:90%}</style></head>"
-            f"<body><h1>repro watch</h1><p>{verdict}</p><p><code>{e(' '.join(rep.command))}</code></p>"
-            "<table><tr><th>host</th><th>pid</th><th>rank</th><th>command</th><th>torch</th>"
-            f"<th>graphs</th><th>replays</th><th>findings</th></tr>{rows}</table>{blocks}</body></html>\n")
+    # jinja2 is imported only when a page is asked for, as for the trial report.
+    from repro.report.html import watch_html
+    return watch_html(watch_view(rep))
 
 
 def write_artifacts(rep: WatchReport, json_path: str | None, junit: str | None, html_path: str | None) -> None:
+    """json_path '-' writes to stdout, after everything the command itself printed there."""
     if json_path:
-        write_json(rep, json_path)
+        write_document(watch_document(rep), json_path)
     if junit:
         write_text_atomic(junit, junit_xml(rep))
     if html_path:

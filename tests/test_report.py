@@ -304,6 +304,15 @@ def test_json_is_strict_even_with_nonfinite_numbers(tmp_path):
     assert "Infinity" in rp.report_to_text(report_from_dict(data))
 
 
+def test_json_holds_text_that_was_not_utf8(tmp_path):
+    """Bytes that are not UTF-8 reach a record as surrogate escapes; the file is still written."""
+    report = full_report()
+    report.trials[0].notes = ["argv x\udcffy.py"]
+    path = tmp_path / "r.json"
+    rp.write_json(report, path)
+    assert json.loads(path.read_text(encoding="utf-8"))["trials"][0]["notes"] == ["argv x\ufffdy.py"]
+
+
 def test_json_dash_writes_only_json_to_stdout(capsys):
     rp.write_json(full_report(), "-")
     out, err = capsys.readouterr()
@@ -368,6 +377,24 @@ def test_junit_survives_control_characters_in_stderr(tmp_path):
     case = junit_root(tmp_path, report).find("testsuite/testcase")
     assert "bell nul escbold" in case.find("failure").text
     assert SLOT in case.find("failure").text
+
+
+def test_junit_writer_makes_every_attribute_and_text_xml_safe(tmp_path):
+    """The one writer both report kinds use: a character XML forbids anywhere is dropped and a
+    surrogate escape (bytes that were not UTF-8) written as U+FFFD, never as itself."""
+    from repro.report.junit import JunitCase, JunitFailure, JunitSuite, junit_document
+    bad = "a\x01b\udcffc<d>"
+    suite = JunitSuite(name=bad, properties={bad: bad}, timestamp=bad, cases=[
+        JunitCase(classname=bad, name=bad, properties={"p": bad}, failures=[JunitFailure(bad, bad, bad)],
+                  system_out=bad, system_err=bad),
+        JunitCase(classname="c", name="skipped", skipped=bad)])
+    path = tmp_path / "junit.xml"
+    files.write_text_atomic(path, junit_document(suite))
+    root = ET.parse(path).getroot()
+    values = [v for node in root.iter() for v in [*node.attrib.values(), node.text or ""]]
+    assert values.count("ab\ufffdc<d>") == 14
+    assert not any("\x01" in v or "\udcff" in v for v in values)
+    assert (root.get("tests"), root.get("failures"), root.get("skipped")) == ("2", "1", "1")
 
 
 def test_html_is_self_contained_and_escaped(tmp_path):

@@ -75,7 +75,7 @@ def test_json_keeps_every_finding_and_groups_point_at_them(tmp_path):
 def test_junit_has_one_failure_per_group_and_survives_control_characters(tmp_path):
     write_process(tmp_path, 11, [finding("cache.k", f"g{i}") for i in range(50)], argv=("python", "x\x01y.py"))
     root = ET.fromstring(W.junit_xml(W.load_report([tmp_path])))
-    [case] = root.findall("testcase")
+    [case] = root.findall("testsuite/testcase")
     assert len(case.findall("failure")) == 1
     assert "in 50 graphs" in case.find("failure").get("message")
 
@@ -83,3 +83,82 @@ def test_junit_has_one_failure_per_group_and_survives_control_characters(tmp_pat
 def test_pool_contract_is_said_in_the_console(tmp_path):
     write_process(tmp_path, 11, [], pool_managed=64)
     assert "pool contract: 64 captured storage(s) lived in their own graph's memory pool" in rendered(W.load_report([tmp_path]), 200)
+
+
+# ---- the files go through the trial report's writers ------------------------------------------
+
+HOSTILE = "\x01<script>alert(1)</script>"
+
+
+def hostile_run(tmp_path):
+    """Records as a program can make them: markup and a control character in a tensor name and a
+    message, an argv with bytes that were not UTF-8 (surrogate escapes once read back)."""
+    f = finding(f"cache.k{HOSTILE}", "g0")
+    f.message = f"captured tensor freed {HOSTILE}"
+    write_process(tmp_path, 11, [f], argv=("python", f"x{HOSTILE}.py", "--name=caf\udce9"))
+    return W.load_report([tmp_path])
+
+
+def test_junit_of_hostile_records_parses_and_keeps_their_text(tmp_path):
+    path = tmp_path / "out" / "w.xml"
+    W.write_artifacts(hostile_run(tmp_path), None, str(path), None)
+    root = ET.parse(path).getroot()
+    [case] = root.iter("testcase")
+    failure = case.find("failure")
+    assert "cache.k<script>alert(1)</script>" in failure.get("message")
+    assert "captured tensor freed <script>alert(1)</script>" in failure.text
+    assert case.find("system-out").text == "python x<script>alert(1)</script>.py --name=caf\ufffd"
+    assert root.find("testsuite/properties/property[@name='schema']").get("value") == W.SCHEMA
+
+
+def test_html_of_hostile_records_is_escaped_by_the_shared_template(tmp_path):
+    path = tmp_path / "out" / "w.html"
+    W.write_artifacts(hostile_run(tmp_path), None, None, str(path))
+    page = path.read_text(encoding="utf-8")
+    assert "<script" not in page and "\x01" not in page
+    assert "cache.k&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "captured tensor freed &lt;script&gt;" in page and "x&lt;script&gt;" in page
+    # The trial page's layout and pieces: its stylesheet, the finding block, the folded facts.
+    assert page.startswith("<!DOCTYPE html>") and "table.facts th{" in page
+    assert '<div class="finding">' in page and "<details open>" in page
+
+
+def test_html_says_what_the_console_says(tmp_path):
+    write_process(tmp_path, 11, [finding("cache.k", f"g{i}") for i in range(3)], pool_managed=64)
+    rep = W.load_report([tmp_path])
+    rep.notes = ["Nothing checked: a note"]
+    page = W.report_html(rep)
+    text = rendered(rep, 300)
+    for line in ("Processes watched (1)", "Findings (3 in 1 group)", "in 3 graphs, rank 0",
+                 "pool contract: 64 captured storage(s)", "Nothing checked: a note", "records: "):
+        assert line in text
+        assert line.replace("'", "&#39;") in page, line
+
+
+def test_json_goes_through_the_strict_writer(tmp_path):
+    write_process(tmp_path, 11, [finding("cache.k", "g0")])
+    path = next(tmp_path.glob("*.jsonl"))
+    head, *rest = path.read_text().splitlines()
+    process = json.loads(head)
+    process["started"] = float("nan")          # a bare NaN token, which Python's json reads back
+    path.write_text("\n".join([json.dumps(process), *rest]) + "\n")
+    out = tmp_path / "out" / "w.json"
+    W.write_artifacts(W.load_report([tmp_path]), str(out), None, None)
+
+    def reject(token):
+        raise AssertionError(f"non-standard JSON token {token}")
+
+    doc = json.loads(out.read_text(), parse_constant=reject)
+    assert doc["processes"][0]["started"] == "NaN" and doc["schema"] == W.SCHEMA
+
+
+def test_json_keeps_its_schema(tmp_path):
+    """The watch JSON's keys, as tools read them, are unchanged by the shared writer."""
+    write_process(tmp_path, 11, [finding("cache.k", "g0")], pool_managed=1)
+    doc = json.loads(W.report_json(W.load_report([tmp_path])))
+    assert list(doc) == ["processes", "findings", "command", "run_dirs", "command_exit", "exit", "interrupted",
+                         "on_finding", "created", "notes", "schema", "groups"]
+    assert list(doc["findings"][0]) == ["pid", "host", "rank", "mechanism", "finding"]
+    assert list(doc["groups"][0]) == ["pattern", "status", "mechanism", "freed_at", "count", "graphs", "names",
+                                      "processes", "ranks", "findings"]
+    assert "record_file" in doc["processes"][0] and "pool_managed" in doc["processes"][0]

@@ -1,9 +1,11 @@
-"""Reports of a run: one view model (view.py) read by every renderer.
+"""Reports of a run and of a `repro watch` run: one view model per kind (view.py for trials,
+repro/watch_report.py for watch runs) read by every renderer.
 
 console.py   rich panels and tables (stdout in the CLI; stderr when `--json -` holds stdout)
-junit.py     JUnit XML, one testcase per trial
-html.py      one self-contained page from templates/report.html (jinja2, autoescaped)
-jsonfile.py  the JSON report (schema repro.report/1)
+junit.py     the one JUnit writer (XML-safe): a testcase per trial, or per watched process
+html.py      one self-contained page per kind from templates/ (jinja2, autoescaped): report.html,
+             watch.html, both extending page.html
+jsonfile.py  the one strict JSON writer (schemas repro.report/1 and repro.watch/1)
 progress.py  the live display while trials run (stderr)
 
 No torch import anywhere here: this runs in the parent.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -25,6 +25,9 @@ from repro.report.view import (
     BAD, DIM, NOTE, OK, SKIP, WARN, Artifact, Cell, Column, Row, RunView, TableView, TrialView, outcome_tone,
     run_view, trial_view,
 )
+
+if TYPE_CHECKING:       # repro.watch_report imports this package: the type alone is needed here
+    from repro.watch_report import ProblemView, WatchView
 
 STYLES = {OK: "bold green", WARN: "bold yellow", SKIP: "bold magenta", BAD: "bold red", NOTE: "bold yellow",
           DIM: "dim", "": ""}
@@ -318,6 +321,51 @@ def render_report(report: Report, console: Console) -> None:
         console.print()
         print_summary(rv, console)
     console.print(Text(rv.summary, style=STYLES[OK if rv.all_met else BAD]))
+
+
+# ---- a watch run ----------------------------------------------------------------------------
+
+
+def watch_table(tv: TableView) -> Table:
+    """The processes watched: a row per process, red where it found something."""
+    table = Table(title=tv.title, title_justify="left", show_edge=False, pad_edge=False)
+    for c in tv.columns:
+        table.add_column(c.header, justify="right" if c.numeric else "left",
+                         overflow="fold" if c.wrap else "ellipsis")
+    for row in tv.rows:
+        table.add_row(*(Text(row.cells[c.key].text) for c in tv.columns), style="red" if row.tone == BAD else "")
+    return table
+
+
+def problem_block(pv: ProblemView) -> list[RenderableType]:
+    headline = Text.assemble("  ", (pv.status.upper(), STYLES[pv.tone]), " ", (pv.pattern, "bold"),
+                             f" · {pv.headline}")
+    return [headline, facts_grid(pv.facts, indent=4)]
+
+
+def render_watch(wv: WatchView, console: Console) -> None:
+    """The verdict, the processes, each problem once, then what the verdict relied on."""
+    console.print(Text.assemble(*(text(c) for c in wv.verdict)))
+    if wv.processes.rows:
+        console.print(watch_table(wv.processes))
+    if wv.findings_total:
+        console.print(Text(wv.findings_title, style="bold"))
+        for pv in wv.problems:
+            for part in problem_block(pv):
+                console.print(part)
+        if wv.hidden_groups:
+            console.print(Text(f"  {wv.hidden_groups} more groups ({wv.hidden_findings} findings; all are in --json)",
+                               style="dim"))
+    if wv.census:
+        console.print(Text("census: " + wv.census, style="dim"))
+    if wv.pool_note:
+        console.print(Text(wv.pool_note, style="dim"))
+    for error in wv.internal_errors:
+        console.print(Text(error, style="yellow"))
+    for note in wv.notes:
+        console.print(Text(note, style="dim"))
+    if wv.records:
+        console.print(Text("records: " + wv.records, style="dim"))
 
 
 class TrimmedLines(io.TextIOBase):

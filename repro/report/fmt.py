@@ -9,6 +9,9 @@ from repro.units import format_bytes as fmt_bytes  # noqa: F401  (the project's 
 
 ANSI_ESCAPE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
 TAIL_LINES = 12
+# Bytes that were not UTF-8 (a program's argv or output) reach the records as surrogate escapes;
+# no UTF-8 file or terminal takes one, so each becomes the replacement character decoders use.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def fmt_ptr(p: int | None) -> str:
@@ -60,10 +63,14 @@ def fmt_value(value: Any) -> str:
     return plain(str(value))
 
 
+def encodable(text: str) -> str:
+    return LONE_SURROGATE.sub("\ufffd", text)
+
+
 def plain(text: str) -> str:
     """Strip ANSI colour codes and control characters from captured process output."""
     text = ANSI_ESCAPE.sub("", text or "").replace("\r\n", "\n").replace("\r", "\n")
-    return "".join(c for c in text if c in "\n\t" or ord(c) >= 32)
+    return encodable("".join(c for c in text if c in "\n\t" or ord(c) >= 32))
 
 
 def tail(text: str, lines: int = TAIL_LINES) -> str:

@@ -1,4 +1,6 @@
-"""The HTML report: one self-contained page (inline CSS and SVG, no script, no external file).
+"""The HTML reports: one self-contained page (inline CSS and SVG, no script, no external file)
+per report kind, each a template extending templates/page.html: report.html (trials),
+watch.html (`repro watch`).
 
 Rendered by a jinja2 template with autoescaping on, so every piece of record data (slot names,
 stderr tails, paths) is escaped by the engine, not by hand.
@@ -7,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 
@@ -15,7 +18,11 @@ from repro.outcome import Report
 from repro.report.charts import layout, missing_charts, trial_charts
 from repro.report.view import run_view
 
+if TYPE_CHECKING:       # repro.watch_report imports this package: the type alone is needed here
+    from repro.watch_report import WatchView
+
 TEMPLATE = "report.html"
+WATCH_TEMPLATE = "watch.html"
 
 
 def environment() -> jinja2.Environment:
@@ -27,9 +34,17 @@ def environment() -> jinja2.Environment:
     return env
 
 
+def render_page(template: str, **context: Any) -> str:
+    return environment().get_template(template).render(**context)
+
+
 def report_html(report: Report, link_base: Path | None = None) -> str:
     """link_base: the directory the page will live in, so artifact links are relative to it."""
-    return environment().get_template(TEMPLATE).render(run=run_view(report, link_base))
+    return render_page(TEMPLATE, run=run_view(report, link_base))
+
+
+def watch_html(wv: WatchView) -> str:
+    return render_page(WATCH_TEMPLATE, watch=wv)
 
 
 def write_html(report: Report, path: str | os.PathLike) -> None:

@@ -1,21 +1,126 @@
-"""JUnit XML: one <testcase> per trial, named stably so CI can track a case across runs."""
+"""JUnit XML: the one writer every report kind uses, and the trial report's cases.
+
+A report kind maps its view model to a JunitSuite (trial_suite, watch_suite); junit_document
+writes it. Every attribute and text goes through xml_text in that one place, so no kind can let
+a character XML forbids into the file.
+"""
 from __future__ import annotations
 
 import os
 import re
 import xml.etree.ElementTree as ET
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from repro.files import write_text_atomic
 from repro.outcome import Outcome, Report
+from repro.report.fmt import encodable
 from repro.report.view import RunView, TrialView, config_params, run_config, run_view
+
+if TYPE_CHECKING:       # repro.watch_report imports this package: the type alone is needed here
+    from repro.watch_report import WatchView
 
 # Characters XML 1.0 forbids even escaped; one in a stderr tail would make the whole file unreadable.
 XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 
 
 def xml_text(text: Any) -> str:
-    return XML_INVALID.sub("", str(text))
+    """Forbidden characters dropped; a surrogate escape (bytes that were not UTF-8) is U+FFFD."""
+    return XML_INVALID.sub("", encodable(str(text)))
+
+
+# ---- the writer -------------------------------------------------------------------------------
+
+
+@dataclass
+class JunitFailure:
+    message: str
+    type: str
+    text: str = ""
+
+
+@dataclass
+class JunitCase:
+    classname: str
+    name: str
+    time: float | None = None              # None: the kind does not time its cases
+    properties: dict[str, Any] = field(default_factory=dict)
+    failures: list[JunitFailure] = field(default_factory=list)
+    skipped: str | None = None             # the reason, when nothing was tested
+    system_out: str = ""
+    system_err: str = ""
+
+    @property
+    def result(self) -> str:
+        if self.failures:
+            return "failure"
+        return "skipped" if self.skipped is not None else "passed"
+
+
+@dataclass
+class JunitSuite:
+    name: str
+    cases: list[JunitCase]
+    properties: dict[str, Any] = field(default_factory=dict)
+    timestamp: str = ""
+
+
+def element(parent: ET.Element, tag: str, text: str | None = None, **attrs: Any) -> ET.Element:
+    """A child element with every attribute and the text made XML-safe."""
+    node = ET.SubElement(parent, tag, {k: xml_text(v) for k, v in attrs.items()})
+    if text is not None:
+        node.text = xml_text(text)
+    return node
+
+
+def add_properties(parent: ET.Element, props: dict[str, Any]) -> None:
+    if not props:
+        return
+    node = element(parent, "properties")
+    for name, value in props.items():
+        element(node, "property", name=name, value=value)
+
+
+def add_case(suite: ET.Element, case: JunitCase) -> None:
+    attrs = {"classname": case.classname, "name": case.name}
+    if case.time is not None:
+        attrs["time"] = f"{case.time:.3f}"
+    node = element(suite, "testcase", **attrs)
+    add_properties(node, case.properties)
+    for failure in case.failures:
+        element(node, "failure", failure.text or None, message=failure.message, type=failure.type)
+    if case.skipped is not None:
+        element(node, "skipped", message=case.skipped)
+    if case.system_out:
+        element(node, "system-out", case.system_out)
+    if case.system_err:
+        element(node, "system-err", case.system_err)
+
+
+def suite_counts(cases: list[JunitCase]) -> dict[str, str]:
+    results = [c.result for c in cases]
+    total = sum(c.time or 0.0 for c in cases)
+    return {"tests": str(len(cases)), "failures": str(results.count("failure")), "errors": "0",
+            "skipped": str(results.count("skipped")), "time": f"{total:.3f}"}
+
+
+def junit_document(suite: JunitSuite) -> str:
+    """<testsuites> holding the one suite, both with the counts CI dashboards read."""
+    root = ET.Element("testsuites", name=xml_text(suite.name))
+    node = element(root, "testsuite", name=suite.name)
+    add_properties(node, suite.properties)
+    for case in suite.cases:
+        add_case(node, case)
+    counts = suite_counts(suite.cases)
+    node.attrib.update(counts)
+    if suite.timestamp:
+        node.set("timestamp", xml_text(suite.timestamp))
+    root.attrib.update(counts)
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+# ---- trials -----------------------------------------------------------------------------------
 
 
 def junit_name(tv: TrialView) -> str:
@@ -46,66 +151,56 @@ def failure_details(tv: TrialView) -> str:
         error = row.cells["error"].text
         lines.append(f"rank {row.cells['rank'].text}: {row.cells['exit'].text}" + (f": {error}" if error != "-" else ""))
     lines += [f"--- rank {rank} stderr tail ---\n{stderr}" for rank, stderr in tv.stderr_tails]
-    return xml_text("\n".join(lines))
+    return "\n".join(lines)
 
 
-def add_properties(parent: ET.Element, props: dict[str, Any]) -> None:
-    node = ET.SubElement(parent, "properties")
-    for name, value in props.items():
-        ET.SubElement(node, "property", name=name, value=xml_text(value))
-
-
-def junit_case(suite: ET.Element, tv: TrialView, name: str) -> str:
-    """Append one <testcase>; returns 'failure', 'skipped' or 'passed' for the suite's counts."""
-    case = ET.SubElement(suite, "testcase", classname=f"repro.{tv.scenario}", name=name,
-                         time=f"{tv.seconds or 0.0:.3f}")
-    add_properties(case, {"outcome": tv.outcome, "expected": tv.expected, "trial_id": tv.id,
-                          "device": tv.device or "-", **({"node": tv.record.node} if tv.record.node else {}),
-                          "graph_replayed": str(tv.record.graph_replayed).lower()})
-    message = f"outcome {tv.outcome}, expected {tv.expected}"
+def trial_case(tv: TrialView, name: str) -> JunitCase:
+    case = JunitCase(classname=f"repro.{tv.scenario}", name=name, time=tv.seconds or 0.0,
+                     properties={"outcome": tv.outcome, "expected": tv.expected, "trial_id": tv.id,
+                                 "device": tv.device or "-", **({"node": tv.record.node} if tv.record.node else {}),
+                                 "graph_replayed": str(tv.record.graph_replayed).lower()})
     if not tv.met:
-        node = ET.SubElement(case, "failure", message=xml_text(message), type=tv.outcome)
-        node.text = failure_details(tv)
-        result = "failure"
+        case.failures.append(JunitFailure(f"outcome {tv.outcome}, expected {tv.expected}", tv.outcome,
+                                          failure_details(tv)))
     elif tv.outcome == Outcome.UNSUPPORTED.value:
         # Skipped, not passed: the environment could not run it, so nothing was tested.
         failure = tv.record.first_failure
-        detail = failure.detail if failure else tv.meaning
-        ET.SubElement(case, "skipped", message=xml_text(f"UNSUPPORTED: {detail}"))
-        result = "skipped"
-    else:
-        result = "passed"
-    stderr = "\n".join(f"--- rank {rank} ---\n{text}" for rank, text in tv.stderr_tails)
-    if stderr:
-        ET.SubElement(case, "system-err").text = xml_text(stderr)
-    return result
+        case.skipped = f"UNSUPPORTED: {failure.detail if failure else tv.meaning}"
+    case.system_err = "\n".join(f"--- rank {rank} ---\n{text}" for rank, text in tv.stderr_tails)
+    return case
 
 
-def problem_case(suite: ET.Element, text: str) -> str:
+def problem_case(text: str) -> JunitCase:
     """A merge's missing or duplicated shard: a failed case of its own, so CI shows it."""
-    case = ET.SubElement(suite, "testcase", classname="repro.merge", name=text.split(":")[0], time="0.000")
-    ET.SubElement(case, "failure", message=xml_text(text), type="SHARD").text = xml_text(text)
-    return "failure"
+    return JunitCase(classname="repro.merge", name=text.split(":")[0], time=0.0,
+                     failures=[JunitFailure(text, "SHARD", text)])
+
+
+def trial_suite(rv: RunView) -> JunitSuite:
+    cases = [trial_case(tv, n) for tv, n in zip(rv.trials, junit_names(rv.trials))]
+    return JunitSuite(name="repro", cases=cases + [problem_case(text) for text in rv.problems],
+                      properties={"command": rv.command, "environment": rv.environment,
+                                  "interrupted": str(rv.interrupted).lower(), "schema": rv.schema},
+                      timestamp=rv.created)
 
 
 def junit_xml(report: Report) -> str:
-    rv: RunView = run_view(report)
-    suites = ET.Element("testsuites", name="repro")
-    suite = ET.SubElement(suites, "testsuite", name="repro")
-    add_properties(suite, {"command": rv.command, "environment": rv.environment,
-                           "interrupted": str(rv.interrupted).lower(), "schema": rv.schema})
-    results = [junit_case(suite, tv, n) for tv, n in zip(rv.trials, junit_names(rv.trials))]
-    results += [problem_case(suite, text) for text in rv.problems]
-    total = sum(tv.seconds or 0.0 for tv in rv.trials)
-    counts = {"tests": str(len(results)), "failures": str(results.count("failure")), "errors": "0",
-              "skipped": str(results.count("skipped")), "time": f"{total:.3f}"}
-    suite.attrib.update(counts)
-    if rv.created:
-        suite.set("timestamp", rv.created)
-    suites.attrib.update(counts)
-    ET.indent(suites)
-    return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
+    return junit_document(trial_suite(run_view(report)))
 
 
 def write_junit(report: Report, path: str | os.PathLike) -> None:
     write_text_atomic(path, junit_xml(report))
+
+
+# ---- `repro watch` ----------------------------------------------------------------------------
+
+
+def watch_suite(wv: WatchView) -> JunitSuite:
+    """One testcase per watched process; one failure per group of its findings."""
+    cases = [JunitCase(classname="repro.watch", name=c.name, system_out=c.command,
+                       failures=[JunitFailure(f"{p.pattern} {p.headline}", p.status,
+                                              "\n".join(f"{f.label}: {f.value}" for f in p.facts))
+                                 for p in c.problems])
+             for c in wv.cases]
+    return JunitSuite(name="repro watch", cases=cases, timestamp=wv.created,
+                      properties={"command": wv.command, "schema": wv.schema})
