@@ -1166,15 +1166,6 @@ def take_census(graph: Any, label: str, pool: Any = None, snapshot: dict[str, An
 
 # -- one process's censuses, and the one finding model -------------------------------------------
 
-@dataclass
-class GuardSlot:
-    """What the merge needs of a guard slot (repro.guard.Slot has these attributes)."""
-    name: str
-    storage_ptr: int
-    storage_nbytes: int
-    reported: set[str] = field(default_factory=set)
-
-
 class CensusBook:
     """The censuses of one process, checked together against one snapshot per check point.
 

@@ -1,7 +1,7 @@
 """Capture / replay helpers and the after-free knob.
 
 What happens to freed memory between capture (or reload) and replay decides how a
-stale-capture bug shows (BACKGROUND.md §1). `apply_after_free` makes that a reported,
+stale-capture bug shows (docs/BACKGROUND.md §1). `apply_after_free` makes that a reported,
 deterministic choice:
 
   keep     nothing is written; the freed blocks stay cached and untouched -> replays read stale

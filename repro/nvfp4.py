@@ -1,4 +1,4 @@
-"""Independent NVFP4 reference: quantise, pack, dequantise (BACKGROUND.md section 4).
+"""Independent NVFP4 reference: quantise, pack, dequantise (docs/BACKGROUND.md section 4).
 
 NVFP4 stores a weight W [..., N, K] as
   * 4-bit E2M1 codes, two per byte, the EVEN element of each pair in the LOW nibble;
@@ -167,7 +167,7 @@ def quantize(w: Tensor, global_scale: float | Tensor | None = None) -> NVFP4Weig
 
     global_scale: the quant-direction gs (scalar or [...]). Default None derives it from
     the data, gs = 2688 / amax per slice (per expert for [E, N, K]), and stores
-    scale_2 = amax / 2688. Passing it (e.g. 1.0 for the BACKGROUND.md test vectors) uses
+    scale_2 = amax / 2688. Passing it (e.g. 1.0 for the docs/BACKGROUND.md test vectors) uses
     the literal formula with that gs and stores scale_2 = 1 / gs; values beyond
     6 * 448 / gs then saturate and quantization_error_bound no longer applies.
     Not meant for CUDA-graph capture (it checks finiteness on the host).

@@ -15,6 +15,16 @@ from repro import census as C
 from repro.outcome import Finding, finding_from_dict
 
 MiB = 1 << 20
+
+
+@dataclasses.dataclass
+class GuardSlot:
+    """What merge_findings reads of a guard slot (repro.guard.Slot has these attributes)."""
+    name: str
+    storage_ptr: int
+    storage_nbytes: int
+    reported: set = dataclasses.field(default_factory=set)
+
 SEG = 0x7F00_0000_0000          # a default-pool segment
 POOL_SEG = 0x7F10_0000_0000     # a graph-private-pool segment
 GRAPH_POOL = (1, 7)
@@ -261,7 +271,7 @@ def test_merge_shows_a_blind_guard_and_names_storages_the_guard_knows(monkeypatc
     blind = C.merge_findings([], census_finding(monkeypatch, book), [], True, book)
     assert blind[0].mechanism == "census" and "did not see" in blind[0].disagreement
     book = book_with("g")
-    slot = C.GuardSlot("moe.moe_kernel.workspace13", LOCAL, MiB)
+    slot = GuardSlot("moe.moe_kernel.workspace13", LOCAL, MiB)
     named = C.merge_findings([], census_finding(monkeypatch, book), [slot], True, book)
     assert named[0].slot == "moe.moe_kernel.workspace13" and "sees it alive" in named[0].disagreement
     book = book_with("g")

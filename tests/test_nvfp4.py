@@ -1,4 +1,4 @@
-"""Tests for repro.nvfp4, the independent NVFP4 reference (BACKGROUND.md section 4)."""
+"""Tests for repro.nvfp4, the independent NVFP4 reference (docs/BACKGROUND.md section 4)."""
 from __future__ import annotations
 
 import math

@@ -237,15 +237,6 @@ def option_notes(trial: TrialRecord) -> list[str]:
     return []
 
 
-def failure_summary(failure: FirstFailure | None) -> str:
-    """'ILLEGAL_ADDRESS (rank 0 at step 0): detail'."""
-    if failure is None:
-        return ""
-    where = where_text(failure).removeprefix(" on ")
-    head = f"{Outcome(failure.kind).value}" + (f" ({where})" if where else "")
-    return f"{head}: {plain(failure.detail)}" if failure.detail else head
-
-
 def failure_line(failure: FirstFailure) -> str:
     """'ILLEGAL_ADDRESS · rank 0 · step 0 · detail' for the verdict box."""
     parts = [Outcome(failure.kind).value, f"rank {'-' if failure.rank is None else failure.rank}",

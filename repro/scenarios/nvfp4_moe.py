@@ -1,6 +1,6 @@
 """nvfp4-reload: an online-NVFP4 MoE layer reloaded with new BF16 weights under a captured graph.
 
-The bug (vLLM PR #50074, follow-up #57954; BACKGROUND.md section 3). RL trainers push new BF16
+The bug (vLLM PR #50074, follow-up #57954; docs/BACKGROUND.md section 3). RL trainers push new BF16
 weights into a running engine many times. vLLM's layerwise reload re-materialises the layer's
 parameters, loads the new weights, runs process_weights_after_loading (PWAL), then copies
 every new parameter back into the ORIGINAL storage, so the addresses a CUDA graph baked in
