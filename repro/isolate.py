@@ -440,9 +440,11 @@ def deadline_failure(cfg: TrialConfig, recs: list[RankRecords], waited: Waited) 
     hang. Where it had got to, and no blame: every rank was progressing."""
     steps = [s for s in (current_step(r) for r in recs) if s is not None]
     done = min(len({e["step"] for e in r.of(Event.STEP)}) for r in recs) if recs else 0
-    where = f"in step {max(steps) + 1}/{cfg.run.steps}" if steps else "before the first step"
-    detail = (f"deadline {cfg.run.deadline_s:g} s reached {where} while progressing ({done} steps done, "
-              f"last record {waited.quiet_s or 0:.1f} s before); not a hang: raise --deadline, or lower --steps")
+    # Steps counted from 0, as the steps table and the verdict's "on step N" count them.
+    where = (f"in step {max(steps)} ({done} of {cfg.run.steps} steps done)" if steps
+             else f"before the first step (0 of {cfg.run.steps} steps done)")
+    detail = (f"deadline {cfg.run.deadline_s:g} s reached {where} while progressing (last record "
+              f"{waited.quiet_s or 0:.1f} s before); not a hang: raise --deadline, or lower --steps")
     return FirstFailure(Outcome.DEADLINE, None, max(steps) if steps else None, detail)
 
 

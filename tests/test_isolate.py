@@ -111,7 +111,9 @@ def test_slow_but_progressing_trial_reaches_its_deadline_not_a_hang(tmp_path):
     assert trial.outcome == Outcome.DEADLINE and trial.met is False
     first = trial.first_failure
     assert first.rank is None and "blame" not in first.detail and "collective" not in first.detail
-    assert "deadline 10 s reached in step " in first.detail and "/10000000 while progressing" in first.detail
+    # Counted from 0 as the steps table counts them, and the same step the verdict names.
+    assert f"deadline 10 s reached in step {first.step} (" in first.detail
+    assert " of 10000000 steps done) while progressing" in first.detail
     assert "not a hang: raise --deadline" in first.detail
     assert not trial.artifacts.get("rank 0 stacks")           # nobody was asked where it was stuck
     assert_nothing_left(trial)

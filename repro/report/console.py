@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import sys
 from typing import Any
 
@@ -20,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from repro.outcome import Outcome, Report, TrialRecord
-from repro.report.fmt import fmt_seconds
+from repro.report.fmt import fmt_ranges, fmt_seconds
 from repro.report.view import (
     BAD, DIM, NOTE, OK, SKIP, WARN, Artifact, Cell, Column, Row, RunView, TableView, TrialView, outcome_tone,
     run_view, trial_view,
@@ -175,16 +176,42 @@ def packed(label: str, items: list[str], width: int, sep: str = " · ") -> Text:
     return out
 
 
+RANK_ARTIFACT = re.compile(r"rank (\d+) (.+)")
+MAX_RANK_LINES = 4      # per kind of per-rank file; past it, one line names them all (TP 64: 64 lines)
+
+
 def artifact_lines(artifacts: list[Artifact]) -> list[Text]:
-    """Grouped by directory, each path on a line of its own: never broken inside a name."""
+    """Grouped by directory, each path on a line of its own: never broken inside a name. The
+    same file of many ranks is one line, its first and last names whole."""
     by_dir: dict[str, list[Artifact]] = {}
     for a in artifacts:
         by_dir.setdefault(os.path.dirname(a.path), []).append(a)
     out = []
     for directory, items in by_dir.items():
         out.append(Text.assemble(("artifacts in ", "bold"), (directory + os.sep if directory else ".", "cyan")))
-        out += [Text.assemble(f"  {a.name}: ", (os.path.basename(a.path), "cyan")) for a in items]
+        out += directory_lines(items)
     return out
+
+
+def directory_lines(items: list[Artifact]) -> list[Text]:
+    by_kind: dict[str, list[tuple[int, Artifact]]] = {}
+    for a in items:
+        m = RANK_ARTIFACT.fullmatch(a.name)
+        if m:
+            by_kind.setdefault(m.group(2), []).append((int(m.group(1)), a))
+    lines, said = [], set()
+    for a in items:
+        m = RANK_ARTIFACT.fullmatch(a.name)
+        kind = m.group(2) if m else None
+        if kind is None or len(by_kind[kind]) <= MAX_RANK_LINES:
+            lines.append(Text.assemble(f"  {a.name}: ", (os.path.basename(a.path), "cyan")))
+        elif kind not in said:
+            said.add(kind)
+            ranks = by_kind[kind]
+            first, last = os.path.basename(ranks[0][1].path), os.path.basename(ranks[-1][1].path)
+            lines.append(Text.assemble(f"  ranks {fmt_ranges(r for r, _ in ranks)} {kind}: ", (first, "cyan"),
+                                       " … ", (last, "cyan"), f" ({len(ranks)} files)"))
+    return lines
 
 
 def rank_block(tv: TrialView, console: Console) -> list[RenderableType]:
