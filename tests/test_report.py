@@ -452,6 +452,19 @@ def test_progress_past_the_last_step_says_finishing_not_running():
                          "[t1] 6/6 steps done · finishing"]
 
 
+def test_progress_in_a_log_is_a_line_per_tenth_of_a_long_trial_not_per_step():
+    """`repro gemma4-mtp --steps 5000` in a CI log: a handful of lines, the last step's among them."""
+    stream = io.StringIO()
+    with rp.Progress(Console(file=stream, width=80, force_terminal=False)) as progress:
+        progress.add("t1", "gemma4-mtp", 5000)
+        for n in range(5001):
+            progress.update("t1", n)
+        progress.finish("t1", Outcome.DEADLINE)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) <= 14, lines
+    assert "[t1] 500/5000 steps done · running" in lines and "[t1] 5000/5000 steps done · finishing" in lines
+
+
 def test_progress_on_a_terminal_uses_the_live_display():
     stream = io.StringIO()
     console = Console(file=stream, width=100, force_terminal=True, color_system="standard")
