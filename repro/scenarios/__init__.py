@@ -65,6 +65,20 @@ class RunKeySpec:
 
 
 @dataclass(frozen=True)
+class CpuCost:
+    """A real-dims preset timed on a CPU without a GPU (2 cores, shared with other work): the
+    set-up (model build and the capture dry run) and one step, each the (fastest, slowest)
+    seconds seen. Load moves them by 2-3x, so the CLI says a range, up front, for any CPU trial
+    of about this size (repro/cli.py: cpu_warnings)."""
+    preset: str
+    setup_s: tuple[float, float]
+    step_s: tuple[float, float]
+
+    def estimate(self, steps: int) -> tuple[float, float]:
+        return self.setup_s[0] + steps * self.step_s[0], self.setup_s[1] + steps * self.step_s[1]
+
+
+@dataclass(frozen=True)
 class ScenarioSpec:
     name: str                         # CLI command, preset `scenario = ...`, trial records
     module: str                       # imported in workers only
@@ -78,6 +92,7 @@ class ScenarioSpec:
     help: str = ""                    # the CLI command's help
     steps_help: str = ""              # --steps help: what one step of this scenario does
     command: bool = True              # gets a generated scenario command (selftest has its own)
+    cpu_cost: CpuCost | None = None   # its real-dims preset timed on CPU: the estimate said up front
 
     @property
     def mode_names(self) -> tuple[str, ...]:
@@ -104,6 +119,9 @@ SCENARIOS: dict[str, ScenarioSpec] = {s.name: s for s in (
         ),
         default_after_free="release", dims=Gemma4Dims,
         default_preset="gemma4-e2b", cpu_preset="gemma4-tiny",
+        # At TP 2, 2026-12-01: all 14 steps in 94 s on a quiet machine (build 19 s, a step 3-28 s);
+        # under load 5 steps in 180 s (set-up 60 s, a step 10-32 s).
+        cpu_cost=CpuCost("gemma4-e2b", setup_s=(20, 60), step_s=(3, 32)),
         run_keys=(RunKeySpec("reload_drafter", "--reload-drafter/--no-reload-drafter",
                              "Reload drafter weights after capture and keep replaying (RL-style lifecycle).",
                              tag="reload"),
@@ -126,6 +144,10 @@ SCENARIOS: dict[str, ScenarioSpec] = {s.name: s for s in (
         ),
         default_after_free="poison", dims=MoeDims,
         default_preset="qwen3-30b-a3b-moe", cpu_preset="moe-tiny",
+        # 2026-12-01, 2 cores under load: set-up (build + capture) 74-150 s, a reload step 228-304 s
+        # (quantising 128 experts, the replay and the reference; pauses of 2-3 min without a record);
+        # 2 steps took 12 min. The step's range is that widened by half either way.
+        cpu_cost=CpuCost("qwen3-30b-a3b-moe", setup_s=(70, 150), step_s=(150, 460)),
         run_keys=(RunKeySpec("identity_reload", "--identity-reload/--changing-reload",
                              "Reload the same weights every step (hides #57954).", tag="identity"),),
         tensor_parallel=False,  # expert parallelism is not modelled
