@@ -5,7 +5,6 @@ per node after a multi-node run), tolerating a last line cut short by a crash. N
 """
 from __future__ import annotations
 
-import html
 import json
 import time
 import xml.etree.ElementTree as ET
@@ -14,13 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
 from repro.outcome import Finding, finding_from_dict, to_jsonable
 from repro.files import write_text_atomic
-from repro.report.fmt import fmt_bytes, fmt_ptr
+from repro.report.fmt import fmt_bytes, fmt_ptr, fmt_ranges
 from repro.report.groups import FindingGroup, group_findings
 from repro.report.junit import xml_text
 
@@ -179,23 +179,43 @@ def short_argv(argv: list[str], width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def processes_table(rep: WatchReport) -> Table:
+PROCESS_COLUMNS = ("pid", "rank", "torch", "graphs", "replays", "findings", "exited", "command")
+NUMERIC_COLUMNS = ("pid", "rank", "graphs", "replays", "findings")
+
+
+def process_row(p: WatchedProcess, multi_host: bool) -> list[str]:
+    graphs = str(p.graphs) + (f" ({p.managed_graphs} managed)" if p.managed_graphs else "")
+    return ([p.host] if multi_host else []) + [
+        str(p.pid), "" if p.rank is None else str(p.rank),
+        "hooked" if p.torch_hooked else "not imported", graphs,
+        "?" if p.replays is None else str(p.replays), str(p.findings), "yes" if p.exited else "no",
+        short_argv(p.argv)]
+
+
+def processes_table(rep: WatchReport, with_command: bool = True) -> Table:
     table = Table(title=f"Processes watched ({len(rep.processes)})", title_justify="left",
                   show_edge=False, pad_edge=False)
     multi_host = len({p.host for p in rep.processes}) > 1
-    for col in (["host"] if multi_host else []) + ["pid", "rank", "torch", "graphs", "replays",
-                                                  "findings", "exited", "command"]:
-        table.add_column(col, justify="right" if col in ("pid", "rank", "graphs", "replays", "findings") else "left",
+    columns = (["host"] if multi_host else []) + list(PROCESS_COLUMNS if with_command else PROCESS_COLUMNS[:-1])
+    for col in columns:
+        table.add_column(col, justify="right" if col in NUMERIC_COLUMNS else "left",
                          overflow="fold" if col == "command" else "ellipsis")
     for p in rep.processes:
-        graphs = str(p.graphs) + (f" ({p.managed_graphs} managed)" if p.managed_graphs else "")
-        row = ([p.host] if multi_host else []) + [
-            str(p.pid), "" if p.rank is None else str(p.rank),
-            "hooked" if p.torch_hooked else "not imported", graphs,
-            "?" if p.replays is None else str(p.replays), str(p.findings), "yes" if p.exited else "no",
-            short_argv(p.argv)]
+        row = process_row(p, multi_host)[:len(columns)]
         table.add_row(*[Text(c) for c in row], style="red" if p.findings else "")
     return table
+
+
+def processes_block(rep: WatchReport, console: Console) -> list[Any]:
+    """The table, with each command in its column where it fits whole; else the commands go
+    under the table, one line each, so a path is never broken mid-word."""
+    table = processes_table(rep)
+    # Measured unbounded: a measurement within the console's width is clamped to it.
+    if Measurement.get(console, console.options.update_width(10 ** 6), table).maximum <= console.width:
+        return [table]
+    out: list[Any] = [processes_table(rep, with_command=False)]
+    out += [Text.assemble((f"  pid {p.pid}: ", "dim"), short_argv(p.argv)) for p in rep.processes]
+    return out
 
 
 def finding_facts(w: WatchFinding) -> list[tuple[str, str]]:
@@ -225,7 +245,7 @@ def group_headline(g: FindingGroup) -> str:
         where += f" of {len(procs)} processes"
     ranks = sorted({w.rank for w in g.members if w.rank is not None})
     if ranks:
-        where += f", rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        where += f", rank{'s' if len(ranks) > 1 else ''} {fmt_ranges(ranks)}"
     return where
 
 
@@ -273,41 +293,74 @@ def pool_note(rep: WatchReport) -> str | None:
     return text
 
 
-def verdict_line(rep: WatchReport) -> Text:
+def nothing_checked(rep: WatchReport) -> bool:
+    """No finding, and no watched process captured a CUDA graph: "no findings" would claim
+    more than was looked at (every program on a machine without a GPU)."""
+    return not rep.findings and not any(p.graphs for p in rep.processes)
+
+
+def verdict_parts(rep: WatchReport) -> list[Text]:
     hooked = sum(p.torch_hooked for p in rep.processes)
     graphs = sum(p.graphs for p in rep.processes)
-    text = Text()
-    if rep.interrupted:
-        text.append("INTERRUPTED  ", style="bold yellow")
+    parts = [Text("INTERRUPTED", style="bold yellow")] if rep.interrupted else []
     if rep.findings:
-        text.append(f"{len(rep.findings)} finding(s) in {len(rep.groups())} group(s)", style="bold red")
+        parts.append(Text(f"{len(rep.findings)} finding(s) in {len(rep.groups())} group(s)", style="bold red"))
+    elif nothing_checked(rep):
+        parts.append(Text("nothing checked (no CUDA graph captured)", style="bold yellow"))
     else:
-        text.append("no findings", style="bold green")
-    text.append(f" · {len(rep.processes)} process(es) watched, {hooked} imported torch, "
-                f"{graphs} graph capture(s)")
+        parts.append(Text("no findings", style="bold green"))
+    parts.append(Text(f"{len(rep.processes)} process(es) watched, {hooked} imported torch, "
+                      f"{graphs} graph capture(s)"))
     if rep.command_exit is not None:
-        text.append(f" · command exited {rep.command_exit}")
-    return text
+        parts.append(Text(f"command exited {rep.command_exit}"))
+    return parts
+
+
+def verdict_line(rep: WatchReport) -> Text:
+    return Text(" · ").join(verdict_parts(rep))
+
+
+def wrapped_parts(parts: list[Text], width: int, sep: str = " · ") -> Text:
+    """Parts joined by sep, a line break only between two parts (never after a dangling sep)."""
+    lines: list[Text] = []
+    for part in parts:
+        if lines and lines[-1].cell_len + len(sep) + part.cell_len <= width:
+            lines[-1].append(sep)
+            lines[-1].append_text(part)
+        else:
+            lines.append(part.copy())
+    return Text("\n").join(lines)
+
+
+def report_notes(rep: WatchReport) -> list[tuple[str, str]]:
+    """(text, tone) of every line under the findings, the same in the console and the page:
+    what the census did, the pool contract, the hooks' own errors, what watch could see."""
+    notes = []
+    censuses = sorted({p.census for p in rep.processes if p.graphs})
+    if censuses:
+        notes.append(("census: " + "; ".join(censuses), "dim"))
+    note = pool_note(rep)
+    if note:
+        notes.append((note, "dim"))
+    notes += [(f"watch internal error in pid {p.pid}: {err}", "warn")
+              for p in rep.processes for err in p.internal_errors[:3]]
+    notes += [(n, "warn" if n.startswith("Nothing checked") else "dim") for n in rep.notes]
+    return notes
+
+
+NOTE_STYLES = {"dim": "dim", "warn": "yellow"}
 
 
 def render(rep: WatchReport, console: Console) -> None:
-    console.print(verdict_line(rep))
+    console.print(wrapped_parts(verdict_parts(rep), console.width))
     if rep.processes:
-        console.print(processes_table(rep))
+        for item in processes_block(rep, console):
+            console.print(item)
     if rep.findings:
         for item in findings_block(rep):
             console.print(item)
-    censuses = sorted({p.census for p in rep.processes if p.graphs})
-    if censuses:
-        console.print(Text("census: " + "; ".join(censuses), style="dim"))
-    note = pool_note(rep)
-    if note:
-        console.print(Text(note, style="dim"))
-    for p in rep.processes:
-        for err in p.internal_errors[:3]:
-            console.print(Text(f"watch internal error in pid {p.pid}: {err}", style="yellow"))
-    for note in rep.notes:
-        console.print(Text(note, style="dim"))
+    for text, tone in report_notes(rep):
+        console.print(Text(text, style=NOTE_STYLES[tone]))
     if rep.run_dirs:
         console.print(Text("records: " + ", ".join(rep.run_dirs), style="dim"))
 
@@ -362,24 +415,32 @@ def junit_xml(rep: WatchReport) -> str:
     return ET.tostring(suite, encoding="unicode") + "\n"
 
 
+def verdict_tone(rep: WatchReport) -> str:
+    if rep.findings:
+        return "bad"
+    return "warn" if nothing_checked(rep) or rep.interrupted else "ok"
+
+
+def page_view(rep: WatchReport) -> dict[str, Any]:
+    """What the page shows, in the order it shows it: verdict, what watch could see, the
+    findings by problem, then the processes."""
+    multi_host = len({p.host for p in rep.processes}) > 1
+    columns = (["host"] if multi_host else []) + list(PROCESS_COLUMNS)
+    return {"verdict": verdict_line(rep).plain, "tone": verdict_tone(rep), "command": " ".join(rep.command),
+            "created": rep.created, "schema": rep.schema, "notes": report_notes(rep),
+            "findings": len(rep.findings), "groups": [{"status": g.status.upper(), "tone": "bad" if g.status == "freed" else "warn",
+                        "pattern": g.pattern, "where": group_headline(g), "facts": group_facts(g)}
+                       for g in rep.groups()],
+            "columns": columns, "numeric": NUMERIC_COLUMNS,
+            "processes": [{"cells": process_row(p, multi_host), "bad": bool(p.findings)} for p in rep.processes],
+            "run_dirs": rep.run_dirs}
+
+
 def report_html(rep: WatchReport) -> str:
-    e = html.escape
-    rows = "".join(
-        f"<tr><td>{e(p.host)}</td><td>{p.pid}</td><td>{'' if p.rank is None else p.rank}</td>"
-        f"<td><code>{e(' '.join(p.argv))}</code></td><td>{'hooked' if p.torch_hooked else 'not imported'}</td>"
-        f"<td>{p.graphs}</td><td>{'?' if p.replays is None else p.replays}</td><td>{p.findings}</td></tr>"
-        for p in rep.processes)
-    blocks = "".join(
-        "<section><h3>" + e(g.status.upper()) + " " + e(g.pattern) + " · " + e(group_headline(g)) + "</h3><dl>"
-        + "".join(f"<dt>{e(k)}</dt><dd>{e(str(v))}</dd>" for k, v in group_facts(g)) + "</dl></section>"
-        for g in rep.groups())
-    verdict = e(verdict_line(rep).plain)
-    return ("<!doctype html><html><head><meta charset='utf-8'><title>repro watch</title><style>"
-            "body{font-family:system-ui,sans-serif;margin:2em}td,th{padding:2px 8px;text-align:left}"
-            "dt{font-weight:bold;float:left;width:8em}dd{margin-left:9em}code{font-size:90%}</style></head>"
-            f"<body><h1>repro watch</h1><p>{verdict}</p><p><code>{e(' '.join(rep.command))}</code></p>"
-            "<table><tr><th>host</th><th>pid</th><th>rank</th><th>command</th><th>torch</th>"
-            f"<th>graphs</th><th>replays</th><th>findings</th></tr>{rows}</table>{blocks}</body></html>\n")
+    """One self-contained page, rendered by the trial report's autoescaping template engine
+    with its style sheet."""
+    from repro.report.html import environment
+    return environment().get_template("watch.html").render(page=page_view(rep))
 
 
 def write_artifacts(rep: WatchReport, json_path: str | None, junit: str | None, html_path: str | None) -> None:
