@@ -421,19 +421,22 @@ def verdict_tone(rep: WatchReport) -> str:
     return "warn" if nothing_checked(rep) or rep.interrupted else "ok"
 
 
+def group_view(g: FindingGroup) -> dict[str, Any]:
+    return {"status": g.status.upper(), "tone": "bad" if g.status == "freed" else "warn", "pattern": g.pattern,
+            "where": group_headline(g), "facts": group_facts(g)}
+
+
 def page_view(rep: WatchReport) -> dict[str, Any]:
     """What the page shows, in the order it shows it: verdict, what watch could see, the
-    findings by problem, then the processes."""
+    findings by problem, then the processes (each command whole: a page can wrap it)."""
     multi_host = len({p.host for p in rep.processes}) > 1
     columns = (["host"] if multi_host else []) + list(PROCESS_COLUMNS)
+    rows = [{"cells": process_row(p, multi_host)[:-1] + [" ".join(p.argv)], "bad": bool(p.findings)}
+            for p in rep.processes]
     return {"verdict": verdict_line(rep).plain, "tone": verdict_tone(rep), "command": " ".join(rep.command),
             "created": rep.created, "schema": rep.schema, "notes": report_notes(rep),
-            "findings": len(rep.findings), "groups": [{"status": g.status.upper(), "tone": "bad" if g.status == "freed" else "warn",
-                        "pattern": g.pattern, "where": group_headline(g), "facts": group_facts(g)}
-                       for g in rep.groups()],
-            "columns": columns, "numeric": NUMERIC_COLUMNS,
-            "processes": [{"cells": process_row(p, multi_host), "bad": bool(p.findings)} for p in rep.processes],
-            "run_dirs": rep.run_dirs}
+            "findings": len(rep.findings), "groups": [group_view(g) for g in rep.groups()],
+            "columns": columns, "numeric": NUMERIC_COLUMNS, "processes": rows, "run_dirs": rep.run_dirs}
 
 
 def report_html(rep: WatchReport) -> str:
