@@ -36,8 +36,8 @@ def worth_a_line(last: tuple[int, str] | None, last_at: float, steps_done: int, 
         return False
     if status != last_status or not total or steps_done >= total:
         return True
-    share = lambda n: n * PLAIN_SHARES // total
-    return share(steps_done) > share(last_steps) or now - last_at >= PLAIN_EVERY_S
+    new_tenth = steps_done * PLAIN_SHARES // total > last_steps * PLAIN_SHARES // total
+    return new_tenth or now - last_at >= PLAIN_EVERY_S
 
 
 class Progress:
