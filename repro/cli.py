@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import math
 import os
 import shlex
 import shutil
@@ -25,7 +26,9 @@ from typer.core import TyperGroup
 
 import repro
 from repro import doctor, gpus, noise, report, runs
-from repro.config import AFTER_FREE, DEVICES, GUARD_MODES, ConfigError, override_sources, preset_names
+from repro.config import (AFTER_FREE, DEVICES, GUARD_MODES, ConfigError, load_preset, override_sources,
+                          preset_names)
+from repro.footprint import needed_bytes
 from repro.files import write_text_atomic
 from repro.interrupts import Interrupts, Terminated, checkpoint
 from repro.launch import RankServer, runs_trials
@@ -34,7 +37,7 @@ from repro.preflight import check_outputs, refuse_ignored
 from repro.protocol import FAULTS
 from repro.ray_runner import RayUnavailable
 from repro.runner import Planned, RunResult, plan, run_planned
-from repro.scenarios import SCENARIOS, RunKeySpec, ScenarioSpec
+from repro.scenarios import SCENARIOS, CpuCost, RunKeySpec, ScenarioSpec
 from repro.watch_hooks import ON_FINDING
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
@@ -189,18 +192,43 @@ def cpu_warnings(planned: list[Planned]) -> list[str]:
     if any(p.cfg.run.share_gpu for p in on_cpu):
         found.append("--share-gpu has no effect on CPU (no GPU here): the ranks share the host over gloo "
                      "as every CPU run does")
-    for preset, (scenario, deadline) in sorted(slow_on_cpu(on_cpu).items()):
-        found.append(f"{preset} on CPU: real model dimensions, slow here: set-up takes tens of seconds and "
-                     f"each step seconds (gemma4-e2b at TP 2 on a shared 2-core CPU: 19 s build, 3-28 s a step), so "
-                     f"a trial may reach its {deadline:g} s deadline (DEADLINE: no verdict); "
-                     f"{SCENARIOS[scenario].cpu_preset} is the CPU-sized preset, --deadline raises the budget")
-    return found
+    found += [slow_warning(p, cost) for p in on_cpu if (cost := slow_on_cpu(p)) is not None]
+    return list(dict.fromkeys(found))      # a matrix of like trials: each sentence once
 
 
-def slow_on_cpu(on_cpu: list[Planned]) -> dict[str, tuple[str, float]]:
-    """Trials on CPU with a scenario's real-dims preset: preset -> (scenario, its deadline)."""
-    return {p.cfg.preset: (p.cfg.scenario, p.cfg.run.deadline_s) for p in on_cpu
-            if p.cfg.preset == SCENARIOS[p.cfg.scenario].default_preset != SCENARIOS[p.cfg.scenario].cpu_preset}
+def slow_on_cpu(p: Planned) -> CpuCost | None:
+    """The CPU timing that applies to a CPU trial: its scenario's real-dims preset's, when the
+    trial's model is at least half that size (by the memory lower bound: a copy of the preset,
+    or its bigger sibling gemma4-e4b, is as slow)."""
+    cost = SCENARIOS[p.cfg.scenario].cpu_cost
+    if cost is None:
+        return None
+    measured = needed_bytes(load_preset(cost.preset))
+    return cost if needed_bytes(p.cfg) * 2 >= measured else None
+
+
+def slow_warning(p: Planned, cost: CpuCost) -> str:
+    steps, deadline = p.cfg.run.steps, p.cfg.run.deadline_s
+    low, high = cost.estimate(steps)
+    if high <= deadline:
+        fits = f"within its {deadline:g} s deadline"
+    elif low > deadline:
+        fits = f"past its {deadline:g} s deadline (DEADLINE: no verdict)"
+    else:
+        fits = f"maybe past its {deadline:g} s deadline (DEADLINE: no verdict)"
+    text = (f"{p.cfg.preset} on CPU: real model dimensions, slow here: about {fmt_span(low, high)} for "
+            f"{steps} step{'s' if steps != 1 else ''}, {fits} ({cost.preset} measured on a shared 2-core CPU: set-up "
+            f"{cost.setup_s[0]:g}-{cost.setup_s[1]:g} s, {cost.step_s[0]:g}-{cost.step_s[1]:g} s a step); "
+            f"{SCENARIOS[p.cfg.scenario].cpu_preset} is the CPU-sized preset")
+    # A budget in whole minutes that covers the slow end of the estimate.
+    return text + (f", --deadline {math.ceil(high / 60) * 60} gives it the time" if high > deadline else "")
+
+
+def fmt_span(low: float, high: float) -> str:
+    """'26-90 s' / '1-8 min': both ends in one unit."""
+    if high < 120:
+        return f"{low:.0f}-{high:.0f} s"
+    return f"{max(1, round(low / 60))}-{math.ceil(high / 60)} min"
 
 
 def with_default(text: str, default: str) -> str:
@@ -223,7 +251,7 @@ SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", help=with
 GuardOpt = Annotated[Optional[choices(GUARD_MODES)], typer.Option("--guard", help=with_default("Stale-capture guard: off; warn records findings and keeps going; raise stops at the first.", "warn"))]
 DeviceOpt = Annotated[Optional[choices(DEVICES)], typer.Option("--device", help=with_default("auto: GPU if NVML sees one; cuda; cpu: gloo, no graphs, guard verdicts.", "auto"))]
 DeadlineOpt = Annotated[Optional[float], typer.Option("--deadline", metavar="SECONDS", help=with_default("The whole trial's budget: past it the group is killed; DEADLINE if it was still progressing, HANG if stuck.", "the preset's run.deadline_s"))]
-StallOpt = Annotated[Optional[float], typer.Option("--stall", metavar="SECONDS", help=with_default("Progress watchdog: no record from any rank for this long is a HANG (the stuck rank is blamed).", "the preset's run.stall_s, 60"))]
+StallOpt = Annotated[Optional[float], typer.Option("--stall", metavar="SECONDS", help=with_default("Progress watchdog: no record from any rank for this long (or for twice the longest pause the steps have shown, if longer) is a HANG (the stuck rank is blamed).", "the preset's run.stall_s, 60"))]
 ForensicsOpt = Annotated[Optional[bool], typer.Option("--forensics/--no-forensics", help=with_default("Record CUDA memory history; map stale addresses to alloc/free stacks; write snapshots.", "off"))]
 ExpectOpt = Annotated[Optional[str], typer.Option("--expect", metavar="clean|reproduced|OUTCOME[,OUTCOME]", help=with_default("The outcome that counts as met.", "the trial's documented outcome: mostly unfixed -> reproduced, fixed -> clean; `repro matrix --list` shows them"))]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE", help="Override any preset key, repeatable: --set run.steps=3 --set model.hidden_size=128.")]

@@ -88,35 +88,45 @@ class Waited:
     deadline: bool = False             # the overall deadline came while the trial still progressed
     quiet_s: float | None = None       # seconds since the last record when the wait ended
     longest_pause_s: float = 0.0       # the longest pause between records before that
+    stall_limit_s: float | None = None # the watchdog's limit then: --stall, or twice that pause
 
 
 @dataclass
 class Activity:
     """What tells a slow trial from a stuck one: when the ranks last appended a record to
     their JSONL files, and whether any has recorded a step yet (set-up phases, the model
-    build above all, may be long and silent; steps repeat)."""
+    build above all, may be long and silent; steps repeat). The pauses between records are
+    measured from the first step's start, so a step whose own phases are slow (a real-dims
+    reload on CPU: a minute or two without a record) sets how long a pause may be."""
     counters: list[StepCounter]
     seen: int = 0                      # bytes of complete records read so far, all ranks
     last_at: float | None = None       # monotonic time a record was last seen; None: none yet
     stepping: bool = False             # some rank has recorded a step
+    began: bool = False                # some rank has begun a step
     longest_pause_s: float = 0.0       # the longest pause between records since then
 
     def poll(self, now: float) -> None:
         steps = [c.poll() for c in self.counters]
         seen = sum(c.offset for c in self.counters)
         if seen != self.seen:
-            if self.stepping and self.last_at is not None:
+            # A pause counts once a step had begun before it: set-up's silences are not steps'.
+            if self.began and self.last_at is not None:
                 self.longest_pause_s = max(self.longest_pause_s, now - self.last_at)
             self.seen, self.last_at = seen, now
             self.stepping = self.stepping or any(steps)
+            self.began = self.began or self.stepping or any(c.begun for c in self.counters)
 
     def quiet(self, now: float) -> float | None:
         return None if self.last_at is None else now - self.last_at
 
+    def stall_limit(self, stall_s: float | None) -> float | None:
+        """stall_s, or twice the longest pause the steps have shown, whichever is longer."""
+        return None if stall_s is None else max(stall_s, 2 * self.longest_pause_s)
+
     def stalled(self, now: float, stall_s: float | None) -> bool:
-        """The watchdog: steps had begun, and no rank wrote a record for stall_s."""
-        quiet = self.quiet(now)
-        return stall_s is not None and self.stepping and quiet is not None and quiet > stall_s
+        """The watchdog: steps had begun, and no rank wrote a record for the stall limit."""
+        quiet, limit = self.quiet(now), self.stall_limit(stall_s)
+        return limit is not None and self.stepping and quiet is not None and quiet > limit
 
     def progressing(self, now: float, stall_s: float | None) -> bool:
         """Still going at the deadline: in the steps, the current pause is no longer than twice
@@ -261,6 +271,7 @@ def wait_group(ranks: list[Rank], deadline_s: float, spawned_at: float,
             if stalled or now - spawned_at > deadline_s:
                 waited.quiet_s = activity.quiet(now) if activity is not None else None
                 waited.longest_pause_s = activity.longest_pause_s if activity is not None else 0.0
+                waited.stall_limit_s = activity.stall_limit(stall_s) if activity is not None else None
                 if not stalled and activity is not None and activity.progressing(now, stall_s):
                     waited.deadline = True
                     break
@@ -407,8 +418,10 @@ def hang_failure(cfg: TrialConfig, recs: list[RankRecords], exits: list[RankExit
     if waited.quiet_s is None:
         detail = f"no record from any rank within the {cfg.run.deadline_s:g} s deadline; group killed"
     elif waited.stalled:
-        detail = (f"no record from any rank for {waited.quiet_s:.0f} s (stall limit {cfg.run.stall_s:g} s, "
-                  f"--stall); group killed")
+        limit = waited.stall_limit_s or cfg.run.stall_s
+        why = (f"{cfg.run.stall_s:g} s, --stall" if limit <= cfg.run.stall_s else
+               f"{limit:.0f} s, twice the longest pause between the steps' records so far; --stall {cfg.run.stall_s:g}")
+        detail = f"no record from any rank for {waited.quiet_s:.0f} s (stall limit {why}); group killed"
     else:
         detail = (f"no record from any rank for the last {waited.quiet_s:.1f} s before the "
                   f"{cfg.run.deadline_s:g} s deadline (longest pause before: {waited.longest_pause_s:.1f} s); "
@@ -428,9 +441,11 @@ def deadline_failure(cfg: TrialConfig, recs: list[RankRecords], waited: Waited) 
     hang. Where it had got to, and no blame: every rank was progressing."""
     steps = [s for s in (current_step(r) for r in recs) if s is not None]
     done = min(len({e["step"] for e in r.of(Event.STEP)}) for r in recs) if recs else 0
-    where = f"in step {max(steps) + 1}/{cfg.run.steps}" if steps else "before the first step"
-    detail = (f"deadline {cfg.run.deadline_s:g} s reached {where} while progressing ({done} steps done, "
-              f"last record {waited.quiet_s or 0:.1f} s before); not a hang: raise --deadline, or lower --steps")
+    # Steps counted from 0, as the steps table and the verdict's "on step N" count them.
+    where = (f"in step {max(steps)} ({done} of {cfg.run.steps} steps done)" if steps
+             else f"before the first step (0 of {cfg.run.steps} steps done)")
+    detail = (f"deadline {cfg.run.deadline_s:g} s reached {where} while progressing (last record "
+              f"{waited.quiet_s or 0:.1f} s before); not a hang: raise --deadline, or lower --steps")
     return FirstFailure(Outcome.DEADLINE, None, max(steps) if steps else None, detail)
 
 

@@ -134,6 +134,7 @@ class StepCounter:
         self.path = path
         self.offset = 0
         self.steps = 0
+        self.begun = 0                  # steps begun (a step's own phases come after it)
 
     def poll(self) -> int:
         try:
@@ -146,4 +147,5 @@ class StepCounter:
         self.offset += len(complete)
         records = parse_lines(complete.decode("utf-8", errors="replace"))
         self.steps += sum(1 for e in records if e.get("event") == Event.STEP)
+        self.begun += sum(1 for e in records if e.get("event") == Event.BEGIN)
         return self.steps

@@ -143,7 +143,8 @@ def finish(rep: WatchReport, command: list[str], result: CommandResult, on_findi
     if not rep.processes:
         rep.notes.append("No Python process started the hooks (CMD started no Python, or its "
                          "environment was replaced before Python started).")
-    rep.notes += sight_notes(rep)
+    from repro.gpus import gpu_count
+    rep.notes += sight_notes(rep, gpu_count())
     rep.exit = EXIT_INTERRUPTED if result.interrupted else \
         EXIT_FINDINGS if rep.findings else result.returncode
     return rep
@@ -151,12 +152,11 @@ def finish(rep: WatchReport, command: list[str], result: CommandResult, on_findi
 
 def sight_notes(rep: WatchReport, gpu_count: int | None = None) -> list[str]:
     """What watch could see in this run, said where "no findings" would otherwise suggest more
-    than was checked: watch looks at CUDA graph captures and their replays, nothing else."""
+    than was checked: watch looks at CUDA graph captures and their replays, nothing else.
+    gpu_count: GPUs of the machine the run was on; None when that is not known (records
+    merged from elsewhere), so nothing is said of it."""
     if not rep.processes or any(p.graphs for p in rep.processes):
         return []
-    if gpu_count is None:
-        from repro.gpus import gpu_count as count_gpus
-        gpu_count = count_gpus()
     hooked = sum(p.torch_hooked for p in rep.processes)
     what = (f"no CUDA graph was captured in the {len(rep.processes)} watched process(es) "
             f"({hooked} imported torch); watch looks at CUDA graph captures and their replays only, "
@@ -194,6 +194,7 @@ def merge(run_dirs: list[Path]) -> WatchReport:
     rep = load_report([p for d in run_dirs for p in (d, *node_dirs(d))])
     for d in run_dirs:
         with_ray_nodes(d, rep)
+    rep.notes += sight_notes(rep)          # the records may come from another machine: no GPU claim
     rep.exit = EXIT_FINDINGS if rep.findings else 0
     return rep
 

@@ -21,7 +21,7 @@ from rich.console import Console
 from repro.files import write_text_atomic
 from repro.outcome import Finding, finding_from_dict, to_jsonable
 from repro.report.console import render_watch
-from repro.report.fmt import fmt_bytes, fmt_ptr, plain
+from repro.report.fmt import fmt_bytes, fmt_ptr, fmt_ranges, plain
 from repro.report.groups import FindingGroup, group_findings
 from repro.report.jsonfile import json_text, write_document
 from repro.report.junit import junit_document, watch_suite
@@ -200,10 +200,15 @@ PROCESS_COLUMNS: tuple[Column, ...] = (
 )
 
 
-def processes_view(rep: WatchReport) -> TableView:
-    """One row per process; the host column only when the processes ran on several hosts."""
+WHOLE_COMMAND = Column("command", "command", lambda p: Cell(plain(" ".join(p.argv))), wrap=True)
+
+
+def processes_view(rep: WatchReport, whole_command: bool = False) -> TableView:
+    """One row per process; the host column only when the processes ran on several hosts.
+    whole_command: each command whole (a page wraps it), not cut for a terminal."""
     multi_host = len({p.host for p in rep.processes}) > 1
-    columns = [c for c in PROCESS_COLUMNS if c.key != "host" or multi_host]
+    columns = [WHOLE_COMMAND if whole_command and c.key == "command" else c
+               for c in PROCESS_COLUMNS if c.key != "host" or multi_host]
     return TableView(f"Processes watched ({len(rep.processes)})", columns,
                      table_rows(columns, rep.processes, failed=lambda p: p.findings > 0))
 
@@ -235,7 +240,7 @@ def group_headline(g: FindingGroup) -> str:
         where += f" of {len(procs)} processes"
     ranks = sorted({w.rank for w in g.members if w.rank is not None})
     if ranks:
-        where += f", rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        where += f", rank{'s' if len(ranks) > 1 else ''} {fmt_ranges(ranks)}"
     return where
 
 
@@ -300,18 +305,28 @@ def pool_note(rep: WatchReport) -> str | None:
     return text
 
 
+def nothing_checked(rep: WatchReport) -> bool:
+    """No finding, and no watched process captured a CUDA graph: "no findings" would claim
+    more than was looked at (every program on a machine without a GPU)."""
+    return not rep.findings and not any(p.graphs for p in rep.processes)
+
+
 def verdict_cells(rep: WatchReport, groups: int) -> list[Cell]:
+    """The verdict's parts; every renderer joins them with " · " (a terminal breaks lines
+    only between two parts)."""
     hooked = sum(p.torch_hooked for p in rep.processes)
     graphs = sum(p.graphs for p in rep.processes)
-    cells = [Cell("INTERRUPTED  ", WARN)] if rep.interrupted else []
+    cells = [Cell("INTERRUPTED", WARN)] if rep.interrupted else []
     if rep.findings:
         cells.append(Cell(f"{len(rep.findings)} finding(s) in {groups} group(s)", BAD))
+    elif nothing_checked(rep):
+        cells.append(Cell("nothing checked (no CUDA graph captured)", WARN))
     else:
         cells.append(Cell("no findings", OK))
-    cells.append(Cell(f" · {len(rep.processes)} process(es) watched, {hooked} imported torch, "
+    cells.append(Cell(f"{len(rep.processes)} process(es) watched, {hooked} imported torch, "
                       f"{graphs} graph capture(s)"))
     if rep.command_exit is not None:
-        cells.append(Cell(f" · command exited {rep.command_exit}"))
+        cells.append(Cell(f"command exited {rep.command_exit}"))
     return cells
 
 
@@ -328,6 +343,7 @@ class WatchView:
     created: str
     schema: str
     processes: TableView
+    page_processes: TableView         # the same, each command whole (a page wraps it)
     findings_total: int
     groups_total: int
     problems: list[ProblemView]       # the first MAX_GROUPS_SHOWN groups
@@ -341,7 +357,11 @@ class WatchView:
 
     @property
     def verdict_text(self) -> str:
-        return "".join(c.text for c in self.verdict)
+        return " · ".join(c.text for c in self.verdict)
+
+    @property
+    def verdict_tone(self) -> str:
+        return self.verdict[1 if len(self.verdict) > 1 and self.verdict[0].text == "INTERRUPTED" else 0].tone
 
     @property
     def findings_title(self) -> str:
@@ -356,7 +376,8 @@ def watch_view(rep: WatchReport) -> WatchView:
     groups = rep.groups()
     return WatchView(
         verdict=verdict_cells(rep, len(groups)), command=plain(" ".join(rep.command)), created=rep.created,
-        schema=rep.schema, processes=processes_view(rep), findings_total=len(rep.findings), groups_total=len(groups),
+        schema=rep.schema, processes=processes_view(rep), page_processes=processes_view(rep, whole_command=True),
+        findings_total=len(rep.findings), groups_total=len(groups),
         problems=[problem_view(g) for g in groups[:MAX_GROUPS_SHOWN]],
         hidden_findings=sum(g.count for g in groups[MAX_GROUPS_SHOWN:]),
         census="; ".join(sorted({plain(p.census) for p in rep.processes if p.graphs})),

@@ -378,3 +378,34 @@ def test_clip_never_ends_mid_sentence():
     assert len(out) <= 102 and out.endswith("here. …")
     assert clip("one two three four five six", 15) == "one two three …"
     assert clip("short", 100) == "short"
+
+
+def test_a_real_dims_preset_on_cpu_is_estimated_before_it_starts(tmp_path, no_gpu):
+    """`--config gemma4-e2b` on CPU took 94 s with no word that it would be slow: the run says
+    up front how long it should take here and whether that fits its deadline."""
+    result = invoke("gemma4-mtp", "--config", "gemma4-e2b", "--deadline", "1", "--artifacts", str(tmp_path))
+    warning = next(l for l in result.stderr.splitlines() if l.startswith("repro: warning: gemma4-e2b on CPU"))
+    assert "about 1-9 min for 14 steps, past its 1 s deadline (DEADLINE: no verdict)" in warning
+    assert "gemma4-tiny is the CPU-sized preset, --deadline 540 gives it the time" in warning
+    assert result.stderr.index(warning) < result.stderr.index("started")
+
+
+@pytest.mark.parametrize("scenario,preset,run,needle", [
+    ("gemma4-mtp", "gemma4-e2b", {}, "about 1-9 min for 14 steps, maybe past its 180 s deadline"),
+    ("gemma4-mtp", "gemma4-e4b", {}, "gemma4-e4b on CPU: real model dimensions"),        # its sibling, as slow
+    ("gemma4-mtp", "gemma4-e2b", {"steps": 1, "deadline_s": 600}, "about 23-92 s for 1 step, within its 600 s"),
+    ("nvfp4-reload", "qwen3-30b-a3b-moe", {}, "(qwen3-30b-a3b-moe measured on a shared 2-core CPU"),
+    ("gemma4-mtp", "gemma4-tiny", {}, None),
+    ("nvfp4-reload", "moe-tiny", {}, None),
+])
+def test_cpu_estimate_is_the_scenarios_own_and_only_for_real_sizes(scenario, preset, run, needle):
+    from repro.cli import cpu_warnings
+    from repro.runner import plan
+    warnings = cpu_warnings([plan(scenario, preset, {"device": "cpu", **run}, [], gpus=0)])
+    if needle is None:
+        assert warnings == []
+    else:
+        [warning] = warnings
+        assert needle in warning
+        other = "gemma4-e2b" if scenario == "nvfp4-reload" else "qwen3"
+        assert other not in warning                 # never another scenario's numbers

@@ -111,7 +111,9 @@ def test_slow_but_progressing_trial_reaches_its_deadline_not_a_hang(tmp_path):
     assert trial.outcome == Outcome.DEADLINE and trial.met is False
     first = trial.first_failure
     assert first.rank is None and "blame" not in first.detail and "collective" not in first.detail
-    assert "deadline 10 s reached in step " in first.detail and "/10000000 while progressing" in first.detail
+    # Counted from 0 as the steps table counts them, and the same step the verdict names.
+    assert f"deadline 10 s reached in step {first.step} (" in first.detail
+    assert " of 10000000 steps done) while progressing" in first.detail
     assert "not a hang: raise --deadline" in first.detail
     assert not trial.artifacts.get("rank 0 stacks")           # nobody was asked where it was stuck
     assert_nothing_left(trial)
@@ -146,6 +148,32 @@ def test_activity_tells_slow_from_stuck(tmp_path):
     assert not act.stalled(last + 2.9, 3) and act.stalled(last + 3.1, 3)
     write("step", last + 2.5)                # one slow step: twice it is still "progressing"
     assert act.longest_pause_s == 2.5 and act.progressing(last + 2.5 + 4.9, 60)
+
+
+def test_a_step_with_slow_phases_sets_how_long_a_pause_may_be(tmp_path):
+    """nvfp4-reload at real dims on CPU: one reload is a minute or two without a record. The
+    first step's own pauses (56 s, 121 s) make the next step's 70 s silence normal, not a HANG
+    at the 60 s --stall; a silence past twice the longest pause still is one."""
+    from repro.isolate import Activity
+    from repro.protocol import StepCounter
+    path = tmp_path / "rank0.jsonl"
+    act = Activity([StepCounter(path)])
+
+    def write(event, at):
+        with open(path, "a") as f:
+            f.write(json.dumps({"event": event, "rank": 0, "t": 0, "step": 0}) + "\n")
+        act.poll(at)
+
+    write("start", 0.0)
+    write("phase", 74.0)                     # build + capture: set-up, not counted
+    write("begin", 74.0)
+    write("phase", 130.0)                    # reload 56 s
+    write("phase", 180.0)                    # replays 50 s
+    write("phase", 301.0)                    # oracle 121 s
+    write("step", 302.0)
+    write("begin", 302.0)
+    assert act.longest_pause_s == 121.0 and act.stall_limit(60) == 242.0
+    assert not act.stalled(302.0 + 70, 60) and act.stalled(302.0 + 243, 60)
 
 
 def test_deadline_outcome_is_never_expectable_and_never_met():

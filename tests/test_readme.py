@@ -129,7 +129,26 @@ def test_set_up_starts_from_a_clone_and_a_venv():
     assert lines[0].startswith("git clone ") and "cd repro" in lines[0]
     assert lines[1].startswith("python3 -m venv .venv && . .venv/bin/activate")
     tests = README[README.index("## Tests"):]
-    assert "minutes on 2 cores" in tests and '-m "not slow"' in tests
+    assert "minutes on 2 cores" in tests and '-m "not slow and ' in tests
+
+
+def test_the_fast_subsets_are_what_they_say():
+    """A -m of one's own replaces addopts' (GPU tests would be collected); the in-process
+    subset names test files that exist and start no trial and no repro process."""
+    import re
+    import tomllib
+    addopts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    excluded = re.findall(r"not (\w+)", addopts)
+    tests = README[README.index("## Tests"):]
+    commands = [l for l in tests.splitlines() if l.startswith("python3 -m pytest")]
+    for line in commands:
+        if ' -m "' in line:
+            assert all(f"not {m}" in line for m in excluded), line
+    [in_process] = [l for l in commands if "in-process only" in l]
+    files = [REPO / f for f in in_process.split("#")[0].split() if f.startswith("tests/")]
+    assert len(files) >= 4
+    for f in files:
+        assert not re.search(r'run_trial|CliRunner|RankServer|"-m", "repro"', f.read_text()), f.name
 
 
 def test_test_extra_holds_every_module_the_suite_imports_or_skips():

@@ -479,6 +479,19 @@ def test_progress_past_the_last_step_says_finishing_not_running():
                          "[t1] 6/6 steps done · finishing"]
 
 
+def test_progress_in_a_log_is_a_line_per_tenth_of_a_long_trial_not_per_step():
+    """`repro gemma4-mtp --steps 5000` in a CI log: a handful of lines, the last step's among them."""
+    stream = io.StringIO()
+    with rp.Progress(Console(file=stream, width=80, force_terminal=False)) as progress:
+        progress.add("t1", "gemma4-mtp", 5000)
+        for n in range(5001):
+            progress.update("t1", n)
+        progress.finish("t1", Outcome.DEADLINE)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) <= 14, lines
+    assert "[t1] 500/5000 steps done · running" in lines and "[t1] 5000/5000 steps done · finishing" in lines
+
+
 def test_progress_on_a_terminal_uses_the_live_display():
     stream = io.StringIO()
     console = Console(file=stream, width=100, force_terminal=True, color_system="standard")
@@ -841,3 +854,42 @@ def test_screenshots_of_the_pages_are_in_docs_at_both_widths():
             data = (shots / f"{page}-{width}.png").read_bytes()
             assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 300_000
             assert struct.unpack(">II", data[16:24])[0] == width           # IHDR: the window's width
+
+
+# ---- a slow trial at TP 64 (`repro gemma4-mtp --steps 5000 --tp 64` on CPU) -------------------
+
+
+def tp64_deadline_trial() -> TrialRecord:
+    """Three steps done on each of 64 ranks when the deadline came, one dead local per rank."""
+    trial = illegal_address_trial()
+    base = trial.guard_findings[0]
+    trial.outcome, trial.met, trial.graph_replayed = Outcome.DEADLINE, False, False
+    trial.config = config("gemma4-mtp", "unfixed", tp=64, device="cpu", steps=5000)
+    trial.first_failure = FirstFailure(Outcome.DEADLINE, None, 3, "deadline 120 s reached in step 3 "
+                                       "(3 of 5000 steps done) while progressing (last record 19.2 s before)")
+    trial.steps = [StepRecord(step=i, rank=r, batch=1, replayed=False, numel=3, compared=3, seconds=7.4)
+                   for i in range(3) for r in range(64)]
+    trial.guard_findings = [Finding(**{**base.__dict__, "rank": r, "old_ptr": base.old_ptr + r * 4096})
+                            for r in range(64)]
+    trial.ranks = []
+    trial.measures.update(tokens_per_s=0.21, acceptance_rate=0.61, mean_accepted_length=2.83, lossless=True)
+    trial.artifacts = {f"rank {r} records": f"/runs/20261201/00-gemma4-mtp/rank{r}.jsonl" for r in range(64)}
+    return trial
+
+
+def test_a_64_rank_trial_reads_in_a_screen_its_counts_in_steps_and_ranks():
+    text = trial_text(tp64_deadline_trial())
+    assert "ranks 0-63 · 64 findings" in text                    # not 64 numbers over five lines
+    assert "Steps (3 on 64 ranks)" in text and "Steps (192)" not in text
+    assert "ranks 0-63 records: rank0.jsonl … rank63.jsonl (64 files)" in text
+    assert "rank 5 records" not in text
+    assert "first failure: DEADLINE · step 3 · deadline 120 s" in text and "rank -" not in text
+    assert "0.21 tokens/s" in text
+    assert len(text.splitlines()) < 80
+
+
+def test_rank_ranges_and_rates():
+    from repro.report.fmt import fmt_ranges, fmt_rate
+    assert fmt_ranges([0, 1]) == "0, 1" and fmt_ranges(range(64)) == "0-63"
+    assert fmt_ranges([5, 0, 1, 2]) == "0-2, 5"
+    assert fmt_rate(382.4) == "382" and fmt_rate(0.2149) == "0.21" and fmt_rate(3.14) == "3.1"

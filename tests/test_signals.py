@@ -85,6 +85,25 @@ def test_matrix_signalled_while_its_first_trial_is_collected(tmp_path):
     assert len(report["trials"]) == 1
 
 
+MATRIX_POINTS = ["start", "server", "parsed", "planned", "spawned", "collected", "report"]
+
+
+@pytest.mark.parametrize("point", MATRIX_POINTS)
+def test_matrix_signalled_at_every_point_gives_143_and_the_json(tmp_path, point):
+    """`repro matrix --json PATH` as a CI job runs it (its own session): its planning is its own
+    code path, the trial's points are the same as a scenario command's."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "repro", "matrix", "--only", "01-", "--artifacts",
+                           str(tmp_path / "a"), "--json", str(out)], env=cli_env(REPRO_SIGNAL_AT=f"SIGTERM@{point}"),
+                          capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["interrupted"] is True and report["interrupted_by"] == "SIGTERM"
+    assert len(report["trials"]) + report["not_run"] == 1
+    assert len(report["trials"]) == (0 if point in ("start", "server", "parsed", "planned") else 1)
+    assert not ranks_left(tmp_path)
+
+
 def handler_installed(pid):
     """Whether the process catches SIGTERM (its SigCgt mask in /proc): the CLI's first act."""
     try:

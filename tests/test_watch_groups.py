@@ -162,3 +162,69 @@ def test_json_keeps_its_schema(tmp_path):
     assert list(doc["groups"][0]) == ["pattern", "status", "mechanism", "freed_at", "count", "graphs", "names",
                                       "processes", "ranks", "findings"]
     assert "record_file" in doc["processes"][0] and "pool_managed" in doc["processes"][0]
+
+# -- everyday edges: what a CPU run of watch says, at 80 columns and in the page ---------------
+
+def cpu_process(run_dir, pid=21, argv=("python3", "examples/watch_kv_cache.py")):
+    """A watched process as on a machine without a GPU: torch hooked, no graph captured."""
+    lines = [{"kind": "process", "pid": pid, "host": "h", "argv": list(argv), "started": pid},
+             {"kind": "hooked", "torch": "2.13.0+cpu"},
+             {"kind": "exit", "counters": {"replays": 0}, "census": "not checked (no capture)"}]
+    (run_dir / f"h-{pid}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_nothing_captured_reads_as_nothing_checked_not_as_no_findings(tmp_path):
+    from repro.watch import merge
+    cpu_process(tmp_path)
+    rep = merge([tmp_path])
+    assert rep.exit == 0 and not rep.findings
+    text = rendered(rep, 80)
+    first = text.splitlines()[0]
+    assert first.startswith("nothing checked (no CUDA graph captured)") and "no findings" not in first
+    assert "Nothing checked: no CUDA graph was captured in the 1 watched process(es)" in " ".join(text.split())
+    assert "this machine has no GPU" not in text          # merged records: not this machine's to say
+
+
+def test_a_graph_checked_without_findings_is_no_findings(tmp_path):
+    write_process(tmp_path, 11, [])
+    rep = W.load_report([tmp_path])
+    rep.processes[0].graphs = 3
+    assert rendered(rep, 80).startswith("no findings · 1 process(es) watched")
+
+
+def test_80_columns_break_between_parts_and_never_inside_a_command(tmp_path):
+    cpu_process(tmp_path, argv=("python3", "examples/watch_kv_cache.py", "--steps", "4"))
+    rep = W.load_report([tmp_path])
+    rep.command_exit = 0
+    narrow = rendered(rep, 80)
+    lines = narrow.splitlines()
+    assert not any(line.rstrip().endswith(("·", "|", "│")) for line in lines), narrow
+    assert all(len(line) <= 80 for line in lines)
+    assert any(line.strip() == "pid 21: examples/watch_kv_cache.py --steps 4" for line in lines), narrow
+    wide = rendered(rep, 160)
+    row = next(line for line in wide.splitlines() if line.lstrip().startswith("21 "))
+    assert row.rstrip().endswith("examples/watch_kv_cache.py --steps 4")   # in the table where it fits
+    assert "pid 21:" not in wide
+
+
+def test_watch_page_leads_with_the_verdict_and_what_watch_could_see(tmp_path):
+    from repro.watch import merge
+    cpu_process(tmp_path, argv=("python3", "<b>x</b>.py"))
+    page = W.report_html(merge([tmp_path]))
+    order = [page.index(s) for s in ('<p class="lead warn"><span class="warn">nothing checked', "Nothing checked: no CUDA graph",
+                                     "<h2>Processes watched (1)</h2>")]
+    assert order == sorted(order)
+    assert ".scroll{overflow-x:auto" in page and '<div class="scroll"><table>' in page   # styled; tables scroll
+    assert "<b>x</b>" not in page and "&lt;b&gt;x&lt;/b&gt;.py" in page                   # escaped by the engine
+    assert "<script" not in page
+
+
+def test_watch_page_shows_each_problem_once_with_its_facts(tmp_path):
+    rep = engine_report(tmp_path)
+    page = W.report_html(rep)
+    assert '<p class="lead bad"><span class="bad">2048 finding(s) in 2 group(s)</span>' in page
+    assert "<h2>Findings (2048 in 2 groups)</h2>" in page and page.count('<div class="finding">') == 2
+    assert page.count("<details open>") == 1                             # the first problem open
+    assert '<th>found</th><td class=""><span class="mono">2046 times in 2046 graphs of 2 processes' in page
+    assert page.index("<h2>Findings") < page.index("<h2>Processes watched")
+    assert page.count('<tr class="row-bad">') == 2

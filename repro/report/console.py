@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import sys
 from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console, Group, RenderableType
+from rich.measure import Measurement
 from rich.padding import Padding
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
 from repro.outcome import Outcome, Report, TrialRecord
-from repro.report.fmt import fmt_seconds
+from repro.report.fmt import fmt_ranges, fmt_seconds
 from repro.report.view import (
     BAD, DIM, NOTE, OK, SKIP, WARN, Artifact, Cell, Column, Row, RunView, TableView, TrialView, outcome_tone,
     run_view, trial_view,
@@ -178,16 +180,42 @@ def packed(label: str, items: list[str], width: int, sep: str = " · ") -> Text:
     return out
 
 
+RANK_ARTIFACT = re.compile(r"rank (\d+) (.+)")
+MAX_RANK_LINES = 4      # per kind of per-rank file; past it, one line names them all (TP 64: 64 lines)
+
+
 def artifact_lines(artifacts: list[Artifact]) -> list[Text]:
-    """Grouped by directory, each path on a line of its own: never broken inside a name."""
+    """Grouped by directory, each path on a line of its own: never broken inside a name. The
+    same file of many ranks is one line, its first and last names whole."""
     by_dir: dict[str, list[Artifact]] = {}
     for a in artifacts:
         by_dir.setdefault(os.path.dirname(a.path), []).append(a)
     out = []
     for directory, items in by_dir.items():
         out.append(Text.assemble(("artifacts in ", "bold"), (directory + os.sep if directory else ".", "cyan")))
-        out += [Text.assemble(f"  {a.name}: ", (os.path.basename(a.path), "cyan")) for a in items]
+        out += directory_lines(items)
     return out
+
+
+def directory_lines(items: list[Artifact]) -> list[Text]:
+    by_kind: dict[str, list[tuple[int, Artifact]]] = {}
+    for a in items:
+        m = RANK_ARTIFACT.fullmatch(a.name)
+        if m:
+            by_kind.setdefault(m.group(2), []).append((int(m.group(1)), a))
+    lines, said = [], set()
+    for a in items:
+        m = RANK_ARTIFACT.fullmatch(a.name)
+        kind = m.group(2) if m else None
+        if kind is None or len(by_kind[kind]) <= MAX_RANK_LINES:
+            lines.append(Text.assemble(f"  {a.name}: ", (os.path.basename(a.path), "cyan")))
+        elif kind not in said:
+            said.add(kind)
+            ranks = by_kind[kind]
+            first, last = os.path.basename(ranks[0][1].path), os.path.basename(ranks[-1][1].path)
+            lines.append(Text.assemble(f"  ranks {fmt_ranges(r for r, _ in ranks)} {kind}: ", (first, "cyan"),
+                                       " … ", (last, "cyan"), f" ({len(ranks)} files)"))
+    return lines
 
 
 def rank_block(tv: TrialView, console: Console) -> list[RenderableType]:
@@ -343,11 +371,37 @@ def problem_block(pv: ProblemView) -> list[RenderableType]:
     return [headline, facts_grid(pv.facts, indent=4)]
 
 
+def wrapped_parts(parts: list[Text], width: int, sep: str = " · ") -> Text:
+    """Parts joined by sep, a line break only between two parts (never after a dangling sep)."""
+    lines: list[Text] = []
+    for part in parts:
+        if lines and lines[-1].cell_len + len(sep) + part.cell_len <= width:
+            lines[-1].append(sep)
+            lines[-1].append_text(part)
+        else:
+            lines.append(part.copy())
+    return Text("\n").join(lines)
+
+
+def processes_block(tv: TableView, console: Console) -> list[RenderableType]:
+    """The table, with each command in its column where it fits whole; else the commands go
+    under the table, one line each, so a path is never broken mid-word."""
+    table = watch_table(tv)
+    # Measured unbounded: a measurement within the console's width is clamped to it.
+    if Measurement.get(console, console.options.update_width(10 ** 6), table).maximum <= console.width:
+        return [table]
+    narrow = TableView(tv.title, [c for c in tv.columns if c.key != "command"], tv.rows)
+    out: list[RenderableType] = [watch_table(narrow)]
+    out += [Text.assemble((f"  pid {row.cells['pid'].text}: ", "dim"), row.cells["command"].text) for row in tv.rows]
+    return out
+
+
 def render_watch(wv: WatchView, console: Console) -> None:
     """The verdict, the processes, each problem once, then what the verdict relied on."""
-    console.print(Text.assemble(*(text(c) for c in wv.verdict)))
+    console.print(wrapped_parts([text(c) for c in wv.verdict], console.width))
     if wv.processes.rows:
-        console.print(watch_table(wv.processes))
+        for item in processes_block(wv.processes, console):
+            console.print(item)
     if wv.findings_total:
         console.print(Text(wv.findings_title, style="bold"))
         for pv in wv.problems:

@@ -24,6 +24,23 @@ def fmt_seconds(s: float | None) -> str:
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
 
 
+def fmt_ranges(numbers: Iterable[int]) -> str:
+    """'0, 1' / '0-63' / '0-2, 5': a run of three or more as its ends, so 64 ranks are one word."""
+    runs: list[list[int]] = []
+    for n in sorted(set(numbers)):
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
+
+
+def fmt_rate(x: float) -> str:
+    """A per-second rate: whole numbers where they are large, two digits where a whole number
+    would read 0 (a slow CPU trial's 0.21 tokens/s)."""
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
+
+
 def fmt_float(x: Any) -> str:
     """Errors and tolerances; strings stand for NaN/Inf read back from strict JSON."""
     if x is None:

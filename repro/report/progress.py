@@ -21,6 +21,25 @@ from repro.report.console import outcome_style
 from repro.report.fmt import fmt_seconds, plain
 
 
+# Plain lines (logs, pipes): one per tenth of the steps and per new status, not one per step (a
+# 5000-step trial wrote 5000 lines into a CI log), and one at least this often while it moves.
+PLAIN_SHARES = 10
+PLAIN_EVERY_S = 10.0
+
+
+def worth_a_line(last: tuple[int, str] | None, last_at: float, steps_done: int, status: str,
+                 total: int | None, now: float) -> bool:
+    if last is None:
+        return True
+    last_steps, last_status = last
+    if (last_steps, last_status) == (steps_done, status):
+        return False
+    if status != last_status or not total or steps_done >= total:
+        return True
+    new_tenth = steps_done * PLAIN_SHARES // total > last_steps * PLAIN_SHARES // total
+    return new_tenth or now - last_at >= PLAIN_EVERY_S
+
+
 class Progress:
     """Started, step counts and finished outcome per trial, from the runner's reader threads."""
 
@@ -30,7 +49,8 @@ class Progress:
         self.tasks: dict[str, Any] = {}          # trial_id -> rich task id (live mode)
         self.totals: dict[str, int | None] = {}
         self.started: dict[str, float] = {}
-        self.last: dict[str, tuple[int, str]] = {}  # plain mode: skip repeats of the same event
+        self.last: dict[str, tuple[int, str]] = {}  # plain mode: the last line's count and status
+        self.last_at: dict[str, float] = {}       # plain mode: when it was printed
         self.lock = threading.Lock()              # runners report from reader threads
         # On a narrow terminal the trial's name gives way (cut with an ellipsis), never the
         # counts or the timer ("0:00:…" said nothing).
@@ -83,9 +103,12 @@ class Progress:
                 self.bar.update(self.tasks[trial_id], completed=steps_done,
                                 status=escape_markup(plain(status_text)))
                 return
-            if self.last.get(trial_id) == (steps_done, status_text):
+            now = time.monotonic()
+            if not worth_a_line(self.last.get(trial_id), self.last_at.get(trial_id, now), steps_done,
+                                status_text, total, now):
                 return
             self.last[trial_id] = (steps_done, status_text)
+            self.last_at[trial_id] = now
         count = f"{steps_done}/{total}" if total else f"{steps_done}"
         self.emit(trial_id, Text(f"{count} steps done · {plain(status_text)}"))
 

@@ -22,7 +22,8 @@ from repro.scenarios import SCENARIO_RUN_KEYS, SCENARIOS, RecordField, StepColum
 from repro.outcome import Finding, FirstFailure, Outcome, RankExit, Report, StepRecord, TrialRecord
 from repro.report.groups import FindingGroup, group_findings
 from repro.report.fmt import (
-    fmt_bytes, fmt_expected, fmt_float, fmt_ptr, fmt_seconds, fmt_value, plain, tail, unique,
+    fmt_bytes, fmt_expected, fmt_float, fmt_ptr, fmt_ranges, fmt_rate, fmt_seconds, fmt_value, plain, tail,
+    unique,
 )
 
 CPU_NOTE = "No CUDA graph was replayed (CPU run): the verdict comes from the stale-capture guard."
@@ -239,8 +240,10 @@ def option_notes(trial: TrialRecord) -> list[str]:
 
 def failure_line(failure: FirstFailure) -> str:
     """'ILLEGAL_ADDRESS · rank 0 · step 0 · detail' for the verdict box."""
-    parts = [Outcome(failure.kind).value, f"rank {'-' if failure.rank is None else failure.rank}",
-             f"step {'-' if failure.step is None else failure.step}"]
+    # A part that is not known is left out: "rank -" read as a rank lost, where none is to blame.
+    parts = [Outcome(failure.kind).value]
+    parts += [f"rank {failure.rank}"] if failure.rank is not None else []
+    parts += [f"step {failure.step}"] if failure.step is not None else []
     if failure.detail:
         parts.append(plain(failure.detail))
     return " · ".join(parts)
@@ -379,7 +382,7 @@ def names_text(g: FindingGroup) -> str | None:
 
 
 def ranks_text(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + fmt_ranges(ranks)
 
 
 # Per dead storage, in reading order; a value of None or "" leaves the line out.
@@ -588,6 +591,14 @@ def with_gaps(indices: list[int], rows: list[Row]) -> list[Row]:
     return out
 
 
+def steps_title(steps: list[StepRecord]) -> str:
+    """'Steps (1776 on 2 ranks)': the table has a row per step and rank, and its title counts
+    steps, as the progress and the deadline do (not rows: 3552 beside 'step 1776')."""
+    ranks = len({s.rank for s in steps})
+    count = len({s.step for s in steps})
+    return f"Steps ({count})" if ranks <= 1 else f"Steps ({count} on {ranks} ranks)"
+
+
 def steps_view(steps: list[StepRecord]) -> TableView:
     """Columns with one value for every step are said once; columns with no value are left out."""
     every = table_rows(STEP_COLUMNS, steps, step_failed)
@@ -602,7 +613,7 @@ def steps_view(steps: list[StepRecord]) -> TableView:
             continue
         columns.append(c)
     hidden = len(steps) - len(shown)
-    return TableView(title=f"Steps ({len(steps)})", columns=columns, rows=with_gaps(shown, [every[i] for i in shown]),
+    return TableView(title=steps_title(steps), columns=columns, rows=with_gaps(shown, [every[i] for i in shown]),
                      folded=folded, all_rows=every if hidden > 0 else [], hidden=hidden,
                      summary=steps_summary(steps) if hidden > 0 else "")
 

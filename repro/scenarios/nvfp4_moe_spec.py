@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from repro.outcome import StepRecord
-from repro.scenarios.spec import ITEMSIZE, Check, ModeSpec, RunKeySpec, ScenarioSpec, StepColumn
+from repro.scenarios.spec import ITEMSIZE, Check, CpuCost, ModeSpec, RunKeySpec, ScenarioSpec, StepColumn
 
 NVFP4_BYTES = 0.5 + 1 / 16      # packed E2M1 codes + one E4M3 scale per 16 elements
 
@@ -93,6 +93,10 @@ SPEC = ScenarioSpec(
     ),
     default_after_free="poison", dims=MoeDims,
     default_preset="qwen3-30b-a3b-moe", cpu_preset="moe-tiny",
+    # 2026-12-01, 2 cores under load: set-up (build + capture) 74-150 s, a reload step 228-304 s
+    # (quantising 128 experts, the replay and the reference; pauses of 2-3 min without a record);
+    # 2 steps took 12 min. The step's range is that widened by half either way.
+    cpu_cost=CpuCost("qwen3-30b-a3b-moe", setup_s=(70, 150), step_s=(150, 460)),
     run_keys=(RunKeySpec("identity_reload", "--identity-reload/--changing-reload",
                          "Reload the same weights every step (hides #57954).", tag="identity"),),
     tensor_parallel=False,  # expert parallelism is not modelled

@@ -65,6 +65,20 @@ class StepColumn:
     drop: int = 0                     # narrow consoles leave out the highest first; 0: always kept
 
 
+@dataclass(frozen=True)
+class CpuCost:
+    """A real-dims preset timed on a CPU without a GPU (2 cores, shared with other work): the
+    set-up (model build and the capture dry run) and one step, each the (fastest, slowest)
+    seconds seen. Load moves them by 2-3x, so the CLI says a range, up front, for any CPU trial
+    of about this size (repro/cli.py: cpu_warnings)."""
+    preset: str
+    setup_s: tuple[float, float]
+    step_s: tuple[float, float]
+
+    def estimate(self, steps: int) -> tuple[float, float]:
+        return self.setup_s[0] + steps * self.step_s[0], self.setup_s[1] + steps * self.step_s[1]
+
+
 def no_rules(model: Any, run: Any, check: Check) -> None:
     """A scenario without dims rules of its own."""
 
@@ -101,6 +115,7 @@ class ScenarioSpec:
     help: str = ""                    # the CLI command's help
     steps_help: str = ""              # --steps help: what one step of this scenario does
     command: bool = True              # gets a generated scenario command (selftest has its own)
+    cpu_cost: CpuCost | None = None   # its real-dims preset timed on CPU: the estimate said up front
     # validate(model, run, check): the dims' rules, in order (a rule may assume those before it
     # hold); it may fill a run key's "0: the scenario's default" first.
     validate: Callable[[Any, Any, Check], None] = no_rules
