@@ -333,35 +333,35 @@ def run_scenario(scenario: str, config: str | None, run: dict[str, Any], sets: l
     return execute([p], artifacts, out, junit, html, server=session.server, interrupts=session.interrupts)
 
 
+def run_options(spec: ScenarioSpec) -> list[tuple[str, str, Any]]:
+    """(parameter, [run] key, option) of the common [run] keys the scenario's command offers,
+    in --help order: all but those its code never reads, and --tp/--share-gpu only with ranks."""
+    options = [("mode", "mode", mode_opt(spec)), ("tp", "tp", TpOpt), ("steps", "steps", steps_opt(spec)),
+               ("seed", "seed", SeedOpt), ("after_free", "after_free", after_free_opt(spec)),
+               ("guard", "guard", GuardOpt), ("device", "device", DeviceOpt),
+               ("deadline", "deadline_s", DeadlineOpt), ("stall", "stall_s", StallOpt),
+               ("forensics", "forensics", ForensicsOpt), ("share_gpu", "share_gpu", ShareGpuOpt)]
+    left_off = set(spec.unused_run_keys) | (set() if spec.tensor_parallel else {"tp", "share_gpu"})
+    return [o for o in options if o[1] not in left_off]
+
+
 def scenario_command(spec: ScenarioSpec) -> Callable[..., int]:
     """The command of one scenario: the shared options, --mode and the scenario's own run keys.
 
     Typer reads a command's options from its signature, so the signature is built from the
     registry entry: a new scenario gets its command without code here.
     """
-    options: list[tuple[str, Any, Any]] = [("ctx", typer.Context, inspect.Parameter.empty),
-                                           ("config", ConfigOpt, None), ("mode", mode_opt(spec), None)]
-    if spec.tensor_parallel:
-        options.append(("tp", TpOpt, None))
-    options += [("steps", steps_opt(spec), None), ("seed", SeedOpt, None), ("after_free", after_free_opt(spec), None),
-                ("guard", GuardOpt, None), ("device", DeviceOpt, None), ("deadline", DeadlineOpt, None),
-                ("stall", StallOpt, None), ("forensics", ForensicsOpt, None)]
-    if spec.tensor_parallel:
-        options.append(("share_gpu", ShareGpuOpt, None))
+    offered = run_options(spec)
+    options: list[tuple[str, Any, Any]] = [("ctx", typer.Context, inspect.Parameter.empty), ("config", ConfigOpt, None)]
+    options += [(name, option, None) for name, _, option in offered]
     options += [(k.name, run_key_opt(k), None) for k in spec.run_keys]
     options += [("expect", ExpectOpt, None), ("set_", SetOpt, None), ("json_path", JsonOpt, None),
                 ("junit", JunitOpt, None), ("html", HtmlOpt, None), ("artifacts", ArtifactsOpt, None),
                 ("print_config", PrintConfigOpt, False), ("inject_fault", FaultOpt, None)]
 
     def command(**kw: Any) -> int:
-        run = dict(mode=kw["mode"], tp=kw.get("tp"), steps=kw["steps"], seed=kw["seed"],
-                   after_free=kw["after_free"], guard=kw["guard"], device=kw["device"],
-                   deadline_s=kw["deadline"], stall_s=kw["stall"], forensics=kw["forensics"], expect=kw["expect"],
-                   **{k: kw[k] for k in spec.run_key_names})
-        if spec.tensor_parallel:
-            run["share_gpu"] = kw["share_gpu"]
-        else:
-            del run["tp"]
+        run = {key: kw[name] for name, key, _ in offered}
+        run.update({k: kw[k] for k in spec.run_key_names}, expect=kw["expect"])
         return run_scenario(spec.name, kw["config"], run, kw["set_"], kw["json_path"], kw["junit"], kw["html"],
                             kw["artifacts"], kw["print_config"], kw["inject_fault"], kw["ctx"].obj)
 
@@ -376,16 +376,6 @@ def scenario_command(spec: ScenarioSpec) -> Callable[..., int]:
 for _spec in SCENARIOS.values():
     if _spec.command:
         app.command(_spec.name, epilog=EXIT_CODES)(scenario_command(_spec))
-
-
-@app.command("selftest", epilog=EXIT_CODES, help=SCENARIOS["selftest"].help)
-def selftest(
-    ctx: typer.Context, tp: TpOpt = None, steps: steps_opt(SCENARIOS["selftest"]) = None, device: DeviceOpt = None, deadline: DeadlineOpt = None,
-    json_path: JsonOpt = None, junit: JunitOpt = None, artifacts: ArtifactsOpt = None,
-    inject_fault: FaultOpt = None, stall: StallOpt = None,
-) -> int:
-    run = dict(tp=tp, steps=steps, device=device, deadline_s=deadline, stall_s=stall)
-    return run_scenario("selftest", None, run, [], json_path, junit, None, artifacts, False, inject_fault, ctx.obj)
 
 
 @app.command("matrix", epilog=MATRIX_EXIT_CODES)
