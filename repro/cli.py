@@ -1,8 +1,6 @@
 """The `repro` command line: parse, load config, call the runner, render. No scenario logic.
 
-Results (the report, doctor's and the audit's tables) go to stdout; progress, warnings and
-errors to stderr. With `--json -` stdout carries the JSON alone and the human report moves
-to stderr.
+Where each command's words go, its exit codes and its error line: repro/output.py.
 """
 from __future__ import annotations
 
@@ -21,7 +19,6 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Optional
 
 import typer
-from rich.console import Console
 from typer.core import TyperGroup
 
 import repro
@@ -29,10 +26,10 @@ from repro import doctor, gpus, noise, report, runs
 from repro.config import (AFTER_FREE, DEVICES, GUARD_MODES, ConfigError, load_preset, override_sources,
                           preset_names)
 from repro.footprint import needed_bytes
-from repro.files import write_text_atomic
 from repro.interrupts import Interrupts, Terminated, checkpoint
 from repro.launch import RankServer, runs_trials
 from repro.outcome import Outcome, Report, to_jsonable
+from repro.output import MATRIX_EXITS, TRIAL_EXITS, WATCH_EXITS, Exit, Output, exit_codes_help
 from repro.preflight import check_outputs, refuse_ignored
 from repro.protocol import FAULTS
 from repro.ray_runner import RayUnavailable
@@ -40,21 +37,9 @@ from repro.runner import Planned, RunResult, plan, run_planned
 from repro.scenarios import SCENARIOS, CpuCost, RunKeySpec, ScenarioSpec
 from repro.watch_hooks import ON_FINDING
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
-
-EXIT_CODES = """\b
-Exit codes:
-  0    every trial met its expectation (unfixed -> reproduced, fixed -> CLEAN; see --expect)
-  1    some trial did not meet its expectation
-  2    usage or config error (one line on stderr)
-  3    the environment cannot run what was asked (e.g. --tp 2 with one GPU): UNSUPPORTED
-  130  interrupted (Ctrl-C); records produced so far are kept and reported
-  143  terminated (SIGTERM, e.g. a CI cancel); handled like Ctrl-C"""
-
-
-# matrix has no --expect: each trial's expectation is in the matrix file.
-MATRIX_EXIT_CODES = EXIT_CODES.replace("(unfixed -> reproduced, fixed -> CLEAN; see --expect)",
-                                       "(the matrix file's expect; see --list)")
+EXIT_CODES = exit_codes_help(TRIAL_EXITS)
+MATRIX_EXIT_CODES = exit_codes_help(MATRIX_EXITS)
+WATCH_EXIT_CODES = exit_codes_help(WATCH_EXITS)
 
 
 def click_exception_modules() -> list[Any]:
@@ -86,12 +71,12 @@ class Session:
     interrupts: Interrupts = field(default_factory=Interrupts)
 
 
-def interrupted_exit(interrupts: Interrupts) -> int:
+def interrupted_exit(interrupts: Interrupts) -> Exit:
     if interrupts.signum == signal.SIGTERM:
-        sys.stderr.write("repro: terminated (SIGTERM)\n")
-        return EXIT_TERMINATED
-    sys.stderr.write("repro: interrupted\n")
-    return EXIT_INTERRUPTED
+        Output().note("terminated (SIGTERM)")
+        return Exit.TERMINATED
+    Output().note("interrupted")
+    return Exit.INTERRUPTED
 
 
 def misplaced_option(group: Any, error: Exception) -> str | None:
@@ -129,12 +114,11 @@ class ReproGroup(TyperGroup):
                               standalone_mode=False, obj=session, **extra)
         except NO_ARGS as e:          # bare `repro`: the help itself, not an error line around it
             sys.stderr.write(e.format_message() + "\n")
-            sys.exit(EXIT_USAGE)
+            sys.exit(Exit.USAGE)
         except CLICK_ERRORS as e:
             # Choice checks go through pydantic, which prefixes "Value error, ": not ours to show.
             message = misplaced_option(self, e) or e.format_message().replace('Value error, ', '')
-            sys.stderr.write(f"repro: error: {message}\n")
-            sys.exit(EXIT_USAGE)
+            sys.exit(Output().error(message))
         except ABORTS as e:
             # click turns a KeyboardInterrupt (Terminated is one) into Abort, keeping the cause.
             if isinstance(e, Terminated) or isinstance(e.__cause__, Terminated):
@@ -146,7 +130,7 @@ class ReproGroup(TyperGroup):
         if interrupts.pending():
             # A signal before the command got as far as a report (bad input, --print-config).
             sys.exit(interrupted_exit(interrupts))
-        sys.exit(rv if isinstance(rv, int) else EXIT_OK)
+        sys.exit(rv if isinstance(rv, int) else Exit.OK)
 
 
 app = typer.Typer(cls=ReproGroup, add_completion=True, no_args_is_help=True,
@@ -157,27 +141,14 @@ app = typer.Typer(cls=ReproGroup, add_completion=True, no_args_is_help=True,
 
 def show_version(value: bool) -> None:
     if value:
-        sys.stdout.write(f"repro {repro.__version__}\n")
-        raise typer.Exit()
+        Output().write(f"repro {repro.__version__}\n")
+        raise typer.Exit(Exit.OK)
 
 
 @app.callback()
 def root(version: Annotated[bool, typer.Option("--version", is_eager=True, callback=show_version,
                                                help="Print the version and exit.")] = False) -> None:
     """Reproduce and diagnose CUDA-graph memory-lifetime bugs in LLM inference engines."""
-
-
-def stderr_console() -> Console:
-    return report.output_console(stderr=True)
-
-
-def results_console(json_path: str | None) -> Console:
-    """stdout, unless `--json -` holds it: then the human report goes to stderr."""
-    return stderr_console() if json_path == "-" else report.output_console()
-
-
-def warn(text: str) -> None:
-    sys.stderr.write(f"repro: warning: {text}\n")
 
 
 def cpu_warnings(planned: list[Planned]) -> list[str]:
@@ -296,28 +267,28 @@ def parse_fault(text: str | None) -> dict[str, Any] | None:
     return fault
 
 
-def write_artifacts(rep: Report, json_path: str | None, junit: Path | None, html: Path | None) -> None:
-    if json_path:
-        report.write_json(rep, json_path)
+def write_artifacts(rep: Report, out: Output, junit: Path | None, html: Path | None) -> None:
+    if out.json_path:
+        out.write_json(report.report_json(rep))
     if junit:
         report.write_junit(rep, junit)
     if html:
         report.write_html(rep, html)
 
 
-def exit_code(result: RunResult, allow_unsupported: bool = False) -> int:
+def exit_code(result: RunResult, allow_unsupported: bool = False) -> Exit:
     if result.interrupted:
-        return EXIT_TERMINATED if result.report.interrupted_by == "SIGTERM" else EXIT_INTERRUPTED
+        return Exit.TERMINATED if result.report.interrupted_by == "SIGTERM" else Exit.INTERRUPTED
     trials = result.report.trials
     unsupported = [t for t in trials if t.outcome == Outcome.UNSUPPORTED]
     if any(not t.met for t in trials if t.outcome != Outcome.UNSUPPORTED):
-        return EXIT_FAILED
+        return Exit.FAILED
     if unsupported and not allow_unsupported:
-        return EXIT_ENV
-    return EXIT_OK
+        return Exit.ENV
+    return Exit.OK
 
 
-def execute(planned: list[Planned], artifacts: Path | None, json_path: str | None, junit: Path | None,
+def execute(planned: list[Planned], artifacts: Path | None, out: Output, junit: Path | None,
             html: Path | None, summary_only: bool = False, allow_unsupported: bool = False,
             jobs: int = 1, server: RankServer | None = None, interrupts: Interrupts | None = None,
             shard: dict[str, Any] | None = None, run: Callable[..., RunResult] = run_planned) -> int:
@@ -325,7 +296,7 @@ def execute(planned: list[Planned], artifacts: Path | None, json_path: str | Non
     report's shard record under --shard."""
     interrupts = interrupts or Interrupts()
     for text in cpu_warnings(planned):
-        warn(text)
+        out.warn(text)
     started: set[str] = set()          # a trial that cannot run here is not shown as started
 
     def on_start(tid: str, p: Planned) -> None:
@@ -333,7 +304,7 @@ def execute(planned: list[Planned], artifacts: Path | None, json_path: str | Non
             started.add(tid)
             progress.add(tid, tid, p.cfg.run.steps)
 
-    with report.Progress(stderr_console()) as progress:
+    with report.Progress(out.progress()) as progress:
         result = run(
             planned, artifacts or runs.default_root(dict(os.environ)), on_start=on_start,
             on_tick=lambda tid, n: progress.update(tid, n),
@@ -342,18 +313,18 @@ def execute(planned: list[Planned], artifacts: Path | None, json_path: str | Non
     result.report.shard = shard
     checkpoint("report")
     mark_interrupted(result, interrupts)
-    console = results_console(json_path)
+    console = out.results()
     if summary_only:
         report.render_summary(result.report, console)
         console.print(report.summary_line(result.report))
     else:
         report.render_report(result.report, console)
-    write_artifacts(result.report, json_path, junit, html)
+    write_artifacts(result.report, out, junit, html)
     # From here a signal changes nothing: the report and its files say how the run ended.
     interrupts.settled = True
     checkpoint("written")
     if result.run_dir is not None and runs.point_latest(result.run_dir):
-        sys.stderr.write(f"repro: trial files in {result.run_dir} (also {result.run_dir.parent / runs.LATEST})\n")
+        out.note(f"trial files in {result.run_dir} (also {result.run_dir.parent / runs.LATEST})")
     return exit_code(result, allow_unsupported)
 
 
@@ -370,6 +341,7 @@ def run_scenario(scenario: str, config: str | None, run: dict[str, Any], sets: l
                  json_path: str | None, junit: Path | None, html: Path | None, artifacts: Path | None,
                  print_config: bool, fault: str | None = None, session: Session | None = None) -> int:
     checkpoint("parsed")
+    out = Output(json_path)
     try:
         p = plan(scenario, config, run, sets or [], gpus.gpu_count(), override_sources(run, sets or []))
         p.fault = parse_fault(fault)
@@ -377,17 +349,28 @@ def run_scenario(scenario: str, config: str | None, run: dict[str, Any], sets: l
             refuse_ignored("--print-config", {"--json": json_path, "--junit": junit, "--html": html,
                                               "--artifacts": artifacts, "--inject-fault": fault})
         else:
-            check_outputs(json_path, junit, html, artifacts, runs.default_root(dict(os.environ)))
+            check_outputs(out.json_file, junit, html, artifacts, runs.default_root(dict(os.environ)))
     except ConfigError as e:
-        sys.stderr.write(f"repro: error: {e}\n")
-        return EXIT_USAGE
+        return out.error(e)
     if print_config:
         resolved = {**p.cfg.to_dict(), "device": p.device or f"UNSUPPORTED: {p.reason}"}
-        sys.stdout.write(json.dumps(resolved, indent=2, allow_nan=False) + "\n")
-        return EXIT_OK
+        out.write(json.dumps(resolved, indent=2, allow_nan=False) + "\n")
+        return Exit.OK
     checkpoint("planned")
     session = session or Session()
-    return execute([p], artifacts, json_path, junit, html, server=session.server, interrupts=session.interrupts)
+    return execute([p], artifacts, out, junit, html, server=session.server, interrupts=session.interrupts)
+
+
+def run_options(spec: ScenarioSpec) -> list[tuple[str, str, Any]]:
+    """(parameter, [run] key, option) of the common [run] keys the scenario's command offers,
+    in --help order: all but those its code never reads, and --tp/--share-gpu only with ranks."""
+    options = [("mode", "mode", mode_opt(spec)), ("tp", "tp", TpOpt), ("steps", "steps", steps_opt(spec)),
+               ("seed", "seed", SeedOpt), ("after_free", "after_free", after_free_opt(spec)),
+               ("guard", "guard", GuardOpt), ("device", "device", DeviceOpt),
+               ("deadline", "deadline_s", DeadlineOpt), ("stall", "stall_s", StallOpt),
+               ("forensics", "forensics", ForensicsOpt), ("share_gpu", "share_gpu", ShareGpuOpt)]
+    left_off = set(spec.unused_run_keys) | (set() if spec.tensor_parallel else {"tp", "share_gpu"})
+    return [o for o in options if o[1] not in left_off]
 
 
 def scenario_command(spec: ScenarioSpec) -> Callable[..., int]:
@@ -396,29 +379,17 @@ def scenario_command(spec: ScenarioSpec) -> Callable[..., int]:
     Typer reads a command's options from its signature, so the signature is built from the
     registry entry: a new scenario gets its command without code here.
     """
-    options: list[tuple[str, Any, Any]] = [("ctx", typer.Context, inspect.Parameter.empty),
-                                           ("config", ConfigOpt, None), ("mode", mode_opt(spec), None)]
-    if spec.tensor_parallel:
-        options.append(("tp", TpOpt, None))
-    options += [("steps", steps_opt(spec), None), ("seed", SeedOpt, None), ("after_free", after_free_opt(spec), None),
-                ("guard", GuardOpt, None), ("device", DeviceOpt, None), ("deadline", DeadlineOpt, None),
-                ("stall", StallOpt, None), ("forensics", ForensicsOpt, None)]
-    if spec.tensor_parallel:
-        options.append(("share_gpu", ShareGpuOpt, None))
+    offered = run_options(spec)
+    options: list[tuple[str, Any, Any]] = [("ctx", typer.Context, inspect.Parameter.empty), ("config", ConfigOpt, None)]
+    options += [(name, option, None) for name, _, option in offered]
     options += [(k.name, run_key_opt(k), None) for k in spec.run_keys]
     options += [("expect", ExpectOpt, None), ("set_", SetOpt, None), ("json_path", JsonOpt, None),
                 ("junit", JunitOpt, None), ("html", HtmlOpt, None), ("artifacts", ArtifactsOpt, None),
                 ("print_config", PrintConfigOpt, False), ("inject_fault", FaultOpt, None)]
 
     def command(**kw: Any) -> int:
-        run = dict(mode=kw["mode"], tp=kw.get("tp"), steps=kw["steps"], seed=kw["seed"],
-                   after_free=kw["after_free"], guard=kw["guard"], device=kw["device"],
-                   deadline_s=kw["deadline"], stall_s=kw["stall"], forensics=kw["forensics"], expect=kw["expect"],
-                   **{k: kw[k] for k in spec.run_key_names})
-        if spec.tensor_parallel:
-            run["share_gpu"] = kw["share_gpu"]
-        else:
-            del run["tp"]
+        run = {key: kw[name] for name, key, _ in offered}
+        run.update({k: kw[k] for k in spec.run_key_names}, expect=kw["expect"])
         return run_scenario(spec.name, kw["config"], run, kw["set_"], kw["json_path"], kw["junit"], kw["html"],
                             kw["artifacts"], kw["print_config"], kw["inject_fault"], kw["ctx"].obj)
 
@@ -433,16 +404,6 @@ def scenario_command(spec: ScenarioSpec) -> Callable[..., int]:
 for _spec in SCENARIOS.values():
     if _spec.command:
         app.command(_spec.name, epilog=EXIT_CODES)(scenario_command(_spec))
-
-
-@app.command("selftest", epilog=EXIT_CODES, help=SCENARIOS["selftest"].help)
-def selftest(
-    ctx: typer.Context, tp: TpOpt = None, steps: steps_opt(SCENARIOS["selftest"]) = None, device: DeviceOpt = None, deadline: DeadlineOpt = None,
-    json_path: JsonOpt = None, junit: JunitOpt = None, artifacts: ArtifactsOpt = None,
-    inject_fault: FaultOpt = None, stall: StallOpt = None,
-) -> int:
-    run = dict(tp=tp, steps=steps, device=device, deadline_s=deadline, stall_s=stall)
-    return run_scenario("selftest", None, run, [], json_path, junit, None, artifacts, False, inject_fault, ctx.obj)
 
 
 @app.command("matrix", epilog=MATRIX_EXIT_CODES)
@@ -461,6 +422,7 @@ def matrix(
     from repro.matrix import listing, load_matrix, select
     cluster = None
     checkpoint("parsed")
+    out = Output(json_path)
     try:
         if jobs < 1:
             raise ConfigError(f"--jobs {jobs}: must be >= 1 (1 runs the trials one after another)")
@@ -478,29 +440,26 @@ def matrix(
             refuse_ignored("--list", {"--json": json_path, "--junit": junit, "--html": html,
                                       "--artifacts": artifacts, "--allow-unsupported": allow_unsupported})
         else:
-            check_outputs(json_path, junit, html, artifacts, runs.default_root(dict(os.environ)))
+            check_outputs(out.json_file, junit, html, artifacts, runs.default_root(dict(os.environ)))
     except ConfigError as e:
-        sys.stderr.write(f"repro: error: {e}\n")
-        return EXIT_USAGE
+        return out.error(e)
     except RayUnavailable as e:           # no Ray installed, no cluster reached: exit 3
-        sys.stderr.write(f"repro: error: {e}\n")
-        return EXIT_ENV
+        return out.error(e, Exit.ENV)
     if list_:
-        sys.stdout.write("".join(line + "\n" for line in listing(planned)))
-        return EXIT_OK
+        out.write("".join(line + "\n" for line in listing(planned)))
+        return Exit.OK
     reasons = sorted({p.reason for p in planned if p.device is None})
     if reasons and all(p.device is None for p in planned) and not cluster:
         hint = "; without a GPU, `repro matrix` runs the CPU matrix (ci-smoke)" if gpus.gpu_count() == 0 else ""
-        warn(f"no trial of {config} can run here ({'; '.join(reasons)}){hint}")
+        out.warn(f"no trial of {config} can run here ({'; '.join(reasons)}){hint}")
     checkpoint("planned")
     run = run_planned
     if cluster:
         refusal = cluster.refusal(planned)
         if refusal:
-            sys.stderr.write(f"repro: error: {refusal}\n")
-            return EXIT_ENV
+            return out.error(refusal, Exit.ENV)
         run = cluster.runner(retries)
-    return execute(planned, artifacts, json_path, junit, html, summary_only=True,
+    return execute(planned, artifacts, out, junit, html, summary_only=True,
                    allow_unsupported=allow_unsupported, jobs=jobs, server=ctx.obj.server,
                    interrupts=ctx.obj.interrupts, shard=record.to_dict() if record else None, run=run)
 
@@ -530,19 +489,19 @@ def merge_cmd(
 ) -> int:
     """One report over the shard reports of one matrix, exit code as if it had been one run; a missing or duplicated shard fails it."""
     from repro.merge import merge
+    out = Output(json_path)
     try:
-        check_outputs(json_path, junit, html, None)
+        check_outputs(out.json_file, junit, html, None)
         merged = merge(reports)
     except ConfigError as e:
-        sys.stderr.write(f"repro: error: {e}\n")
-        return EXIT_USAGE
+        return out.error(e)
     merged.command = shlex.join(sys.argv)
-    console = results_console(json_path)
+    console = out.results()
     report.render_summary(merged, console)
     console.print(report.summary_line(merged))
-    write_artifacts(merged, json_path, junit, html)
+    write_artifacts(merged, out, junit, html)
     code = exit_code(RunResult(report=merged, interrupted=merged.interrupted), allow_unsupported)
-    return EXIT_FAILED if merged.shard_problems() and code in (EXIT_OK, EXIT_ENV) else code
+    return Exit.FAILED if merged.shard_problems() and code in (Exit.OK, Exit.ENV) else code
 
 
 @app.command("presets")
@@ -551,20 +510,20 @@ def presets_cmd(
 ) -> int:
     """The presets and matrices shipped with repro, and the folder they are in."""
     from repro.config import CONFIG_DIR, describe_presets, resolve_preset_path
+    out = Output()
     try:
         if name:
-            sys.stdout.write(resolve_preset_path(name).read_text())
-            return EXIT_OK
+            out.write(resolve_preset_path(name).read_text())
+            return Exit.OK
         names = max(len(n) for n in preset_names())
         # The terminal's width (COLUMNS where set); 80 in a pipe.
         columns = shutil.get_terminal_size((80, 24)).columns
         rows = describe_presets(limit=max(20, columns - names - 18))
     except ConfigError as e:
-        sys.stderr.write(f"repro: error: {e}\n")
-        return EXIT_USAGE
-    sys.stdout.write(f"presets in {CONFIG_DIR}:\n")
-    sys.stdout.write("".join(f"  {n:<{names}}  {kind:<12}  {text}".rstrip() + "\n" for n, kind, text in rows))
-    return EXIT_OK
+        return out.error(e)
+    out.write(f"presets in {CONFIG_DIR}:\n")
+    out.write("".join(f"  {n:<{names}}  {kind:<12}  {text}".rstrip() + "\n" for n, kind, text in rows))
+    return Exit.OK
 
 
 @app.command("doctor")
@@ -573,19 +532,16 @@ def doctor_cmd(
     vllm: Annotated[bool, typer.Option("--vllm", help="Also locate an installed vLLM (never imported).")] = False,
 ) -> int:
     """The environment: GPUs (NVML), topology, torch, CUDA, NCCL, vLLM. Exit 0 also without a GPU."""
+    out = Output(json_path)
     try:
-        check_outputs(json_path, None, None, None)
+        check_outputs(out.json_file, None, None, None)
     except ConfigError as e:
-        sys.stderr.write(f"repro: error: {e}\n")
-        return EXIT_USAGE
+        return out.error(e)
     env = doctor.collect(include_vllm=vllm)
-    if json_path == "-":
-        sys.stdout.write(json.dumps(to_jsonable(env), indent=2) + "\n")
-        return EXIT_OK
-    doctor.render(env, results_console(json_path))
-    if json_path:
-        write_text_atomic(Path(json_path), json.dumps(to_jsonable(env), indent=2) + "\n")
-    return EXIT_OK
+    doctor.render(env, out.results())
+    if out.json_path:
+        out.write_json(json.dumps(to_jsonable(env), indent=2) + "\n")
+    return Exit.OK
 
 
 @app.command("vllm-audit")
@@ -597,40 +553,27 @@ def vllm_audit(
 ) -> int:
     """Does a vLLM (installed, a directory or an archive) carry the upstream fixes? Never imports vLLM."""
     from repro import audit
+    out = Output(json_path)
     if path and wheel:
-        sys.stderr.write("repro: error: give --path or --wheel, not both\n")
-        return EXIT_USAGE
+        return out.error("give --path or --wheel, not both")
     try:
-        check_outputs(json_path, None, None, None)
+        check_outputs(out.json_file, None, None, None)
         for fix_id in require or []:
             audit.find_fix(fix_id)
         result = (audit.audit_directory(path) if path else
                   audit.audit_archive(wheel) if wheel else audit.audit_installed())
     except audit.VllmNotInstalled as e:   # nothing wrong with the command: this environment lacks vLLM
-        sys.stderr.write(f"repro: error: {e}\n")
-        return EXIT_ENV
+        return out.error(e, Exit.ENV)
     except (audit.AuditError, ConfigError, KeyError, ValueError) as e:
-        sys.stderr.write(f"repro: error: {e}\n")
-        return EXIT_USAGE
-    if json_path == "-":
-        sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n")
-    else:
-        audit.render(result, results_console(json_path))
-        if json_path:
-            write_text_atomic(Path(json_path), json.dumps(result.to_dict(), indent=2) + "\n")
+        return out.error(e)
+    audit.render(result, out.results())
+    if out.json_path:
+        out.write_json(json.dumps(result.to_dict(), indent=2) + "\n")
     missing = audit.missing_required(result, require or [])
     if missing:
-        sys.stderr.write(f"repro: required fixes not present: {', '.join(missing)}\n")
-        return EXIT_FAILED
-    return EXIT_OK
-
-
-WATCH_EXIT_CODES = """\b
-Exit codes:
-  0..  CMD's own exit code when no finding was recorded
-  1    some process recorded a finding
-  2    usage error (one line on stderr)
-  130  interrupted (Ctrl-C, forwarded to CMD's process group); the report follows"""
+        out.note(f"required fixes not present: {', '.join(missing)}")
+        return Exit.FAILED
+    return Exit.OK
 
 
 WatchJunitOpt = Annotated[Optional[Path], typer.Option("--junit", metavar="PATH", help="Write JUnit XML (one testcase per watched process, a failure per finding).")]
@@ -662,19 +605,21 @@ def watch_report_cmd(
 
 
 def report_watch(make_report, json_path, junit, html) -> int:
-    """Build a watch report (running or merging), render it, write its files; its exit code."""
+    """Build a watch report (running or merging), render it, write its files; its exit code.
+
+    The human report goes to stderr also without --json: stdout is CMD's own (repro watch),
+    and watch-report reads the same as the run it merges."""
     from repro import watch, watch_report
+    out = Output(json_path)
     try:
-        check_outputs(json_path, junit, html, None)
+        check_outputs(out.json_file, junit, html, None)
         rep = make_report()
-    except ConfigError as e:
-        sys.stderr.write(f"repro: error: {e}\n")
-        return EXIT_USAGE
-    except watch.WatchUsageError as e:
-        sys.stderr.write(f"repro: error: {e}\n")
-        return EXIT_USAGE
-    watch_report.render(rep, stderr_console())
-    watch_report.write_artifacts(rep, json_path, junit and str(junit), html and str(html))
+    except (ConfigError, watch.WatchUsageError) as e:
+        return out.error(e)
+    watch_report.render(rep, out.progress())
+    if out.json_path:
+        out.write_json(watch_report.report_json(rep))
+    watch_report.write_artifacts(rep, None, junit and str(junit), html and str(html))
     return rep.exit
 
 

@@ -82,7 +82,7 @@ def check_distinct(outputs: dict[str, str | os.PathLike | None]) -> None:
     """Two outputs on one path: the later write would silently replace the earlier."""
     seen: dict[str, str] = {}
     for flag, value in outputs.items():
-        if not value or value == "-":
+        if not value:
             continue
         key = os.path.realpath(value)
         if key in seen:
@@ -90,12 +90,14 @@ def check_distinct(outputs: dict[str, str | os.PathLike | None]) -> None:
         seen[key] = flag
 
 
-def check_outputs(json_path: str | None, junit: Path | None, html: Path | None, artifacts: Path | None,
+def check_outputs(json_file: str | None, junit: Path | None, html: Path | None, artifacts: Path | None,
                   default_root: Path | None = None) -> None:
-    """artifacts: the --artifacts the user gave (None: the run folder goes to default_root)."""
-    check_distinct({"--json": json_path, "--junit": junit, "--html": html})
-    if json_path and json_path != "-":
-        check_file("--json", json_path)
+    """json_file: the file --json writes (None for none, also for `--json -`: stdout; see
+    repro/output.py); artifacts: the --artifacts the user gave (None: the run folder goes to
+    default_root)."""
+    check_distinct({"--json": json_file, "--junit": junit, "--html": html})
+    if json_file:
+        check_file("--json", json_file)
     if junit:
         check_file("--junit", junit)
     if html:

@@ -28,16 +28,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from repro.output import Exit
 from repro.watch_hooks import ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_SITE, ON_FINDING
 from repro.watch_ray import node_dirs, node_notes, ray_env
 from repro.watch_report import WatchReport, load_report, record_files
 
-EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 GRACE_S = 10.0    # after a forwarded Ctrl-C, how long CMD's group gets before SIGKILL
 
 
 class WatchUsageError(ValueError):
-    """Bad arguments: one line, exit 2."""
+    """Bad arguments: one line, exit 2 (Exit.USAGE)."""
 
 
 @dataclass
@@ -145,8 +145,8 @@ def finish(rep: WatchReport, command: list[str], result: CommandResult, on_findi
                          "environment was replaced before Python started).")
     from repro.gpus import gpu_count
     rep.notes += sight_notes(rep, gpu_count())
-    rep.exit = EXIT_INTERRUPTED if result.interrupted else \
-        EXIT_FINDINGS if rep.findings else result.returncode
+    rep.exit = Exit.INTERRUPTED if result.interrupted else \
+        Exit.FINDINGS if rep.findings else result.returncode
     return rep
 
 
@@ -195,7 +195,7 @@ def merge(run_dirs: list[Path]) -> WatchReport:
     for d in run_dirs:
         with_ray_nodes(d, rep)
     rep.notes += sight_notes(rep)          # the records may come from another machine: no GPU claim
-    rep.exit = EXIT_FINDINGS if rep.findings else 0
+    rep.exit = Exit.FINDINGS if rep.findings else Exit.OK
     return rep
 
 

@@ -20,5 +20,8 @@ SPEC = ScenarioSpec(
     modes=(ModeSpec("clean", {}, "no bug: ranks all-gather every step"),),
     default_after_free="keep", dims=SelftestDims,
     default_preset="selftest", cpu_preset="selftest",
-    help="Check the harness itself: ranks all-gather every step; no graphs, no bug.", command=False,
-    steps_help="Steps: each all-gathers across the ranks.")
+    help="Check the harness itself: ranks all-gather every step; no graphs, no bug.",
+    steps_help="Steps: each all-gathers across the ranks.",
+    # One mode; no weights or inputs to seed; no capture, so nothing freed under it to
+    # guard, poison or trace.
+    unused_run_keys=("mode", "seed", "after_free", "guard", "forensics"))

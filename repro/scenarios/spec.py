@@ -114,7 +114,10 @@ class ScenarioSpec:
     tensor_parallel: bool = True      # False: one rank only; the command has no --tp
     help: str = ""                    # the CLI command's help
     steps_help: str = ""              # --steps help: what one step of this scenario does
-    command: bool = True              # gets a generated scenario command (selftest has its own)
+    command: bool = True              # gets a generated scenario command; False: run through matrices only
+    # Common [run] keys the scenario's code never reads (e.g. guard, without a graph): its
+    # command leaves their flags off rather than offer a flag that does nothing.
+    unused_run_keys: tuple[str, ...] = ()
     cpu_cost: CpuCost | None = None   # its real-dims preset timed on CPU: the estimate said up front
     # validate(model, run, check): the dims' rules, in order (a rule may assume those before it
     # hold); it may fill a run key's "0: the scenario's default" first.
