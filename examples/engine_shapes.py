@@ -212,7 +212,7 @@ class Engine:
             full_step(torch, self.model, self.kv, self.inputs[b], self.pos)   # warm up
             chain, x, a, outs = [], self.inputs[b], None, []
             for j in range(len(self.model.layers) + 1):
-                graph, out = capture(torch, lambda: self.piece(j, x, a), self.pool)
+                graph, out = capture(torch, lambda: self.piece(j, x, a), self.pool)  # noqa: F821 (deleted below, on purpose)
                 outs.append(out)
                 chain.append([graph, None])
                 self.graphs += 1
@@ -464,7 +464,7 @@ def shape_churn(torch, args, engine):
     rounds = max(args.steps, 300)
     for r in range(rounds):
         b = sizes[r % len(sizes)]
-        out = engine.replay_full(b)
+        _out = engine.replay_full(b)        # held until the next step, as an engine holds its output
         for n in range(16):                                        # eager churn, every step
             torch.empty(64 + (r * 977 + n * 131) % 65536, device="cuda")
         if args.bug and r == rounds - 20:

@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 ENV_ON = "REPRO_WATCH"                  # "1": hooks on (the vLLM plugin's switch too)

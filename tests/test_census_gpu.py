@@ -70,7 +70,7 @@ def test_raw_triton_kernel_reading_a_freed_buffer_is_seen_only_by_the_census():
     out = torch.empty(n, device="cuda")
 
     def launch(dst):
-        twice_kernel[(n // 1024,)](src, dst, n, BLOCK=1024)    # no dispatcher op: the guard sees nothing
+        twice_kernel[(n // 1024,)](src, dst, n, BLOCK=1024)    # noqa: F821 (src is deleted below: the bug)
         return dst
 
     captured = capture(launch, (out,), "triton twice", guard, census=book)

@@ -129,7 +129,7 @@ def test_torch_liveness_option_is_used_only_where_torch_has_it():
     guard = CaptureGuard("warn")
     weight = torch.randn(64, 64, device="cuda")
     static_in = torch.randn(4, 64, device="cuda")
-    warm_up(lambda: static_in @ weight)
+    warm_up(lambda: static_in @ weight)  # noqa: F821 (weight is deleted below, on purpose)
     graph = torch.cuda.CUDAGraph()
     with guard.capture(graph, "probe", use_torch_liveness=True):
         static_in @ weight

@@ -117,7 +117,7 @@ def test_slow_but_progressing_trial_reaches_its_deadline_not_a_hang(tmp_path):
     assert "not a hang: raise --deadline" in first.detail
     assert not trial.artifacts.get("rank 0 stacks")           # nobody was asked where it was stuck
     assert_nothing_left(trial)
-    from repro.report.view import trial_facts, verdict_words
+    from repro.report.view import verdict_words
     assert verdict_words(trial).text == "✗ deadline reached: no verdict (not a pass)"
 
 

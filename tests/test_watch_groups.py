@@ -26,7 +26,7 @@ def write_process(run_dir, pid, findings, argv=("python", "engine.py"), pool_man
 
 
 def engine_report(tmp_path):
-    repeated = [finding(f"<local a of capture_pieces>", f"#{i} piece {i % 33} bs={8 * (i // 33 + 1)}")
+    repeated = [finding("<local a of capture_pieces>", f"#{i} piece {i % 33} bs={8 * (i // 33 + 1)}")
                 for i in range(2046)]
     real = [finding("model.layers.7.rotary", f"#{i} bs={i}", status="freed", freed_at="run.py:9 in reload")
             for i in (1, 2)]

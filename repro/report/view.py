@@ -22,7 +22,7 @@ from repro.scenarios import SCENARIO_RUN_KEYS, SCENARIOS, RecordField, StepColum
 from repro.outcome import Finding, FirstFailure, Outcome, RankExit, Report, StepRecord, TrialRecord
 from repro.report.groups import FindingGroup, group_findings
 from repro.report.fmt import (
-    fmt_bytes, fmt_expected, fmt_float, fmt_ptr, fmt_ranges, fmt_rate, fmt_seconds, fmt_value, plain, tail,
+    fmt_bytes, fmt_expected, fmt_float, fmt_ptr, fmt_ranges, fmt_seconds, fmt_value, plain, tail,
     unique,
 )
 
