@@ -121,8 +121,8 @@ def test_slow_but_progressing_trial_reaches_its_deadline_not_a_hang(tmp_path):
     assert verdict_words(trial).text == "✗ deadline reached: no verdict (not a pass)"
 
 
-def test_activity_tells_slow_from_stuck(tmp_path):
-    """The watchdog's logic on a clock of its own: set-up may be long and silent, steps repeat."""
+def activity_of(tmp_path):
+    """A watchdog over one rank's record file, and a writer of its records at given times."""
     from repro.isolate import Activity
     from repro.protocol import StepCounter
     path = tmp_path / "rank0.jsonl"
@@ -133,6 +133,12 @@ def test_activity_tells_slow_from_stuck(tmp_path):
             f.write(json.dumps({"event": event, "rank": 0, "t": 0, "step": 0}) + "\n")
         act.poll(at)
 
+    return act, write
+
+
+def test_activity_tells_slow_from_stuck(tmp_path):
+    """The watchdog's logic on a clock of its own: set-up may be long and silent, steps repeat."""
+    act, write = activity_of(tmp_path)
     act.poll(0.0)
     assert act.quiet(5.0) is None and not act.progressing(5.0, 60) and not act.stalled(5.0, 3)
     write("start", 1.0)
@@ -154,16 +160,7 @@ def test_a_step_with_slow_phases_sets_how_long_a_pause_may_be(tmp_path):
     """nvfp4-reload at real dims on CPU: one reload is a minute or two without a record. The
     first step's own pauses (56 s, 121 s) make the next step's 70 s silence normal, not a HANG
     at the 60 s --stall; a silence past twice the longest pause still is one."""
-    from repro.isolate import Activity
-    from repro.protocol import StepCounter
-    path = tmp_path / "rank0.jsonl"
-    act = Activity([StepCounter(path)])
-
-    def write(event, at):
-        with open(path, "a") as f:
-            f.write(json.dumps({"event": event, "rank": 0, "t": 0, "step": 0}) + "\n")
-        act.poll(at)
-
+    act, write = activity_of(tmp_path)
     write("start", 0.0)
     write("phase", 74.0)                     # build + capture: set-up, not counted
     write("begin", 74.0)
