@@ -52,8 +52,8 @@ class FixCheck:
 # --------------------------------------------------------------------------- rules
 
 @dataclass(frozen=True)
-class Finding:
-    """What a rule concluded about one function body."""
+class RuleVerdict:
+    """What a rule concluded about one function body (not a finding of a trial: repro.outcome.Finding)."""
     state: State
     line: int | None
     evidence: str
@@ -61,7 +61,7 @@ class Finding:
 
 # A rule sees the function's AST (line numbers are those of the real file) and a resolver
 # for sibling methods of the same class, so a fix factored into a helper still counts.
-AstRule = Callable[[ast.FunctionDef, Callable[[str], "ast.FunctionDef | None"]], Finding]
+AstRule = Callable[[ast.FunctionDef, Callable[[str], "ast.FunctionDef | None"]], RuleVerdict]
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ def first_gather(fn: ast.AST) -> ast.Call | None:
     return None
 
 
-def rule_cached_gather(fn: ast.FunctionDef, resolve: Callable[[str], Any]) -> Finding:
+def rule_cached_gather(fn: ast.FunctionDef, resolve: Callable[[str], Any]) -> RuleVerdict:
     tainted = weight_locals(fn)
     reads = self_reads(fn)
     writes = []
@@ -184,20 +184,20 @@ def rule_cached_gather(fn: ast.FunctionDef, resolve: Callable[[str], Any]) -> Fi
             writes.append((stmt, attr, value))
     for stmt, attr, value in writes:
         if attr in reads:
-            return Finding(PRESENT, stmt.lineno,
+            return RuleVerdict(PRESENT, stmt.lineno,
                            f"self.{attr} = {short(value)} at line {stmt.lineno}, "
                            f"read back at line {reads[attr]}")
     if writes:
         stmt, attr, _ = writes[0]
-        return Finding(ABSENT, stmt.lineno,
+        return RuleVerdict(ABSENT, stmt.lineno,
                        f"self.{attr} is written at line {stmt.lineno} but never read back "
                        f"in {fn.name}, so it is not used as a cache")
     gather = first_gather(fn)
     if gather is not None:
-        return Finding(ABSENT, gather.lineno,
+        return RuleVerdict(ABSENT, gather.lineno,
                        f"{short(gather.func)}(...) at line {gather.lineno} goes into a local "
                        f"only; no self.<attr> cache in {fn.name}")
-    return Finding(ABSENT, fn.lineno,
+    return RuleVerdict(ABSENT, fn.lineno,
                    f"{fn.name} stores no gathered weight on self (no all-gather found either)")
 
 
@@ -272,10 +272,10 @@ def kernel_builds(fn: ast.AST) -> list[tuple[ast.stmt, str, ast.expr]]:
             and isinstance(value, ast.Call)]
 
 
-def rule_kernel_built_once(fn: ast.FunctionDef, resolve: Callable[[str], Any]) -> Finding:
+def rule_kernel_built_once(fn: ast.FunctionDef, resolve: Callable[[str], Any]) -> RuleVerdict:
     builds = kernel_builds(fn)
     if not builds:
-        return Finding(ABSENT, fn.lineno,
+        return RuleVerdict(ABSENT, fn.lineno,
                        f"no self.<kernel> = <call> construction found in {fn.name}; "
                        "cannot see a kernel being built")
     guarded = []
@@ -283,12 +283,12 @@ def rule_kernel_built_once(fn: ast.FunctionDef, resolve: Callable[[str], Any]) -
         guard = next((test for test, holds in conditions_for(fn.body, stmt)
                       if tests_unset(test, holds, attr)), None)
         if guard is None:
-            return Finding(ABSENT, stmt.lineno,
+            return RuleVerdict(ABSENT, stmt.lineno,
                            f"self.{attr} = {short(value.func)}(...) at line {stmt.lineno} "
                            "runs on every call (no `is None` guard)")
         guarded.append((stmt, attr, value, guard))
     stmt, attr, value, guard = guarded[0]
-    return Finding(PRESENT, stmt.lineno,
+    return RuleVerdict(PRESENT, stmt.lineno,
                    f"self.{attr} = {short(value.func)}(...) at line {stmt.lineno} guarded by "
                    f"`{short(guard)}` (line {guard.lineno})")
 
@@ -361,10 +361,10 @@ def pwal_calls(fn: ast.AST) -> list[ast.Call]:
     return experts or calls
 
 
-def rule_alphas_refreshed(fn: ast.FunctionDef, resolve: Callable[[str], Any]) -> Finding:
+def rule_alphas_refreshed(fn: ast.FunctionDef, resolve: Callable[[str], Any]) -> RuleVerdict:
     pwals = pwal_calls(fn)
     if not pwals:
-        return Finding(ABSENT, fn.lineno,
+        return RuleVerdict(ABSENT, fn.lineno,
                        f"no {PWAL}(...) call in {fn.name}; cannot place an alpha refresh "
                        "before it")
     last = pwals[-1]
@@ -381,18 +381,18 @@ def rule_alphas_refreshed(fn: ast.FunctionDef, resolve: Callable[[str], Any]) ->
             late.append((alpha, None))
     if not late:
         described = "; ".join(f"{text} (line {line})" for _, line, text in before)
-        return Finding(PRESENT, before[0][1], f"{described} before {where}")
+        return RuleVerdict(PRESENT, before[0][1], f"{described} before {where}")
     missing = [alpha for alpha, hit in late if hit is None]
     after = [(alpha, hit) for alpha, hit in late if hit is not None]
     if after:
         alpha, (_, line, text) = after[0]
-        return Finding(ABSENT, line, f"{text} at line {line} comes after {where}: "
+        return RuleVerdict(ABSENT, line, f"{text} at line {line} comes after {where}: "
                                      "expert post-processing still sees the old alphas")
     if before:
-        return Finding(ABSENT, before[0][1],
+        return RuleVerdict(ABSENT, before[0][1],
                        f"only {before[0][2]} (line {before[0][1]}) before {where}; "
                        f"{', '.join(missing)} not refreshed")
-    return Finding(ABSENT, last.lineno,
+    return RuleVerdict(ABSENT, last.lineno,
                    f"no in-place refresh of {' / '.join(ALPHAS)} before {where}")
 
 

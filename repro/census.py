@@ -1264,8 +1264,8 @@ class CensusBook:
     def summary(self) -> list[dict[str, Any]]:
         return [c.summary() for c in self.censuses.values()]
 
-    def summary_line(self) -> str:
-        return summary_line(self.summary(), self.errors)
+    def census_line(self) -> str:
+        return census_line(self.summary(), self.errors)
 
     def check(self, when: str, graph: str | None = None) -> list[Finding]:
         """One finding per captured block and status, listing every graph that holds it."""
@@ -1346,7 +1346,7 @@ class CensusBook:
                 if start <= r.addr < end or (r.block.start < end and start < r.block.end)]
 
 
-def summary_line(summary: list[dict[str, Any]], errors: list[str]) -> str:
+def census_line(summary: list[dict[str, Any]], errors: list[str]) -> str:
     """One line: what the census read and what it set aside (those are not findings)."""
     total = {k: sum(c[k] for c in summary) for k in
              ("kernels", "references", "own_pool", "outside_allocator", "free_at_capture", "unreadable")}

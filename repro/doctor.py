@@ -426,7 +426,7 @@ def software_part(env: dict) -> str:
     return ", ".join(parts)
 
 
-def summary_line(env: dict) -> str:
+def inventory_line(env: dict) -> str:
     """One line for report headers: GPUs and driver | torch and NCCL | python."""
     python = (env.get("host") or {}).get("python") or "?"
     return f"{gpu_part(env)} | {software_part(env)} | python {python}"
@@ -545,7 +545,7 @@ def env_table(env: dict) -> Any:
 
 def render(env: dict, console: Any) -> None:
     """The inventory as rich tables on console (no print(): the caller owns the output)."""
-    console.print(Text(summary_line(env), style="bold"))
+    console.print(Text(inventory_line(env), style="bold"))
     if env.get("gpus"):
         console.print(fold_cells(gpu_table(env)))
         if len(env["gpus"]) > 1:

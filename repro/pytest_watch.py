@@ -192,7 +192,7 @@ class WatchSession:
             setattr(report, REPORT_ATTR, [dict(tf.as_dict(), allowed=expectation.allowed(tf))
                                           for tf in found])
             for tf in found:
-                prop = (PROPERTY, summary_line(tf) + ("" if tf in failing else " [allowed]"))
+                prop = (PROPERTY, finding_line(tf) + ("" if tf in failing else " [allowed]"))
                 item.user_properties.append(prop)
                 if when == "teardown":   # the teardown report is made from a copy already taken
                     report.user_properties.append(prop)
@@ -243,19 +243,19 @@ class WatchSession:
         for nodeid, found in self.by_test.items():
             tr.write_line(nodeid or "outside any test")
             for tf, allowed in found:
-                tr.write_line("  " + summary_line(tf) + (" [allowed by the repro_watch marker]" if allowed else ""))
+                tr.write_line("  " + finding_line(tf) + (" [allowed by the repro_watch marker]" if allowed else ""))
         if self.unclaimed:
             tr.write_line("recorded, but in no test report (the process ended before reporting: "
                           "a crash, a timeout, a kill):")
             for tf in self.unclaimed:
-                tr.write_line("  " + summary_line(tf))
+                tr.write_line("  " + finding_line(tf))
         tr.write_line(f"records: {self.run_dir}")
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         restore_env(self.saved_env)
 
 
-def summary_line(tf: PhaseFinding) -> str:
+def finding_line(tf: PhaseFinding) -> str:
     f = tf.finding
     cap = tf.captured_in.text() if tf.captured_in else "capture not in these records"
     return (f"{f.get('slot')} {f.get('status')} (graph {f.get('graph')!r}; captured in {cap}; "

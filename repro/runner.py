@@ -87,7 +87,7 @@ def with_runtime(env: dict[str, Any], trials: list[TrialRecord]) -> dict[str, An
     them; when none did, torch's installed version from package metadata (no import)."""
     reported = next((t.runtime for t in trials if t.runtime), None)
     env = {**env, "torch": reported or installed_torch()}
-    env["summary"] = doctor.summary_line(env)
+    env["summary"] = doctor.inventory_line(env)
     return env
 
 

@@ -754,7 +754,7 @@ class Watcher:
         census = self.census_state
         if self.book is not None:
             try:
-                census = f"active; {self.book.summary_line()}"
+                census = f"active; {self.book.census_line()}"
             except Exception:
                 pass
         repeated = sum(n - 1 for n in self.groups_said.values())

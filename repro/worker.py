@@ -128,7 +128,7 @@ class WorkerContext:
         if self.census is not None:
             findings, regions = self.census.dead_blocks(when)
             self.detail(census=self.census.summary(), census_errors=self.census.errors)
-            self.note(self.census.summary_line())
+            self.note(self.census.census_line())
         elif self.on_gpu:
             note = "no graph census here, so no freed captured block to target"
         self.emit_findings(guard_findings, findings)

@@ -412,11 +412,11 @@ def test_recorded_h200_snapshots_give_the_verdicts_seen_on_the_gpu():
     assert [f.status for f in C.check_census(census, "probe", data["later"], device=0)] == ["freed"]
 
 
-def test_summary_line_counts_what_is_not_a_finding():
+def test_census_line_counts_what_is_not_a_finding():
     a = C.GraphCensus(label="A", pool=GRAPH_POOL, kernels=3, own_pool=4, outside=1, free_at_capture=2)
     a.references.append(C.Reference(0, "kernel", "k", "param 0 +0", 0, LOCAL, C.BlockIndex.of(AT_CAPTURE).find(LOCAL)))
     a.foreign_pools["graph 'B'"] = 1
-    line = C.summary_line([a.summary()], ["graph 'C': no raw CUDA graph"])
+    line = C.census_line([a.summary()], ["graph 'C': no raw CUDA graph"])
     assert "1 graphs, 3 kernels, 1 captured addresses" in line
     assert "4 in the own pool, 1 outside the allocator, 2 into blocks already free at capture" in line
     assert "other pools (graph 'B')" in line and "not read: graph 'C'" in line

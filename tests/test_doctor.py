@@ -230,15 +230,15 @@ def test_links_past_max_links_constant_are_not_queried():
     assert doctor.collect(nvml=nvml)["gpus"][0]["nvlink"]["active"] == 4
 
 
-def test_summary_line_two_gpus():
+def test_inventory_line_two_gpus():
     env = doctor.collect(nvml=two_bridged_gpus())
-    line = doctor.summary_line(env)
+    line = doctor.inventory_line(env)
     assert line.startswith(
         f"2x NVIDIA H200 ({H200_MIB} MiB), driver 580.159.04, CUDA 13.0 | torch {torch.__version__}")
     assert line.endswith(f" | python {env['host']['python']}")
 
 
-def test_summary_line_fixed_inventory():
+def test_inventory_line_fixed_inventory():
     env = {
         "host": {"python": "3.12.3"},
         "gpus": [{"name": "NVIDIA H200", "memory_total_mib": H200_MIB, "cuda_index": i}
@@ -248,15 +248,15 @@ def test_summary_line_fixed_inventory():
         "vllm": {"installed": False},
         "env": {},
     }
-    assert doctor.summary_line(env) == (
+    assert doctor.inventory_line(env) == (
         "2x NVIDIA H200 (143771 MiB), driver 580.159.04, CUDA 13.0 | "
         "torch 2.11.0+cu130, NCCL 2.27.7 | python 3.12.3")
 
 
-def test_summary_line_no_gpu():
+def test_inventory_line_no_gpu():
     env = {"host": {"python": "3.11.7"}, "gpus": [], "nvml_error": "Driver Not Loaded",
            "torch": {"version": "2.13.0+cpu", "nccl": None}, "vllm": {"installed": False}}
-    assert doctor.summary_line(env) == (
+    assert doctor.inventory_line(env) == (
         "no GPU (NVML: Driver Not Loaded) | torch 2.13.0+cpu | python 3.11.7")
 
 
@@ -323,7 +323,7 @@ def test_nvml_init_failure(error, reason):
     assert env["gpus"] == [] and env["gpu_pairs"] == []
     assert env["nvml_error"] == reason
     assert env["driver"] is None
-    assert doctor.summary_line(env).startswith(f"no GPU (NVML: {reason}) | torch ")
+    assert doctor.inventory_line(env).startswith(f"no GPU (NVML: {reason}) | torch ")
     assert gpus.gpu_count(nvml) == 0
     json.dumps(env)
 
@@ -402,7 +402,7 @@ def test_cuda_visible_devices_maps_cuda_indices(monkeypatch):
     env = doctor.collect(nvml=two_bridged_gpus())
     assert [gpu["cuda_index"] for gpu in env["gpus"]] == [None, 0]
     assert env["env"] == {"CUDA_VISIBLE_DEVICES": "1"}
-    assert "2x NVIDIA H200 (143771 MiB) [1 visible]" in doctor.summary_line(env)
+    assert "2x NVIDIA H200 (143771 MiB) [1 visible]" in doctor.inventory_line(env)
 
 
 def test_env_lists_only_set_variables(monkeypatch):
@@ -494,5 +494,5 @@ def test_vllm_present_is_read_from_metadata_only(monkeypatch, tmp_path):
     assert env["vllm"]["location"] == str(tmp_path / "vllm")
     assert env["vllm"]["requires_torch"] == ["torch==2.9.0"]
     assert "vllm" not in sys.modules
-    assert doctor.summary_line(env).split(" | ")[1].endswith(", vllm 0.11.0")
+    assert doctor.inventory_line(env).split(" | ")[1].endswith(", vllm 0.11.0")
     assert "0.11.0" in text_of(env)

@@ -434,7 +434,7 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
             return [Finding(slot="<block 0x10 read by k+8>", graph=labels[0], status="reused", when=when,
                             rank=0, shape=[], dtype="", nbytes=64, old_ptr=0x10, mechanism="census")]
 
-        def summary_line(self):
+        def census_line(self):
             return "graph census: stand-in"
 
         def pause_trace(self):

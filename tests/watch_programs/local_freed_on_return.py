@@ -57,7 +57,7 @@ class Book:
     def check(self, when, graph):
         return []
 
-    def summary_line(self):
+    def census_line(self):
         return "graph census: stand-in"
 
 
