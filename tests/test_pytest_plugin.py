@@ -514,22 +514,21 @@ def capture_layer(layer, x):
     return graph, out
 
 
-def test_reload_rebuilds_the_kernel_under_a_graph():
-    layer = Layer(16, torch.device("cpu"), reuse_kernel=False)
-    x = torch.randn(2, 16)
+def reload_under_a_graph(reuse_kernel):
+    layer = Layer(16, torch.device("cpu"), reuse_kernel=reuse_kernel)
+    x = torch.randn(2, 16)                   # the static input: held while the graph replays
     graph, out = capture_layer(layer, x)
     graph.replay()
     layer.reload(new_weights(layer, seed=1))
     graph.replay()
+
+
+def test_reload_rebuilds_the_kernel_under_a_graph():
+    reload_under_a_graph(reuse_kernel=False)
 
 
 def test_reused_kernel_is_clean():
-    layer = Layer(16, torch.device("cpu"), reuse_kernel=True)
-    x = torch.randn(2, 16)
-    graph, out = capture_layer(layer, x)
-    graph.replay()
-    layer.reload(new_weights(layer, seed=1))
-    graph.replay()
+    reload_under_a_graph(reuse_kernel=True)
 """
 
 

@@ -25,6 +25,8 @@ import torch
 
 
 def capture_routine(graph, x):
+    # The capture is written out here, not shared with test_clean_graph through a helper: the
+    # finding names the frame whose local holds the tensor while the ops run (capture_routine).
     weight = torch.randn(64, 64, device="cuda")     # held by this local only: freed on return
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -256,12 +256,23 @@ def stepped(folder: Path) -> bool:
     return any('"event": "step"' in p.read_text() for p in folder.glob("runs/*/00-*/rank1.jsonl"))
 
 
-def test_sigterm_cancels_every_remote_trial_and_leaves_no_rank(cluster, tmp_path):
+def spawn_long_matrix(cluster: str, tmp_path: Path):
+    """`repro matrix --ray` of the long trial (a million steps), from tmp_path."""
     (tmp_path / "l.toml").write_text(LONG.format(steps=1_000_000))
-    run = spawn("matrix", "--config", "l.toml", "--ray", cluster, "--json", "l.json", "--artifacts", "runs", cwd=tmp_path)
+    return spawn("matrix", "--config", "l.toml", "--ray", cluster, "--json", "l.json", "--artifacts", "runs", cwd=tmp_path)
+
+
+def wait_stepping(tmp_path: Path) -> list[int]:
+    """The long trial's rank pids, once its step records reach the driver."""
+    ranks = wait_for(long_ranks, what="the long trial's ranks")
+    wait_for(lambda: stepped(tmp_path), what="step records on the driver")
+    return ranks
+
+
+def test_sigterm_cancels_every_remote_trial_and_leaves_no_rank(cluster, tmp_path):
+    run = spawn_long_matrix(cluster, tmp_path)
     try:
-        ranks = wait_for(long_ranks, what="the long trial's ranks")
-        wait_for(lambda: stepped(tmp_path), what="step records on the driver")
+        ranks = wait_stepping(tmp_path)
         run.send_signal(signal.SIGTERM)
         _, err = run.communicate(timeout=120)
     finally:
@@ -276,11 +287,9 @@ def test_sigterm_cancels_every_remote_trial_and_leaves_no_rank(cluster, tmp_path
 
 
 def test_a_node_lost_mid_trial_is_crash_naming_it_and_a_retry_runs_it_elsewhere(cluster, tmp_path):
-    (tmp_path / "l.toml").write_text(LONG.format(steps=1_000_000))
-    run = spawn("matrix", "--config", "l.toml", "--ray", cluster, "--json", "l.json", "--artifacts", "runs", cwd=tmp_path)
+    run = spawn_long_matrix(cluster, tmp_path)
     try:
-        ranks = wait_for(long_ranks, what="the long trial's ranks")
-        wait_for(lambda: stepped(tmp_path), what="step records on the driver")
+        ranks = wait_stepping(tmp_path)
         raylet = raylet_of(ranks[0])
         os.kill(raylet, signal.SIGKILL)                     # the node is gone: its raylet and so its workers
         _, err = run.communicate(timeout=180)
