@@ -122,8 +122,13 @@ class Reference:
     block: Block
 
     def describe(self) -> str:
-        what = f"kernel {short_name(self.kernel)}" if self.kind == "kernel" else self.kind
-        return f"node {self.node} {what} {self.where}"
+        return describe_site(self.node, self.kind, self.kernel, self.where)
+
+
+def describe_site(node: int, kind: str, kernel: str, where: str) -> str:
+    """'node 12 kernel gemv param 3 +0': where in a graph a captured word sits."""
+    what = f"kernel {short_name(kernel)}" if kind == "kernel" else kind
+    return f"node {node} {what} {where}"
 
 
 class Word(NamedTuple):
@@ -136,6 +141,9 @@ class Word(NamedTuple):
     offset: int
     addr: int
     pool: tuple[int, int]                  # the pool of its segment when read
+
+    def describe(self) -> str:
+        return describe_site(self.node, self.kind, self.kernel, self.where)
 
 
 @dataclass
@@ -165,6 +173,9 @@ class GraphCensus:
     # lives its pool keeps them; one returned to the driver is a finding.
     own_segments: dict[int, Reference] = field(default_factory=dict)
     events_at: int | None = None           # allocator_events() at census time
+    # Addresses of words the guard took (CaptureGuard.adopt): inside storages it names and holds
+    # a weak reference to, so their lifetime is checked through it, not through the trace.
+    held: list[int] = field(default_factory=list)
     _grouped: tuple[int, dict[int, list[Reference]]] | None = field(default=None, repr=False, compare=False)
 
     def blocks(self) -> list[Block]:
@@ -192,7 +203,7 @@ class GraphCensus:
                 "own_pool": self.own_pool, "outside_allocator": self.outside,
                 "free_at_capture": self.free_at_capture,
                 "unreadable": len(self.unreadable), "foreign_pools": dict(self.foreign_pools),
-                "unmatched": len(self.pending),
+                "unmatched": len(self.pending), "held": len(self.held),
                 "seconds": round(self.seconds, 6), "notes": list(self.notes)}
 
 
@@ -404,6 +415,43 @@ def plausible_address(value: int) -> bool:
     return MIN_ADDR <= value < MAX_ADDR
 
 
+class Chunks:
+    """The kernel parameter bytes of one graph, node by node, kept 8-byte aligned so that all of
+    them can be read as one array of words: a full decoder graph holds ~70,000 words, and sorting
+    them one by one in Python was most of a census's cost."""
+
+    def __init__(self):
+        self.bufs: list[bytes] = []
+        self.starts: list[int] = []        # index of each chunk's first word in the whole
+        self.meta: list[tuple[int, str, int, Any]] = []   # (node, kernel, offset of its first word, where_of)
+        self.words = 0
+
+    def add(self, node: int, kernel: str, buf: bytes, base: int, where_of: Any) -> int:
+        """buf: parameter bytes at offset base of the node's parameter buffer; returns how many
+        aligned words it holds."""
+        first = -base % WORD
+        n = (len(buf) - first) // WORD
+        if n <= 0:
+            return 0
+        self.bufs.append(buf[first:first + n * WORD] if first or len(buf) != n * WORD else buf)
+        self.starts.append(self.words)
+        self.meta.append((node, kernel, base + first, where_of))
+        self.words += n
+        return n
+
+    def each(self) -> Any:
+        """(node, kernel, where_of, [(offset, value)] of its plausible words) per chunk."""
+        for buf, (node, kernel, at, where_of) in zip(self.bufs, self.meta):
+            _, words = plausible_words(buf, at)
+            yield node, kernel, where_of, words
+
+    def locate(self, word: int) -> tuple[int, str, int, Any]:
+        """(node, kernel, offset, where_of) of the word at this index of the whole."""
+        c = bisect.bisect_right(self.starts, word) - 1
+        node, kernel, at, where_of = self.meta[c]
+        return node, kernel, at + WORD * (word - self.starts[c]), where_of
+
+
 @dataclass
 class Matcher:
     """Sorts captured words into references, own-pool references and outside addresses."""
@@ -441,6 +489,10 @@ class Matcher:
         for offset, value in words:
             self.add(census, node, kind, kernel, where_of(offset), offset, value)
 
+    def add_chunks(self, census: GraphCensus, chunks: Chunks) -> None:
+        for node, kernel, where_of, words in chunks.each():
+            self.add_words(census, node, "kernel", kernel, words, where_of)
+
 
 class PoolMap:
     """Address -> graph pool of its segment, from the allocator's segments: a segment belongs
@@ -454,6 +506,7 @@ class PoolMap:
         self.signature: tuple | None = None
         self.refreshes = 0
         self.seen: dict[int, Any] = {}     # address -> its segment (or None), until the next refresh
+        self._arrays: tuple | None = None  # the segments as tensors (Deferred.add_chunks)
 
     def pool_of(self, addr: int) -> tuple[int, int] | None:
         """The pool of the segment holding addr (DEFAULT_POOL for ordinary memory), or None
@@ -500,7 +553,20 @@ class PoolMap:
             if self.device is None or seg.get("device", self.device) == self.device)
         self.starts = [seg[0] for seg in self.segments]
         self.seen = {}
+        self._arrays = None
         self.refreshes += 1
+
+    def arrays(self) -> tuple[Any, Any, Any, list[tuple[int, int]]]:
+        """(segment starts, ends, pool index of each, the pools) as int64 tensors, sorted by
+        start: the segments to sort a graph's words by in one search."""
+        if self._arrays is None:
+            import torch
+            pools = sorted({seg[2] for seg in self.segments})
+            self._arrays = (torch.tensor([seg[0] for seg in self.segments], dtype=torch.int64),
+                            torch.tensor([seg[1] for seg in self.segments], dtype=torch.int64),
+                            torch.tensor([pools.index(seg[2]) for seg in self.segments], dtype=torch.int64),
+                            pools)
+        return self._arrays
 
 
 def allocator_events(device: int | None = None) -> int | None:
@@ -552,26 +618,68 @@ class Deferred:
             return
         census.pending.append(Word(node, kind, kernel, where, offset, value, seg[2]))
 
-    def add_words(self, census: GraphCensus, node: int, kind: str, kernel: str,
-                  words: list[tuple[int, int]], where_of: Any) -> None:
-        """add() for a kernel's plausible words, inlined: a full decoder graph holds tens of
-        thousands, most of them in its own pool; where_of(offset) -> "param 3 +8" is made only
-        for the words kept."""
-        find, own, pending = self.pools.find, self.own_pool, census.pending
-        own_words = 0
-        for offset, value in words:
-            seg = find(value)
-            if seg is None:
-                if self.is_device_address is not None and self.is_device_address(value):
-                    census.outside += 1
-            elif own is not None and seg[2] == own:
-                own_words += 1
-                if seg[0] not in census.own_segments:
-                    block = Block(start=seg[0], size=seg[1] - seg[0], state="active_allocated", pool=seg[2], segment=seg[0])
-                    census.own_segments[seg[0]] = Reference(node, kind, kernel, where_of(offset), offset, value, block)
-            else:
-                pending.append(Word(node, kind, kernel, where_of(offset), offset, value, seg[2]))
-        census.own_pool += own_words
+    def add_chunks(self, census: GraphCensus, chunks: Chunks) -> None:
+        """add() for every kernel word of a graph at once, as arrays (torch on the host): the
+        plausible ones sorted by the pool of their segment; only those outside the own pool
+        become Python objects, and where_of(offset) -> "param 3 +8" is made for those alone."""
+        if not chunks.words:
+            return
+        import torch
+        values = torch.frombuffer(bytearray().join(chunks.bufs), dtype=torch.int64)
+        at = ((values >= MIN_ADDR) & (values < MAX_ADDR)).nonzero().squeeze(1)
+        if not at.numel():
+            return
+        v = values[at]
+        starts, ends, pool_ix, pools = self.pools.arrays()
+        if starts.numel():
+            seg = torch.searchsorted(starts, v, right=True) - 1
+            seg_c = seg.clamp(min=0)
+            inside = (seg >= 0) & (v < ends[seg_c])
+        else:
+            seg_c = torch.zeros_like(v)
+            inside = torch.zeros(v.shape, dtype=torch.bool)
+        own = torch.zeros_like(inside)
+        if self.own_pool is not None and self.own_pool in pools:
+            own = inside & (pool_ix[seg_c] == pools.index(self.own_pool))
+            census.own_pool += int(own.sum())
+            self.note_own_segments(census, chunks, at, v, seg_c, own)
+        if self.is_device_address is not None:
+            census.outside += self.count_device_addresses(v[~inside])
+        rest = (inside & ~own).nonzero().squeeze(1)
+        pool_of_seg = self.pools.segments
+        pending = census.pending
+        for word, value, s in zip(at[rest].tolist(), v[rest].tolist(), seg_c[rest].tolist()):
+            node, kernel, offset, where_of = chunks.locate(word)
+            pending.append(Word(node, "kernel", kernel, where_of(offset), offset, value, pool_of_seg[s][2]))
+
+    def count_device_addresses(self, values: Any) -> int:
+        """How many of these words the driver knows as device addresses: asked once per 2 MiB
+        page (as is_device_address caches), with the page's lowest word, not once per word (a
+        decoder graph holds thousands of int pairs that look like addresses)."""
+        if not values.numel():
+            return 0
+        import torch
+        pages, which, counts = torch.unique(values >> 21, return_inverse=True, return_counts=True)
+        lowest = torch.full(pages.shape, MAX_ADDR, dtype=torch.int64).scatter_reduce_(0, which, values, reduce="amin")
+        return sum(n for value, n in zip(lowest.tolist(), counts.tolist()) if self.is_device_address(value))
+
+    def note_own_segments(self, census: GraphCensus, chunks: Chunks, at: Any, v: Any, seg: Any, own: Any) -> None:
+        """The first word of each own-pool segment the graph reads (a segment released while
+        the graph lives is a finding)."""
+        import torch
+        own_at = own.nonzero().squeeze(1)
+        segs, which = torch.unique(seg[own_at], return_inverse=True)
+        # The first own word of each segment: the least position among the words in it.
+        first = torch.full(segs.shape, len(own_at), dtype=torch.int64).scatter_reduce_(
+            0, which, torch.arange(len(own_at)), reduce="amin")
+        for s, f in zip(segs.tolist(), first.tolist()):
+            if self.pools.segments[s][0] in census.own_segments:
+                continue
+            i = int(own_at[f])
+            start, end, pool = self.pools.segments[s]
+            node, kernel, offset, where_of = chunks.locate(int(at[i]))
+            block = Block(start=start, size=end - start, state="active_allocated", pool=pool, segment=start)
+            census.own_segments[start] = Reference(node, "kernel", kernel, where_of(offset), offset, int(v[i]), block)
 
 
 def match_pending(census: GraphCensus, now: BlockIndex, first: dict[int, dict[str, Any]] | None,
@@ -953,32 +1061,35 @@ def param_layout(pairs: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> 
                        max((off + size for off, size in pairs), default=0))
 
 
-def param_words(slots: Any, layout: ParamLayout) -> tuple[int, list[tuple[int, int]], str | None]:
-    """(aligned words in the parameters, (offset, value) of those that may be addresses, the
-    first parameter that cannot be read or None).
+def param_chunks(slots: Any, layout: ParamLayout) -> tuple[list[tuple[bytes, int]], str | None]:
+    """(the parameters' bytes as (buffer, its offset in the parameter buffer) chunks, the first
+    parameter that cannot be read or None).
 
     The driver hands a graph node's parameters back as pointers into one buffer laid out as
     the layout says; where they are (the usual case), one read gets them all."""
     n = len(layout.pairs)
     if not n:
-        return 0, [], None
+        return [], None
     got = slots[:n]
     base = got[0]
     # Contiguous when every pointer sits at its offset from the first (map runs in C: this
     # check is made for every kernel node of every graph).
     if base and list(map(base.__rsub__, got)) == list(layout.rel):
-        count, words = plausible_words(ctypes.string_at(base, layout.end - layout.first), layout.first)
-        return count, words, None
-    count, words = 0, []
+        return [(ctypes.string_at(base, layout.end - layout.first), layout.first)], None
+    chunks = []
     for i, (off, size) in enumerate(layout.pairs):
         if not got[i]:
-            return count, words, f"parameter {i} has no value"
-        k, w = plausible_words(ctypes.string_at(got[i], size), off)
-        count, words = count + k, words + w
-    return count, words, None
+            return chunks, f"parameter {i} has no value"
+        chunks.append((ctypes.string_at(got[i], size), off))
+    return chunks, None
 
 
-def read_kernel(driver: Driver, census: GraphCensus, match: Matcher, index: int, node: int) -> None:
+def read_kernel(driver: Driver, census: GraphCensus, match: Matcher, index: int, node: int,
+                chunks: Chunks | None = None) -> None:
+    """One kernel node's parameter bytes into chunks (the graph's, sorted by pool once read_graph
+    has read every node); without chunks, sorted now."""
+    now = chunks is None
+    chunks = Chunks() if now else chunks
     p = driver.kernel_params(node)
     name, layout = function_info(driver, p)
     census.kernels += 1
@@ -987,20 +1098,18 @@ def read_kernel(driver: Driver, census: GraphCensus, match: Matcher, index: int,
             census.unreadable.append(f"node {index} kernel {short_name(name)}: {layout}")
             return
         slots = (ctypes.c_void_p * max(len(layout.pairs), 1)).from_address(p.kernelParams)
-        count, words, missing = param_words(slots, layout)
+        got, missing = param_chunks(slots, layout)
         if missing:
             census.unreadable.append(f"node {index} kernel {short_name(name)}: {missing}")
-        census.words += count
-        match.add_words(census, index, "kernel", name, words, layout.where)
+        for buf, base in got:
+            census.words += chunks.add(index, name, buf, base, layout.where)
     elif p.extra:
         buf = read_extra(p.extra)
         if buf is None:
             census.unreadable.append(f"node {index} kernel {short_name(name)}: 'extra' holds no "
                                      "CU_LAUNCH_PARAM_BUFFER_POINTER/SIZE pair")
             return
-        count, words = plausible_words(buf, 0)
-        census.words += count
-        match.add_words(census, index, "kernel", name, words, extra_where)
+        census.words += chunks.add(index, name, buf, 0, extra_where)
     else:
         try:
             pairs = driver.param_layout(p)
@@ -1009,6 +1118,8 @@ def read_kernel(driver: Driver, census: GraphCensus, match: Matcher, index: int,
         if pairs:
             census.unreadable.append(f"node {index} kernel {short_name(name)}: {len(pairs)} parameters "
                                      "but neither kernelParams nor extra")
+    if now:
+        match.add_chunks(census, chunks)
 
 
 def extra_where(offset: int) -> str:
@@ -1056,8 +1167,12 @@ def read_memset(driver: Driver, census: GraphCensus, match: Matcher, index: int,
 READERS = {"kernel": read_kernel, "memcpy": read_memcpy, "memset": read_memset}
 
 
-def read_graph(driver: Driver, census: GraphCensus, match: Matcher, graph: int, depth: int = 0) -> None:
-    """Every node of the graph, child graphs flattened into the same node numbering."""
+def read_graph(driver: Driver, census: GraphCensus, match: Matcher, graph: int, depth: int = 0,
+               chunks: Chunks | None = None) -> None:
+    """Every node of the graph, child graphs flattened into the same node numbering; the
+    kernels' words are sorted by pool once, after the last node (one pass, not one per node)."""
+    top = chunks is None
+    chunks = Chunks() if top else chunks
     for node in driver.nodes(graph):
         index = census.nodes
         census.nodes += 1
@@ -1065,11 +1180,15 @@ def read_graph(driver: Driver, census: GraphCensus, match: Matcher, graph: int, 
             kind = driver.node_type(node)
             census.node_types[kind] = census.node_types.get(kind, 0) + 1
             if kind == "graph" and depth < 8:
-                read_graph(driver, census, match, driver.child_graph(node), depth + 1)
+                read_graph(driver, census, match, driver.child_graph(node), depth + 1, chunks)
+            elif kind == "kernel":
+                read_kernel(driver, census, match, index, node, chunks)
             elif kind in READERS:
                 READERS[kind](driver, census, match, index, node)
         except DriverError as e:
             census.unreadable.append(f"node {index}: {e}")
+    if top:
+        match.add_chunks(census, chunks)
 
 
 # -- torch side (lazy) --------------------------------------------------------------------------
@@ -1125,7 +1244,8 @@ def pool_id(pool: Any) -> tuple[int, int] | None:
 
 def take_census(graph: Any, label: str, pool: Any = None, snapshot: dict[str, Any] | None = None,
                 pool_names: dict[tuple[int, int], str] | None = None,
-                device: int | None = None, traced: bool = True, pools: PoolMap | None = None) -> GraphCensus:
+                device: int | None = None, traced: bool = True, pools: PoolMap | None = None,
+                since: dict[str, Any] | None = None) -> GraphCensus:
     """Census of a graph captured with CUDAGraph(keep_graph=True); see the module docstring.
 
     snapshot: an allocator snapshot taken right after the capture: every word is matched to
@@ -1135,6 +1255,9 @@ def take_census(graph: Any, label: str, pool: Any = None, snapshot: dict[str, An
     census costs what the graph holds, not what the process allocated before it.
     traced: the allocator trace is recording (``start_trace()`` or memory history); without it
     the checks see freed and released blocks but not reuse at the same address.
+    since: a clock_marker() taken when the capture began (no snapshot): the trace is then read
+    from there, so a block freed during the capture itself still counts as captured (with
+    nothing recording at the dispatcher, only the trace can tell).
     Raises DriverError when the graph cannot be read at all (then nothing can be said about it);
     single nodes that cannot be read are listed in ``unreadable``.
     """
@@ -1154,7 +1277,7 @@ def take_census(graph: Any, label: str, pool: Any = None, snapshot: dict[str, An
         pools = pools or PoolMap()
         pools.check()
         match = Deferred(pools, own, driver.is_device_address)
-        marker = clock_marker()
+        marker = since or clock_marker()
     read_graph(driver, census, match, raw)
     if traced:
         census.marker = marker
@@ -1188,10 +1311,11 @@ class CensusBook:
         if trace == "start":
             start_trace(capacity)
 
-    def add(self, graph: Any, label: str, pool: Any = None) -> GraphCensus | None:
-        """Census right after capture; a graph that cannot be read is noted, not raised."""
+    def add(self, graph: Any, label: str, pool: Any = None, since: dict[str, Any] | None = None) -> GraphCensus | None:
+        """Census right after capture; a graph that cannot be read is noted, not raised.
+        since: clock_marker() at the capture's start (see take_census)."""
         try:
-            census = take_census(graph, label, pool, traced=self.traced, pools=self.pools)
+            census = take_census(graph, label, pool, traced=self.traced, pools=self.pools, since=since)
         except DriverError as e:
             self.errors.append(f"graph '{label}': {e}")
             return None
@@ -1345,13 +1469,28 @@ class CensusBook:
         return [(c.label, r) for c in self.censuses.values() for r in c.references
                 if start <= r.addr < end or (r.block.start < end and start < r.block.end)]
 
+    def held_in(self, start: int, end: int) -> bool:
+        """Whether a census handed a word inside [start, end) to the guard (adopt)."""
+        return any(start <= a < end for c in self.censuses.values() for a in c.held)
+
+    def hand_over(self, census: GraphCensus, left: list[Any]) -> None:
+        """The guard took every word of census.pending and census.references but `left`: those
+        it took are checked through its storages from now on (counted in census.held)."""
+        kept = {id(w) for w in left}
+        for name in ("pending", "references"):
+            words = getattr(census, name)
+            census.held.extend(w.addr for w in words if id(w) not in kept)
+            setattr(census, name, [w for w in words if id(w) in kept])
+        census._grouped = None
+
 
 def census_line(summary: list[dict[str, Any]], errors: list[str]) -> str:
     """One line: what the census read and what it set aside (those are not findings)."""
-    total = {k: sum(c[k] for c in summary) for k in
-             ("kernels", "references", "own_pool", "outside_allocator", "free_at_capture", "unreadable")}
+    total = {k: sum(c.get(k, 0) for c in summary) for k in
+             ("kernels", "references", "held", "own_pool", "outside_allocator", "free_at_capture", "unreadable")}
+    held = f" (and {total['held']} in storages the guard names, checked through it)" if total["held"] else ""
     text = (f"graph census: {len(summary)} graphs, {total['kernels']} kernels, {total['references']} captured "
-            f"addresses outside their graph's pool checked; not findings: {total['own_pool']} in the own "
+            f"addresses outside their graph's pool checked{held}; not findings: {total['own_pool']} in the own "
             f"pool, {total['outside_allocator']} outside the allocator, {total['free_at_capture']} into "
             f"blocks already free at capture; {total['unreadable']} nodes unreadable")
     pools = sorted({p for c in summary for p in c["foreign_pools"]})
@@ -1396,7 +1535,9 @@ def merge_findings(guard: list[Finding], census: list[Finding], slots: list[Any]
             continue
         if book is not None and book.censuses:
             refs = book.references_in(g.old_ptr, g.old_ptr + max(g.nbytes, 1))
-            if not refs:
+            if not refs and book.held_in(g.old_ptr, g.old_ptr + max(g.nbytes, 1)):
+                pass     # the census handed this storage to the guard: one mechanism, no disagreement
+            elif not refs:
                 g.disagreement = "the census found no captured address in this storage"
             elif g.status == "rebound":
                 g.disagreement = "the census sees the captured block still allocated (a rebinding is visible only to the guard)"

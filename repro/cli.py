@@ -35,7 +35,7 @@ from repro.protocol import FAULTS
 from repro.ray_runner import RayUnavailable
 from repro.runner import Planned, RunResult, plan, run_planned
 from repro.scenarios import SCENARIOS, CpuCost, RunKeySpec, ScenarioSpec
-from repro.watch_hooks import ON_FINDING
+from repro.watch_hooks import ON_FINDING, RECORD
 
 EXIT_CODES = exit_codes_help(TRIAL_EXITS)
 MATRIX_EXIT_CODES = exit_codes_help(MATRIX_EXITS)
@@ -587,11 +587,12 @@ def watch_cmd(
     ctx: typer.Context,
     on_finding: Annotated[choices(ON_FINDING), typer.Option("--on-finding", help="warn: record and let the replay run; raise: the replay raises StaleCaptureError naming the tensor, before the launch.")] = "warn",
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", metavar="DIR", help=with_default("Directory for the per-process records.", "a new folder $XDG_CACHE_HOME/repro/runs/watch-DATE-TIME-XXXXXXXX (else under ~/.cache), its own for each run"))] = None,
+    record: Annotated[choices(RECORD), typer.Option("--record", help="graph: where the graph census runs (CUDA), read what each capture holds from the graph after it, with no per-op hook (capture cost per node); ops: also record every op at the dispatcher (cost per op; names and drop sites for tensors only pointer tables in device memory reach). Without the census every op is recorded either way.")] = "graph",
     json_path: JsonOpt = None, junit: WatchJunitOpt = None, html: WatchHtmlOpt = None,
 ) -> int:
     """Run CMD unchanged with the stale-capture hooks in every Python process it starts: repro watch -- CMD [ARGS...]."""
     from repro import watch
-    return report_watch(lambda: watch.watch(list(ctx.args), run_dir, on_finding), json_path, junit, html)
+    return report_watch(lambda: watch.watch(list(ctx.args), run_dir, on_finding, record), json_path, junit, html)
 
 
 @app.command("watch-report", epilog=WATCH_EXIT_CODES)

@@ -51,6 +51,7 @@ owner (``owner.obj.sub.tensor``, ``owner.graphs[16].inputs[0]``).
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import inspect
@@ -242,6 +243,7 @@ class CaptureGuard:
         # they do not rebuild it again in later recordings (an engine captures thousands).
         self._index: dict[int, Named] | None = None
         self._unnamed: set[tuple[int, int]] = set()     # (storage key, data_ptr)
+        self._extents: tuple[dict[int, Named] | None, Extents] | None = None
         self.index_builds = 0
 
     # -- public API -------------------------------------------------------------------------
@@ -296,6 +298,94 @@ class CaptureGuard:
                 yield
         finally:
             self._live_refs.clear()
+
+    def adopt(self, graph: str, words: Iterable[Any], frame: Any = None) -> list[Any]:
+        """Slots for a capture the graph census read, with nothing recorded at the dispatcher.
+
+        words: the census's captured words outside the graph's own pool (anything with .addr
+        and .describe(): census Words and References); frame: a frame of the code that ended
+        the capture, whose user frames' locals are searched (None: owners only). Each word
+        inside a storage that a watched owner or one of those locals holds makes (or extends)
+        that storage's slot, named as a recording names it. The recording's cost is per op of
+        the capture; this one's is per distinct captured address. The owner index is built
+        here only when the owners changed (refresh_index() builds it again on purpose).
+        Returns the words no slot took: memory no one holds (a library's workspace, a tensor
+        only a C++ structure keeps, stale bytes), which is the census's alone.
+        """
+        self._by_graph.setdefault(graph, [])
+        words = list(words)
+        if self.mode == "off" or not words:
+            return words
+        frame = user_frame(frame, self._plumbing)
+        site = frame_site(frame)
+        held = held_by_locals(frame, self._plumbing) if frame is not None else Extents([])
+        if self._index is None:
+            self._index = self._build_index()
+        owned = self._owned_extents()
+        left: list[Any] = []
+        hit: set[int] = set()           # addresses inside a slot's storage
+        done: set[int] = set()          # storage keys this graph already has
+        for w in words:
+            addr = w.addr
+            if addr in hit:
+                continue
+            if self._adopt_word(graph, w, owned, held, site, done) is None:
+                left.append(w)
+            else:
+                hit.add(addr)
+        self._live_refs.clear()
+        return left
+
+    def refresh_index(self) -> None:
+        """Build the owner index again: an owner may have gained a tensor since (a reload, a
+        lazily made buffer). The watch hooks call it once per check, not per capture (an
+        engine captures thousands of graphs, and building it walks every owner)."""
+        if self.mode != "off":
+            self._index = self._build_index()
+
+    def _owned_extents(self) -> Extents:
+        """The owner index as storage extents, derived once per index build."""
+        if self._extents is None or self._extents[0] is not self._index:
+            self._extents = (self._index, Extents.of(
+                (n.storage_ptr, n.storage_nbytes, key, n) for key, n in (self._index or {}).items()))
+        return self._extents[1]
+
+    def _adopt_word(self, graph: str, w: Any, owned: Extents, held: Extents, site: str,
+                    done: set[int]) -> Slot | None:
+        """The slot of the storage holding w's address (made, or extended to this graph), or
+        None when no owner or local holds it."""
+        found = owned.find(w.addr)
+        named, t = None, None
+        if found is not None:
+            key, named = found
+            t = resolve(named)
+            if not isinstance(t, torch.Tensor) or storage_key(t) != key or \
+                    t.untyped_storage().data_ptr() != named.storage_ptr:
+                named = t = None          # the index is stale for this storage
+        if t is None:
+            found = held.find(w.addr)
+            if found is None:
+                return None
+            key, (t, holder) = found
+        if key in done:
+            return self._slots[key]
+        done.add(key)
+        slot = self._slots.get(key)
+        if slot is not None:
+            if widen_slot(slot, t, graph):
+                self._by_graph[graph].append(slot)
+            return slot
+        storage = t.untyped_storage()
+        slot = Slot(
+            name="", graphs=[graph], shape=list(t.shape), dtype=dtype_name(t.dtype), nbytes=t.nbytes,
+            data_ptr=t.data_ptr(), storage_ptr=storage.data_ptr(), storage_nbytes=storage.nbytes(),
+            device=str(t.device), version=version_of(t), captured_at=f"{site} ({w.describe()})",
+            ref=StorageWeakRef(storage), key=key, named=named)
+        slot.name = exposed_name(named, t) if named is not None else f"<local {holder[0]} of {holder[1]}>"
+        self._slots[key] = slot
+        self._by_graph[graph].append(slot)
+        listen_for_drop(slot, storage, self._plumbing)
+        return slot
 
     @contextlib.contextmanager
     def capture(self, graph: torch.cuda.CUDAGraph, label: str, pool=None, stream=None,
@@ -685,6 +775,45 @@ def current_ptr(slot: Slot) -> int | None:
 
 def view_offset(slot: Slot) -> int:
     return slot.data_ptr - slot.named.data_ptr if slot.named is not None else 0
+
+
+# -- helpers: storage extents (adopt) ------------------------------------------------------------
+
+class Extents:
+    """Storages by address range: which one holds an address (storages never overlap)."""
+
+    def __init__(self, items: list[tuple[int, int, int, Any]]):
+        self.items = sorted(items, key=lambda item: item[0])     # (start, end, key, value)
+        self.starts = [item[0] for item in self.items]
+
+    @classmethod
+    def of(cls, extents: Iterable[tuple[int, int, int, Any]]) -> Extents:
+        """From (start, nbytes, key, value); empty storages hold nothing."""
+        return cls([(start, start + size, key, value) for start, size, key, value in extents if start and size])
+
+    def find(self, addr: int) -> tuple[int, Any] | None:
+        i = bisect.bisect_right(self.starts, addr) - 1
+        if i >= 0 and addr < self.items[i][1]:
+            return self.items[i][2], self.items[i][3]
+        return None
+
+
+def held_by_locals(frame, plumbing: frozenset[str]) -> Extents:
+    """Storages of the tensors bound to locals of the user frames from `frame` outwards, each
+    with (tensor, (variable, function)) of the outermost frame holding it (as holder_of)."""
+    found: dict[int, tuple[int, int, int, Any]] = {}
+    for _ in range(sites.LOCAL_SCAN_FRAMES):
+        frame = user_frame(frame, plumbing)
+        if frame is None:
+            break
+        for var, value in sites.frame_locals(frame):
+            if isinstance(value, torch.Tensor):
+                storage = storage_of(value)
+                if storage is not None:
+                    found[storage._cdata] = (storage.data_ptr(), storage.nbytes(), storage._cdata,
+                                             (value, (var, frame.f_code.co_name)))
+        frame = frame.f_back
+    return Extents.of(found.values())
 
 
 # -- helpers: names of locals -------------------------------------------------------------------

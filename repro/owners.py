@@ -53,6 +53,7 @@ class Named:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     storage_ptr: int
+    storage_nbytes: int = 0
 
 
 def hold(obj: Any) -> Callable[[], Any]:
@@ -159,7 +160,7 @@ def add_named(index: dict[int, Named], owner: Owner, steps: tuple, t: torch.Tens
     name = owner.name + "".join(step_text(kind, key) for kind, key in steps)
     index[storage._cdata] = Named(name=name, owner=owner, steps=steps, data_ptr=t.data_ptr(),
                                    shape=tuple(t.shape), stride=tuple(t.stride()),
-                                   storage_ptr=storage.data_ptr())
+                                   storage_ptr=storage.data_ptr(), storage_nbytes=storage.nbytes())
 
 
 def children(value: Any, max_items: int = _MAX_ITEMS, code: bool = False) -> list[tuple[str, Any, Any]]:

@@ -115,13 +115,15 @@ class WatchSession:
                        or os.environ.get(watch_hooks.ENV_DIR)
                        or tempfile.mkdtemp(prefix="repro-watch-pytest-")).resolve()
         saved = {k: os.environ.get(k) for k in (*watch_hooks.ENV_VARS, watch_hooks.ENV_OWNER, "PYTHONPATH")}
-        env = watch_env(dict(os.environ), run_dir, os.environ.get(watch_hooks.ENV_ON_FINDING) or "warn")
+        record = os.environ.get(watch_hooks.ENV_RECORD) or "graph"
+        record = record if record in watch_hooks.RECORD else "graph"
+        env = watch_env(dict(os.environ), run_dir, os.environ.get(watch_hooks.ENV_ON_FINDING) or "warn", record)
         if saved[watch_hooks.ENV_SITE] == env[watch_hooks.ENV_SITE]:
             env["PYTHONPATH"] = saved["PYTHONPATH"] or ""     # started under `repro watch`: on the path already
         for key in (*watch_hooks.ENV_VARS, "PYTHONPATH"):
             os.environ[key] = env[key]
         watcher = watch_hooks.activate(watch_hooks.WatchSettings(
-            run_dir=str(run_dir), on_finding="warn", origin="pytest"))
+            run_dir=str(run_dir), on_finding="warn", origin="pytest", record=record))
         run_dir = Path(watcher.settings.run_dir)     # an earlier start (repro watch) decides
         me = Path(watcher.recorder.path).stem
         os.environ[watch_hooks.ENV_OWNER] = me        # processes tests start say whose they are

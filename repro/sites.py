@@ -32,7 +32,7 @@ import torch
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _CACHE = dis.opmap.get("CACHE", -1)
-_LOCAL_SCAN_FRAMES = 12   # user frames searched for a local variable holding a tensor
+LOCAL_SCAN_FRAMES = 12   # user frames searched for a local variable holding a tensor
 _LOCALS_ARE_SNAPSHOTS = sys.version_info < (3, 13)
 _WORD = ctypes.sizeof(ctypes.c_void_p)
 
@@ -101,7 +101,7 @@ def drop_kind(frame: types.FrameType | None) -> str:
 def holder_of(key: int, frame: types.FrameType | None, plumbing: frozenset[str]) -> tuple[str, str] | None:
     """(variable, function) of the outermost user frame whose local holds this storage."""
     found = None
-    for _ in range(_LOCAL_SCAN_FRAMES):
+    for _ in range(LOCAL_SCAN_FRAMES):
         frame = user_frame(frame, plumbing)
         if frame is None:
             break

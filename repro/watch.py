@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from repro.output import Exit
-from repro.watch_hooks import ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_SITE, ON_FINDING
+from repro.watch_hooks import ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_RECORD, ENV_SITE, ON_FINDING, RECORD
 from repro.watch_ray import node_dirs, node_notes, ray_env
 from repro.watch_report import WatchReport, load_report, record_files
 
@@ -50,7 +50,8 @@ def site_dir() -> str:
     return str(Path(__file__).resolve().parent / "_site")
 
 
-def watch_env(environ: dict[str, str], run_dir: Path, on_finding: str) -> dict[str, str]:
+def watch_env(environ: dict[str, str], run_dir: Path, on_finding: str, record: str | None = None) -> dict[str, str]:
+    """record: RECORD's choice for every process (None: the environment's, else graph)."""
     env = dict(environ)
     site = site_dir()
     old = env.get("PYTHONPATH", "")
@@ -59,6 +60,8 @@ def watch_env(environ: dict[str, str], run_dir: Path, on_finding: str) -> dict[s
     env[ENV_DIR] = str(run_dir.resolve())
     env[ENV_ON_FINDING] = on_finding
     env[ENV_SITE] = site
+    if record is not None:
+        env[ENV_RECORD] = record
     env.update(ray_env(env))          # Ray workers on every node (repro/watch_ray.py)
     return env
 
@@ -73,12 +76,14 @@ def default_run_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix=time.strftime("watch-%Y%m%d-%H%M%S-", time.localtime()), dir=root))
 
 
-def check_args(command: list[str], on_finding: str, run_dir: Path | None) -> None:
+def check_args(command: list[str], on_finding: str, run_dir: Path | None, record: str = "graph") -> None:
     """run_dir: the --run-dir the user gave, or None (a new folder of its own)."""
     if not command:
         raise WatchUsageError("no command given: repro watch [OPTIONS] -- CMD [ARGS...]")
     if on_finding not in ON_FINDING:
         raise WatchUsageError(f"--on-finding {on_finding!r} is not one of {', '.join(ON_FINDING)}")
+    if record not in RECORD:
+        raise WatchUsageError(f"--record {record!r} is not one of {', '.join(RECORD)}")
     if run_dir is None:
         return
     if run_dir.exists() and not run_dir.is_dir():
@@ -171,13 +176,13 @@ def sight_notes(rep: WatchReport, gpu_count: int | None = None) -> list[str]:
     return notes
 
 
-def watch(command: list[str], run_dir: Path | None, on_finding: str) -> WatchReport:
+def watch(command: list[str], run_dir: Path | None, on_finding: str, record: str = "graph") -> WatchReport:
     """run_dir None: a new folder of its own under the cache (default_run_dir)."""
-    check_args(command, on_finding, run_dir)
+    check_args(command, on_finding, run_dir, record)
     if run_dir is None:
         run_dir = default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
-    result = run_command(command, watch_env(dict(os.environ), run_dir, on_finding))
+    result = run_command(command, watch_env(dict(os.environ), run_dir, on_finding, record))
     return finish(with_ray_nodes(run_dir, load_report([run_dir, *node_dirs(run_dir)])), command, result, on_finding)
 
 

@@ -7,8 +7,10 @@ this module imports no torch: a meta-path hook waits until the program itself im
 ``torch.cuda.graphs.CUDAGraph`` in place, so ``torch.cuda.graph(...)`` and every subclass go
 through them:
 
-  capture_begin  record what the capture touches (repro.guard's dispatch-mode recording)
-  capture_end    stop recording; take the graph census where it is available
+  capture_begin  where the census runs, note the time only; elsewhere record what the
+                 capture touches (repro.guard's dispatch-mode recording)
+  capture_end    take the graph census, and make the guard's slots from what it read (the
+                 storages owners and the capturing frames' locals hold); or stop recording
   replay         liveness check before every replay; deep check (+ census check) at the first
                  replay after a capture and after any graph's reset
   reset          marks every other graph for a deep check (a reset frees that graph's pool,
@@ -42,11 +44,17 @@ ENV_ON = "REPRO_WATCH"                  # "1": hooks on (the vLLM plugin's switc
 ENV_DIR = "REPRO_WATCH_DIR"             # run directory for the per-process records
 ENV_ON_FINDING = "REPRO_WATCH_ON_FINDING"   # warn | raise
 ENV_SITE = "REPRO_WATCH_SITE"           # the sitecustomize directory `repro watch` prepended
-ENV_VARS = (ENV_ON, ENV_DIR, ENV_ON_FINDING, ENV_SITE)
+ENV_RECORD = "REPRO_WATCH_RECORD"       # graph | ops (see RECORD)
+ENV_VARS = (ENV_ON, ENV_DIR, ENV_ON_FINDING, ENV_SITE, ENV_RECORD)
 ENV_OWNER = "REPRO_WATCH_OWNER"         # set by the pytest plugin: the record file (stem) of the
                                         # test process whose test started this process
 DEFAULT_DIR = "repro-watch"
 ON_FINDING = ("warn", "raise")
+# graph: where the census runs, what a capture holds is read from the graph after it (cost per
+#   node); elsewhere every op is recorded at the dispatcher. ops: every op is recorded at the
+#   dispatcher as well (cost per op: tensors behind pointer tables in device memory, which no
+#   node holds, get names and drop sites too).
+RECORD = ("graph", "ops")
 TARGET = "torch.cuda.graphs"
 RECORD_SCHEMA = "repro.watch.record/1"
 HOOKED = ("capture_begin", "capture_end", "replay", "reset")
@@ -67,6 +75,7 @@ class WatchSettings:
     run_dir: str
     on_finding: str               # "warn" | "raise"
     origin: str                   # "sitecustomize" | "vllm-plugin" | "api"
+    record: str = "graph"         # RECORD
 
 
 def settings_from_env(environ: dict[str, str], origin: str) -> WatchSettings | None:
@@ -78,8 +87,12 @@ def settings_from_env(environ: dict[str, str], origin: str) -> WatchSettings | N
         sys.stderr.write(f"repro watch: {ENV_ON_FINDING}={on_finding!r} is not one of "
                          f"{', '.join(ON_FINDING)}; using warn\n")
         on_finding = "warn"
+    record = environ.get(ENV_RECORD, "graph").strip() or "graph"
+    if record not in RECORD:
+        sys.stderr.write(f"repro watch: {ENV_RECORD}={record!r} is not one of {', '.join(RECORD)}; using graph\n")
+        record = "graph"
     return WatchSettings(run_dir=os.path.abspath(environ.get(ENV_DIR) or DEFAULT_DIR),
-                         on_finding=on_finding, origin=origin)
+                         on_finding=on_finding, origin=origin, record=record)
 
 
 def active() -> Watcher | None:
@@ -131,7 +144,7 @@ def process_record(settings: WatchSettings) -> dict[str, Any]:
         "kind": "process", "schema": RECORD_SCHEMA, "pid": os.getpid(), "ppid": os.getppid(),
         "host": socket.gethostname(), "argv": argv, "executable": sys.executable,
         "python": sys.version.split()[0], "started": time.time(), "origin": settings.origin,
-        "on_finding": settings.on_finding,
+        "on_finding": settings.on_finding, "record": settings.record,
         "env": {k: os.environ[k] for k in (*_RANK_ENV, ENV_OWNER) if k in os.environ},
     }
 
@@ -200,6 +213,7 @@ class GraphState:
     site: str
     managed: bool = False         # captured by torch.compile's cudagraph trees: counted only
     recording: Any = None         # the guard's recording context while capturing
+    since: dict | None = None     # census clock marker at capture_begin: slots come from the census
     census: Any = None            # GraphCensus taken at capture end
     deep_reason: str | None = "first replay after capture"
     replays: int = 0
@@ -276,7 +290,7 @@ class Watcher:
         self.census_state = "not checked yet (no capture)"
         self.rank: int | None = None
         self.origins = [settings.origin]
-        self._watched: dict[int, str] = {}
+        self._watched: dict[str, Any] = {}   # owner name -> its object, held as the guard holds it
         # graphs whose cudaGraph_t outlives capture_end (for the census): True where we forced it
         self.kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.expired = None           # torch.UntypedStorage._expired once torch is in use
@@ -356,7 +370,7 @@ class Watcher:
         def capture_end(graph, *args, **kwargs):
             watcher.on_capture_stop(graph)
             out = originals["capture_end"](graph, *args, **kwargs)
-            watcher.on_capture_end(graph)
+            watcher.on_capture_end(graph, sys._getframe(1))
             return out
 
         original_replay, states = originals["replay"], self.graphs.by_id
@@ -440,9 +454,12 @@ class Watcher:
                 self.counters.managed += 1
                 return
             self.watch_owners(frame)
-            state.recording = guard.recording(
-                state.label, state.pool, self.pools.graph_pool_of if self.pools is not None else None)
-            state.recording.__enter__()
+            if self.by_census(state):
+                state.since = self.census_mod.clock_marker()
+            else:
+                state.recording = guard.recording(
+                    state.label, state.pool, self.pools.graph_pool_of if self.pools is not None else None)
+                state.recording.__enter__()
         except Exception as e:
             self.internal("capture_begin", e)
         self.seconds.capture_begin += time.perf_counter() - t0
@@ -457,7 +474,12 @@ class Watcher:
         except Exception as e:
             self.internal("capture_end (recording)", e)
 
-    def on_capture_end(self, graph) -> None:
+    def by_census(self, state: GraphState) -> bool:
+        """Whether this capture's slots come from its census (no per-op recording)."""
+        return state.kept is not None and self.book is not None and self.settings.record == "graph"
+
+    def on_capture_end(self, graph, frame=None) -> None:
+        """frame: the frame that ended the capture (its locals name what the graph holds)."""
         state = self.state_of(graph)
         if state is None:
             return
@@ -466,9 +488,13 @@ class Watcher:
         t0 = time.perf_counter()
         try:
             if state.kept is not None and not state.managed and self.book is not None:
-                state.census = self.book.add(graph, state.label, state.pool)   # None: unreadable (noted)
+                state.census = self.book.add(graph, state.label, state.pool, since=state.since)   # None: unreadable (noted)
                 if state.census is not None:
                     self.census_due.append(state.label)
+                    if state.since is not None:
+                        census = state.census
+                        left = self.guard.adopt(state.label, [*census.pending, *census.references], frame)
+                        self.book.hand_over(census, left)
         except Exception as e:
             self.internal("census at capture end", e)
         t1 = time.perf_counter()
@@ -524,10 +550,24 @@ class Watcher:
             live = {s.label for s in self.live_states() if s.census is not None}
             due, self.census_due = [label for label in self.census_due if label in live], []
             census_findings = self.book.check_graphs(when, due)
+            self.adopt_late(due)
             findings = self.census_mod.merge_findings(findings, census_findings, self.guard.slots,
                                                       True, self.book)
             self.pause_trace()
         return findings
+
+    def adopt_late(self, labels: list[str]) -> None:
+        """After a census check matched the words no owner or local held at capture: those in
+        memory still allocated then may be in tensors an owner gained since its index was
+        built. Build it again, once for the whole check (not per capture), and hand over
+        what it names."""
+        censuses = [self.book.censuses[label] for label in labels
+                    if label in self.book.censuses and self.book.censuses[label].references]
+        if not censuses or self.settings.record != "graph":
+            return
+        self.guard.refresh_index()
+        for census in censuses:
+            self.book.hand_over(census, self.guard.adopt(census.label, census.references, None))
 
     def pause_trace(self) -> None:
         """Every graph matched: the trace can rest until the next capture (its own errors
@@ -624,9 +664,13 @@ class Watcher:
 
         def load() -> None:
             try:
-                load_census()
+                census = load_census()
                 import repro.guard
-                repro.guard.warm_up()
+                # Only the dispatch-mode recording needs the warm-up (its first dispatch imports
+                # torch._dynamo: seconds on an image without bytecode); where the census makes
+                # the slots, no capture records at the dispatcher.
+                if self.settings.record == "ops" or census is None or not census.census_supported()[0]:
+                    repro.guard.warm_up()
             except Exception as e:
                 failed.append(f"{type(e).__name__}: {e}")
 
@@ -687,23 +731,30 @@ class Watcher:
                 break
             for var, value in frame_locals(frame):
                 name = owner_name(var, value, torch)
-                if name is None or self._watched.get(id(value)) == name:
+                if name is None or not self.watch_once(name, value):
                     continue
-                self.guard.watch(name, value)
-                self._watched[id(value)] = name
                 added += 1
                 if var == "self" and not isinstance(value, torch.nn.Module):
                     added += self.watch_module_attrs(name, value, torch)
             frame = user_frame(frame.f_back, plumbing)
 
     def watch_module_attrs(self, name: str, obj: Any, torch) -> int:
-        added = 0
-        for attr, value in list(getattr(obj, "__dict__", {}).items())[:_MAX_OWNERS]:
-            if isinstance(value, torch.nn.Module) and self._watched.get(id(value)) != f"{name}.{attr}":
-                self.guard.watch(f"{name}.{attr}", value)
-                self._watched[id(value)] = f"{name}.{attr}"
-                added += 1
-        return added
+        return sum(self.watch_once(f"{name}.{attr}", value)
+                   for attr, value in list(getattr(obj, "__dict__", {}).items())[:_MAX_OWNERS]
+                   if isinstance(value, torch.nn.Module))
+
+    def watch_once(self, name: str, value: Any) -> bool:
+        """Watch value as name unless that very owner is watched already. Keyed by name: one
+        object reached under two names (a runner's `self.model` and the caller's `model`)
+        keeps both, instead of each capture re-watching the one the last capture replaced,
+        which threw the owner index away at every capture (2,211 rebuilds, piecewise)."""
+        from repro.owners import hold
+        held = self._watched.get(name)
+        if held is not None and held() is value:
+            return False
+        self.guard.watch(name, value)
+        self._watched[name] = hold(value)
+        return True
 
     def current_rank(self) -> int | None:
         if self.rank is None:

@@ -731,3 +731,76 @@ def test_a_storage_known_to_be_in_the_capturing_pool_is_recorded_managed_without
     assert slot.name.startswith("<storage of graph pool (1, 7), read by aten.mul")
     del outs
     assert guard.check("r", graph="piece 1") == []
+
+
+# -- adopt: slots from a graph census's words, nothing recorded at the dispatcher ----------------
+
+def word(t: torch.Tensor, node: int = 0, offset: int = 0):
+    """A captured word as the census gives it: an address (here into t's memory) and its site."""
+    import types
+    return types.SimpleNamespace(addr=t.data_ptr() + offset, describe=lambda: f"node {node} kernel k param 0 +0")
+
+
+def adopt_locals(guard: CaptureGuard, moe: MoE, label: str) -> list:
+    scratch = torch.ones(8)                 # held by this frame's local only: freed on return
+    import sys
+    return guard.adopt(label, [word(moe.w13, 0, 16), word(moe.moe_kernel.workspace13, 1), word(scratch, 2),
+                               word(moe.w13, 3)], sys._getframe())
+
+
+def test_adopt_names_owner_and_local_storages_like_the_recording():
+    guard = CaptureGuard("warn")
+    moe = MoE()
+    guard.watch("moe", moe)
+    assert adopt_locals(guard, moe, "g0") == []  # adopted
+    names = [s.name for s in guard.slots_of("g0")]     # w13 twice (two words, one storage): one slot
+    assert names == ["moe.w13", "moe.moe_kernel.workspace13", "<local scratch of adopt_locals>"]
+    w13 = guard.slots_of("g0")[0]
+    assert (w13.shape, w13.dtype, w13.storage_ptr) == ([4, 32], "float32", moe.w13.data_ptr())
+    assert w13.captured_at.endswith("(node 0 kernel k param 0 +0)") and "adopt_locals" in w13.captured_at
+    # The local died when adopt_locals returned: freed, with the line that dropped it.
+    findings = guard.check("before replay", graph="g0")
+    assert [(f.slot, f.status) for f in findings] == [("<local scratch of adopt_locals>", "freed")]
+    assert findings[0].freed_at == f"{THIS_FILE}:{line_of('adopted')} in " \
+        "test_adopt_names_owner_and_local_storages_like_the_recording (returned)"
+    # A rebinding is seen as with a recorded slot (the owner's name is kept on the slot).
+    old = moe.moe_kernel.workspace13        # still alive elsewhere: rebound, not freed
+    moe.moe_kernel.workspace13 = torch.zeros(32)
+    findings = guard.check("after reload", graph="g0")
+    assert [(f.slot, f.status) for f in findings] == [("moe.moe_kernel.workspace13", "rebound")]
+    assert findings[0].old_ptr == old.data_ptr()
+
+
+def test_adopt_leaves_memory_no_one_holds_to_the_census_and_shares_slots_across_graphs():
+    guard = CaptureGuard("warn")
+    moe = MoE()
+    guard.watch("moe", moe)
+    hidden = [torch.ones(16)]               # reachable from no owner and no local the guard reads
+    words = [word(moe.w13), word(hidden[0])]
+    kept, hidden = hidden, None
+    for label in ("g0", "g1", "g2"):
+        assert guard.adopt(label, words, None) == [words[1]]    # left to the census
+    assert [s.name for s in guard.slots] == ["moe.w13"]
+    assert guard.slots[0].graphs == ["g0", "g1", "g2"]
+    assert [s.name for s in guard.slots_of("g2")] == ["moe.w13"]
+    # The index is built once (the owners did not change), however many captures read the
+    # unheld address; a tensor an owner gains later is named once the index is refreshed (the
+    # watch hooks do that once per check, not per capture).
+    assert guard.index_builds == 1
+    moe.scale = torch.ones(4)
+    late = [word(moe.scale)]
+    assert guard.adopt("g3", late, None) == late and guard.index_builds == 1
+    guard.refresh_index()
+    assert guard.adopt("g3", late, None) == [] and guard.index_builds == 2
+    assert [s.name for s in guard.slots_of("g3")] == ["moe.scale"]
+    assert kept[0].numel() == 16
+
+
+def test_adopt_on_an_off_guard_or_without_words_records_nothing():
+    off = CaptureGuard("off")
+    moe = MoE()
+    off.watch("moe", moe)
+    words = [word(moe.w13)]
+    assert off.adopt("g", words, None) == words and off.slots == []
+    on = CaptureGuard("warn")
+    assert on.adopt("g", [], None) == [] and on.index_builds == 0

@@ -6,11 +6,12 @@ with a frame pins, through f_back, every frame below it, the capturing function'
 its locals then outlive its return until the cyclic GC happens to run. The GC is off here, so
 "happens to run" cannot hide it. A graph stand-in (no CUDA on CPU) goes through the hooks;
 argv[1] == "census" routes it through the census path with a stand-in census (graphs forced to
-keep_graph, a census added at capture end). Prints one line: `alive=<bool> frames=<n>`.
+keep_graph, a census added at capture end). Prints one line: `alive=<bool> frames=<n> kept=<bool> slots=<names> internal=<n>`.
 """
 import gc
 import sys
 import tempfile
+import types
 import weakref
 
 import torch
@@ -51,8 +52,21 @@ class Book:
     def __init__(self, rank, trace):
         pass
 
-    def add(self, graph, label):
-        return object()
+    def add(self, graph, label, pool=None, since=None):
+        # The kernel's two words, into the capturing function's locals: the guard makes their
+        # slots from them (adopt), and that must not keep the local alive either.
+        words = [types.SimpleNamespace(addr=refs[name]().data_ptr(), describe=lambda: f"node 0 kernel add param {i} +0")
+                 for i, name in enumerate(("dst", "src"))]
+        return types.SimpleNamespace(pending=words, references=[])
+
+    def hand_over(self, census, left):
+        census.pending = left
+
+    def resume_trace(self):
+        pass
+
+    def pause_trace(self):
+        return False
 
     def check(self, when, graph):
         return []
@@ -64,6 +78,7 @@ class Book:
 def stand_in_census():
     fake = type(sys)("stand_in_census")
     fake.census_supported = lambda: (True, "")
+    fake.clock_marker = lambda: {"time_us": 0}
     fake.CensusBook = Book
     fake.merge_findings = lambda guard, census, slots, guard_on, book: guard + census
     return fake
@@ -74,7 +89,7 @@ refs = {}
 
 def capture(dst):
     src = torch.arange(4.0)            # held by this local only: freed on return
-    refs["src"] = weakref.ref(src)
+    refs["src"], refs["dst"] = weakref.ref(src), weakref.ref(dst)
     graph = Graph()
     graph.capture_begin()
     dst.add_(src)
@@ -90,7 +105,9 @@ def main(argv):
     graph = capture(torch.zeros(4))
     frames = sum(1 for o in gc.get_objects()
                  if type(o).__name__ == "frame" and o.f_code is capture.__code__)
-    print(f"alive={refs['src']() is not None} frames={frames} kept={getattr(graph, 'keep_graph')}")
+    slots = [s.name for s in watcher.guard.slots]
+    print(f"alive={refs['src']() is not None} frames={frames} kept={getattr(graph, 'keep_graph')} "
+          f"slots={','.join(slots).replace(' ', '_')} internal={watcher.counters.internal_errors}")
     return 0
 
 
