@@ -76,7 +76,8 @@ def test_program_sees_its_own_sys_path_and_shadowed_sitecustomize_runs(tmp_path)
 
 
 def test_usage_errors_exit_2_with_one_line(tmp_path):
-    cases = [[], ["--on-finding", "loud", "--", "true"], ["--", "no-such-command-xyz"]]
+    cases = [[], ["--on-finding", "loud", "--", "true"], ["--record", "everything", "--", "true"],
+             ["--", "no-such-command-xyz"]]
     for args in cases:
         proc = run([sys.executable, "-m", "repro", "watch", "--run-dir", str(tmp_path / "u"), *args])
         assert proc.returncode == 2, args
@@ -87,6 +88,17 @@ def test_usage_errors_exit_2_with_one_line(tmp_path):
     (used / "vm-1.jsonl").write_text("{}\n")
     proc = run([sys.executable, "-m", "repro", "watch", "--run-dir", str(used), "--", "true"])
     assert proc.returncode == 2 and b"already holds records" in proc.stderr
+
+
+def test_record_choice_reaches_every_process_and_a_bad_one_falls_back(tmp_path, capsys):
+    from repro import watch as watch_mod
+    from repro import watch_hooks
+    env = watch_mod.watch_env({}, tmp_path, "warn", "ops")
+    assert env[watch_hooks.ENV_RECORD] == "ops" and watch_hooks.ENV_RECORD not in watch_mod.watch_env({}, tmp_path, "warn")
+    assert watch_hooks.settings_from_env(env, "api").record == "ops"
+    assert watch_hooks.settings_from_env({watch_hooks.ENV_ON: "1"}, "api").record == "graph"
+    bad = watch_hooks.settings_from_env({watch_hooks.ENV_ON: "1", watch_hooks.ENV_RECORD: "all"}, "api")
+    assert bad.record == "graph" and "REPRO_WATCH_RECORD='all' is not one of graph, ops" in capsys.readouterr().err
 
 
 def test_finding_exits_1_json_names_the_tensor_plumbing(tmp_path):
