@@ -4,6 +4,23 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+SLOW = Path(__file__).with_name("slow.txt")      # written by tests/slow_from_durations.py
+
+
+def slow_tests() -> set[str]:
+    if not SLOW.exists():
+        return set()
+    return {line.strip() for line in SLOW.read_text().splitlines() if line.strip() and not line.startswith("#")}
+
+
+@pytest.hookimpl(tryfirst=True)      # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Mark `slow` what took long in the last --durations run (tests/slow.txt), beside the tests
+    marked in their files: `-m "not slow"` is then the quick check."""
+    listed = slow_tests()
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture
