@@ -66,6 +66,7 @@ Limits (also in README.md):
 from __future__ import annotations
 
 import bisect
+import collections
 import ctypes
 import functools
 import time
@@ -88,6 +89,7 @@ MIN_ADDR, MAX_ADDR = 1 << 32, 1 << 48
 MAX_PARAMS = 4096                          # a launch's parameter buffer is at most 32 KiB
 MAX_EXTRA_PAIRS = 16
 SEEN_LIMIT = 1 << 20                       # addresses PoolMap remembers between refreshes
+SMALL_GRAPH_WORDS = 8192                   # up to this, a graph's words are sorted one by one
 
 
 # -- records ----------------------------------------------------------------------------------
@@ -505,6 +507,7 @@ class PoolMap:
         self.segments: list[tuple[int, int, tuple[int, int]]] = []   # (start, end, pool)
         self.signature: tuple | None = None
         self.refreshes = 0
+        self.events: int | None = None     # allocator_events() as of the last check()
         self.seen: dict[int, Any] = {}     # address -> its segment (or None), until the next refresh
         self._arrays: tuple | None = None  # the segments as tensors (Deferred.add_chunks)
 
@@ -535,17 +538,19 @@ class PoolMap:
         return found
 
     def check(self) -> None:
-        """Before a census: read the segments again if the allocator says they changed."""
-        if self.signature is None or self.stale():
-            self.refresh()
+        """Before a census: read the segments again if the allocator says they changed. One
+        read of the allocator's counters serves both (and sets self.events)."""
+        signature, self.events = allocator_counters(self.device)
+        if self.signature is None or signature is None or signature != self.signature:
+            self.refresh(signature=signature)
 
     def stale(self) -> bool:
         return segment_signature(self.device) != self.signature
 
-    def refresh(self, snapshot: dict[str, Any] | None = None) -> None:
-        self.signature = segment_signature(self.device)
+    def refresh(self, snapshot: dict[str, Any] | None = None, signature: tuple | None = None) -> None:
+        self.signature = signature or segment_signature(self.device)
         if snapshot is None:
-            snapshot, self.device = take_snapshot()
+            snapshot, self.device = take_segments()
         self.segments = sorted(
             (seg["address"], seg["address"] + seg["total_size"],
              tuple(int(x) for x in (seg.get("segment_pool_id") or DEFAULT_POOL)))
@@ -569,28 +574,47 @@ class PoolMap:
         return self._arrays
 
 
-def allocator_events(device: int | None = None) -> int | None:
-    """About how many entries the allocator's trace gained so far (allocs, two per free, segment
-    changes), from torch's counters: tells when pending words must be matched before the
-    bounded trace forgets their capture. None where the counters cannot be read."""
+def allocator_counters(device: int | None = None) -> tuple[tuple | None, int | None]:
+    """(segment signature, trace events) from one read of torch's allocator counters (a nested
+    dict of some hundred entries: read once per capture, not once per question).
+
+    signature: counters that change whenever a segment is made, freed or grown; events: about
+    how many entries the allocator's trace gained so far (allocs, two per free, segment
+    changes), which tells when pending words must be matched before the bounded trace forgets
+    their capture. (None, None) where the counters cannot be read."""
     try:
         import torch
         stats = torch._C._cuda_memoryStats(torch.cuda.current_device() if device is None else device)
-        alloc, seg = stats["allocation"]["all"], stats["segment"]["all"]
-        return alloc["allocated"] + 2 * alloc["freed"] + seg["allocated"] + seg["freed"]
+        alloc, seg, reserved = stats["allocation"]["all"], stats["segment"]["all"], stats["reserved_bytes"]["all"]
     except Exception:
-        return None
+        return None, None                  # unknown: every check reads the segments again
+    return ((seg["allocated"], seg["freed"], reserved["current"], reserved["allocated"], reserved["freed"]),
+            alloc["allocated"] + 2 * alloc["freed"] + seg["allocated"] + seg["freed"])
+
+
+def allocator_events(device: int | None = None) -> int | None:
+    return allocator_counters(device)[1]
 
 
 def segment_signature(device: int | None) -> tuple | None:
-    """Counters that change whenever a segment is made, freed or grown (torch's own stats)."""
-    try:
-        import torch
-        stats = torch._C._cuda_memoryStats(torch.cuda.current_device() if device is None else device)
-        seg, reserved = stats["segment"]["all"], stats["reserved_bytes"]["all"]
-        return (seg["allocated"], seg["freed"], reserved["current"], reserved["allocated"], reserved["freed"])
-    except Exception:
-        return None                        # unknown: every check reads the segments again
+    return allocator_counters(device)[0]
+
+
+# Past a size torch spreads a host op over its thread pool (elementwise ops and nonzero: 32,768
+# elements; searchsorted: 200 searches). Inside an engine's capture phase that cost milliseconds
+# per op (a 75,000-word mask and nonzero: 7 ms per graph in the watched engine, 0.4 ms alone; in
+# 16,384-word slices 0.9 ms), so the census's arrays go through in slices below those sizes,
+# on the calling thread.
+SERIAL_ELEMENTS = 16384
+SERIAL_SEARCHES = 128
+
+
+def segment_positions(torch: Any, starts: Any, v: Any) -> Any:
+    """searchsorted(starts, v, right=True), in slices."""
+    if v.numel() <= SERIAL_SEARCHES:
+        return torch.searchsorted(starts, v, right=True)
+    return torch.cat([torch.searchsorted(starts, v[i:i + SERIAL_SEARCHES], right=True)
+                      for i in range(0, v.numel(), SERIAL_SEARCHES)])
 
 
 @dataclass
@@ -600,11 +624,17 @@ class Deferred:
     pools: PoolMap
     own_pool: tuple[int, int] | None
     is_device_address: Any = None          # callable(int) -> bool, or None: count nothing outside
+    small: int = SMALL_GRAPH_WORDS         # graphs of up to this many words: sorted word by word
 
     def add(self, census: GraphCensus, node: int, kind: str, kernel: str, where: str,
             offset: int, value: int) -> None:
-        if not plausible_address(value):
-            return
+        if plausible_address(value):
+            self.sort(census, node, kind, kernel, offset, value, lambda _: where)
+
+    def sort(self, census: GraphCensus, node: int, kind: str, kernel: str, offset: int, value: int,
+             where_of: Any) -> None:
+        """One plausible word: counted (own pool, outside the allocator) or kept as pending;
+        where_of(offset) -> "param 3 +8" is made only for the words kept."""
         seg = self.pools.find(value)            # the map is current: take_census checked it
         if seg is None:
             if self.is_device_address is not None and self.is_device_address(value):
@@ -614,25 +644,40 @@ class Deferred:
             census.own_pool += 1
             if seg[0] not in census.own_segments:
                 block = Block(start=seg[0], size=seg[1] - seg[0], state="active_allocated", pool=seg[2], segment=seg[0])
-                census.own_segments[seg[0]] = Reference(node, kind, kernel, where, offset, value, block)
+                census.own_segments[seg[0]] = Reference(node, kind, kernel, where_of(offset), offset, value, block)
             return
-        census.pending.append(Word(node, kind, kernel, where, offset, value, seg[2]))
+        census.pending.append(Word(node, kind, kernel, where_of(offset), offset, value, seg[2]))
 
     def add_chunks(self, census: GraphCensus, chunks: Chunks) -> None:
-        """add() for every kernel word of a graph at once, as arrays (torch on the host): the
-        plausible ones sorted by the pool of their segment; only those outside the own pool
-        become Python objects, and where_of(offset) -> "param 3 +8" is made for those alone."""
+        """add() for every kernel word of a graph at once, as arrays (torch on the host).
+
+        A small graph's plausible words (a piece of a piecewise engine: ~25 kernels, ~100 such
+        words) are then sorted one by one: the pool search's ~20 tensor ops cost more there
+        than the words themselves. A large graph's go through the search in slices of
+        SERIAL_ELEMENTS words: only those outside the own pool become Python objects, and
+        where_of(offset) is made for those alone."""
         if not chunks.words:
             return
         import torch
         values = torch.frombuffer(bytearray().join(chunks.bufs), dtype=torch.int64)
+        if chunks.words <= min(self.small, SERIAL_ELEMENTS):
+            at = ((values >= MIN_ADDR) & (values < MAX_ADDR)).nonzero().squeeze(1)
+            self.sort_each(census, chunks, at.tolist(), values[at].tolist())
+            return
+        for first in range(0, chunks.words, SERIAL_ELEMENTS):
+            self.sort_slice(torch, census, chunks, values[first:first + SERIAL_ELEMENTS], first)
+
+    def sort_slice(self, torch: Any, census: GraphCensus, chunks: Chunks, values: Any, first: int) -> None:
+        """The array path for the graph's words from index first on (values: at most
+        SERIAL_ELEMENTS of them)."""
         at = ((values >= MIN_ADDR) & (values < MAX_ADDR)).nonzero().squeeze(1)
         if not at.numel():
             return
         v = values[at]
+        at = at + first                   # positions in the whole graph's words
         starts, ends, pool_ix, pools = self.pools.arrays()
         if starts.numel():
-            seg = torch.searchsorted(starts, v, right=True) - 1
+            seg = segment_positions(torch, starts, v) - 1
             seg_c = seg.clamp(min=0)
             inside = (seg >= 0) & (v < ends[seg_c])
         else:
@@ -651,6 +696,23 @@ class Deferred:
         for word, value, s in zip(at[rest].tolist(), v[rest].tolist(), seg_c[rest].tolist()):
             node, kernel, offset, where_of = chunks.locate(word)
             pending.append(Word(node, "kernel", kernel, where_of(offset), offset, value, pool_of_seg[s][2]))
+
+    def sort_each(self, census: GraphCensus, chunks: Chunks, at: list[int], values: list[int]) -> None:
+        """sort() each plausible word (at: its index in the graph's words); the common one (own
+        pool, in a segment already noted) is counted inline."""
+        find, own_pool, noted, own = self.pools.find, self.own_pool, census.own_segments, 0
+        is_device = self.is_device_address
+        for i, value in zip(at, values):
+            seg = find(value)
+            if seg is None:              # most plausible words: host pointers, stale bytes
+                if is_device is not None and is_device(value):
+                    census.outside += 1
+            elif seg[2] == own_pool and seg[0] in noted:
+                own += 1
+            else:
+                node, kernel, offset, where_of = chunks.locate(i)
+                self.sort(census, node, "kernel", kernel, offset, value, where_of)
+        census.own_pool += own
 
     def count_device_addresses(self, values: Any) -> int:
         """How many of these words the driver knows as device addresses: asked once per 2 MiB
@@ -672,14 +734,16 @@ class Deferred:
         # The first own word of each segment: the least position among the words in it.
         first = torch.full(segs.shape, len(own_at), dtype=torch.int64).scatter_reduce_(
             0, which, torch.arange(len(own_at)), reduce="amin")
-        for s, f in zip(segs.tolist(), first.tolist()):
-            if self.pools.segments[s][0] in census.own_segments:
-                continue
-            i = int(own_at[f])
+        # Indexing a tensor from Python costs microseconds: pick the rows with tensors, then read
+        # them as lists (a piecewise engine makes thousands of small graphs).
+        rows = own_at[first]
+        for s, word, value in zip(segs.tolist(), at[rows].tolist(), v[rows].tolist()):
             start, end, pool = self.pools.segments[s]
-            node, kernel, offset, where_of = chunks.locate(int(at[i]))
+            if start in census.own_segments:
+                continue
+            node, kernel, offset, where_of = chunks.locate(word)
             block = Block(start=start, size=end - start, state="active_allocated", pool=pool, segment=start)
-            census.own_segments[start] = Reference(node, "kernel", kernel, where_of(offset), offset, int(v[i]), block)
+            census.own_segments[start] = Reference(node, "kernel", kernel, where_of(offset), offset, value, block)
 
 
 def match_pending(census: GraphCensus, now: BlockIndex, first: dict[int, dict[str, Any]] | None,
@@ -913,6 +977,16 @@ class Driver:
         self.kernel_name = self.optional("cuKernelGetName")
         self.address_cache: dict[int, bool] = {}
         self.function_cache: dict[int, tuple[str, Any]] = {}
+        # Declared argument types let the per-node calls take plain ints (half their cost: an
+        # engine's graphs hold ~70,000 kernel nodes).
+        node = ctypes.c_void_p
+        for fn, out in ((getattr(lib, "cuGraphNodeGetType", None), ctypes.POINTER(ctypes.c_int)),
+                        (self.get_params, ctypes.POINTER(KernelNodeParams)),
+                        (getattr(lib, "cuGraphMemcpyNodeGetParams", None), ctypes.POINTER(Memcpy3D)),
+                        (getattr(lib, "cuGraphMemsetNodeGetParams", None), ctypes.POINTER(MemsetParams)),
+                        (getattr(lib, "cuGraphChildGraphNodeGetGraph", None), ctypes.POINTER(ctypes.c_void_p))):
+            if fn is not None:
+                fn.argtypes, fn.restype = [node, out], ctypes.c_int
 
     def optional(self, *names: str) -> Any:
         for name in names:
@@ -930,7 +1004,7 @@ class Driver:
 
     def call(self, what: str, fn: Any, *args: Any) -> None:
         code = fn(*args)
-        if code != CUDA_SUCCESS:
+        if code:
             raise DriverError(f"{what}: {self.error_name(code)}")
 
     def nodes(self, graph: int) -> list[int]:
@@ -942,32 +1016,30 @@ class Driver:
 
     def node_type(self, node: int) -> str:
         t = ctypes.c_int(-1)
-        self.call("cuGraphNodeGetType", self.lib.cuGraphNodeGetType, ctypes.c_void_p(node), ctypes.byref(t))
+        self.call("cuGraphNodeGetType", self.lib.cuGraphNodeGetType, node, ctypes.byref(t))
         return CU_GRAPH_NODE_TYPES.get(t.value, f"type {t.value}")
 
     def child_graph(self, node: int) -> int:
         g = ctypes.c_void_p()
         self.call("cuGraphChildGraphNodeGetGraph", self.lib.cuGraphChildGraphNodeGetGraph,
-                  ctypes.c_void_p(node), ctypes.byref(g))
+                  node, ctypes.byref(g))
         return g.value or 0
 
     def kernel_params(self, node: int) -> KernelNodeParams:
         if self.get_params is None:
             raise DriverError("cuGraphKernelNodeGetParams_v2 is not in this libcuda")
         p = KernelNodeParams()
-        self.call("cuGraphKernelNodeGetParams_v2", self.get_params, ctypes.c_void_p(node), ctypes.byref(p))
+        self.call("cuGraphKernelNodeGetParams_v2", self.get_params, node, ctypes.byref(p))
         return p
 
     def memcpy_params(self, node: int) -> Memcpy3D:
         p = Memcpy3D()
-        self.call("cuGraphMemcpyNodeGetParams", self.lib.cuGraphMemcpyNodeGetParams,
-                  ctypes.c_void_p(node), ctypes.byref(p))
+        self.call("cuGraphMemcpyNodeGetParams", self.lib.cuGraphMemcpyNodeGetParams, node, ctypes.byref(p))
         return p
 
     def memset_params(self, node: int) -> MemsetParams:
         p = MemsetParams()
-        self.call("cuGraphMemsetNodeGetParams", self.lib.cuGraphMemsetNodeGetParams,
-                  ctypes.c_void_p(node), ctypes.byref(p))
+        self.call("cuGraphMemsetNodeGetParams", self.lib.cuGraphMemsetNodeGetParams, node, ctypes.byref(p))
         return p
 
     def name(self, p: KernelNodeParams) -> str:
@@ -1046,6 +1118,7 @@ class ParamLayout(NamedTuple):
     rel: tuple[int, ...]                   # offset of each parameter from the first
     first: int                             # offset of the first parameter
     end: int                               # end of the last parameter
+    slots: Any                             # ctypes array type of the kernelParams pointers
 
     def where(self, offset: int) -> str:
         """'param 3 +8': the parameter holding the word at offset, and the offset in it."""
@@ -1058,7 +1131,7 @@ def param_layout(pairs: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> 
     starts = tuple(off for off, _ in pairs)
     first = starts[0] if starts else 0
     return ParamLayout(pairs, starts, tuple(off - first for off in starts), first,
-                       max((off + size for off, size in pairs), default=0))
+                       max((off + size for off, size in pairs), default=0), ctypes.c_void_p * max(len(pairs), 1))
 
 
 def param_chunks(slots: Any, layout: ParamLayout) -> tuple[list[tuple[bytes, int]], str | None]:
@@ -1074,7 +1147,7 @@ def param_chunks(slots: Any, layout: ParamLayout) -> tuple[list[tuple[bytes, int
     base = got[0]
     # Contiguous when every pointer sits at its offset from the first (map runs in C: this
     # check is made for every kernel node of every graph).
-    if base and list(map(base.__rsub__, got)) == list(layout.rel):
+    if base and tuple(map(base.__rsub__, got)) == layout.rel:
         return [(ctypes.string_at(base, layout.end - layout.first), layout.first)], None
     chunks = []
     for i, (off, size) in enumerate(layout.pairs):
@@ -1097,8 +1170,7 @@ def read_kernel(driver: Driver, census: GraphCensus, match: Matcher, index: int,
         if isinstance(layout, DriverError):
             census.unreadable.append(f"node {index} kernel {short_name(name)}: {layout}")
             return
-        slots = (ctypes.c_void_p * max(len(layout.pairs), 1)).from_address(p.kernelParams)
-        got, missing = param_chunks(slots, layout)
+        got, missing = param_chunks(layout.slots.from_address(p.kernelParams), layout)
         if missing:
             census.unreadable.append(f"node {index} kernel {short_name(name)}: {missing}")
         for buf, base in got:
@@ -1232,6 +1304,19 @@ def take_snapshot() -> tuple[dict[str, Any], int]:
     return torch.cuda.memory._snapshot(device), device
 
 
+def take_segments() -> tuple[dict[str, Any], int]:
+    """take_snapshot() without the trace, where this torch can leave it out: the segment map
+    needs segments only, and copying the trace ring (8,192 entries) is most of a snapshot's
+    cost. An engine's capture phase reads the segments again after most captures (its shared
+    pool grows)."""
+    import torch
+    try:
+        segments = torch._C._cuda_memorySnapshot((0, 0, False))["segments"]   # (pool 0 0: all; no trace)
+    except (TypeError, RuntimeError, AttributeError, KeyError):
+        return take_snapshot()             # a torch whose snapshot always copies the trace
+    return {"segments": segments}, torch.cuda.current_device()
+
+
 def pool_id(pool: Any) -> tuple[int, int] | None:
     if pool is None:
         return None
@@ -1308,6 +1393,7 @@ class CensusBook:
         self.pool_names: dict[tuple[int, int], str] = {}   # pool -> "graph 'first label'"
         self.snapshots = 0                         # allocator snapshots the book took
         self.paused = False                        # trace stopped by pause_trace()
+        self.waiting: collections.deque[GraphCensus] = collections.deque()   # with pending words, oldest first
         if trace == "start":
             start_trace(capacity)
 
@@ -1330,13 +1416,24 @@ class CensusBook:
         since the oldest pending capture that its trace (capacity entries) is half gone, match
         them now, against one snapshot (a long capture phase takes one every few thousand
         allocations, not one per graph)."""
-        census.events_at = allocator_events()
+        census.events_at = self.pools.events if self.pools.events is not None else allocator_events()
         if not self.capacity or census.events_at is None:
             return
-        waiting = [c for c in self.censuses.values() if c.pending and c.events_at is not None]
-        if waiting and census.events_at - min(c.events_at for c in waiting) > self.capacity // 2:
+        if census.pending:
+            self.waiting.append(census)
+        # Censuses come in capture order, so the oldest still pending is the first of the queue
+        # whose words are not all matched or handed over (a scan of every census per capture
+        # was quadratic: 2,211 piecewise graphs).
+        while self.waiting and not self.still_waiting(self.waiting[0]):
+            self.waiting.popleft()
+        if self.waiting and census.events_at - self.waiting[0].events_at > self.capacity // 2:
             snapshot, device = self.snapshot()
-            self.match(waiting, snapshot, device)
+            self.match([c for c in self.waiting if self.still_waiting(c)], snapshot, device)
+
+    def still_waiting(self, census: GraphCensus) -> bool:
+        """Has words to match, and is still the census of its label (not replaced by a
+        capture again under that label)."""
+        return bool(census.pending) and self.censuses.get(census.label) is census
 
     def resolve(self) -> None:
         """Match every pending word now, against one snapshot (then each census's references

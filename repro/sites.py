@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dis
+import functools
 import inspect
 import os
 import sys
@@ -200,18 +201,30 @@ def _measure(first: object, second: object) -> FrameLayout | None:
         del frame
 
 
+@functools.lru_cache(maxsize=4096)
+def code_slots(code: types.CodeType) -> tuple[tuple[str, ...], frozenset[str], Any, Any]:
+    """(slot names, cell names, ctypes array types of the slots as addresses and as objects),
+    once per code object: the watch hooks read the same few frames at every capture."""
+    names = slot_names(code)
+    return (names, frozenset(code.co_cellvars) | frozenset(code.co_freevars),
+            ctypes.c_size_t * max(len(names), 1), ctypes.py_object * max(len(names), 1))
+
+
 def read_fast_locals(frame: types.FrameType, layout: FrameLayout) -> list[tuple[str, Any]]:
     data = word(id(frame) + layout.frame_data)
     if not data or word(data + layout.code) != id(frame.f_code) or word(data + layout.frame_obj) != id(frame):
         return []                # not the layout measured at import: read nothing
-    code = frame.f_code
-    cells = set(code.co_cellvars) | set(code.co_freevars)
+    names, cells, as_addresses, as_objects = code_slots(frame.f_code)
+    at = data + layout.localsplus
+    # All slots in one read; an object is taken (a new reference) only from a bound slot: a
+    # py_object array raises on a NULL slot, so the addresses say which are bound first.
+    bound = as_addresses.from_address(at)
+    objects = as_objects.from_address(at)
     found = []
-    for i, name in enumerate(slot_names(code)):
-        pointer = word(data + layout.localsplus + i * _WORD)
-        if not pointer:
+    for i, name in enumerate(names):
+        if not bound[i]:
             continue             # unbound
-        value = ctypes.cast(pointer, ctypes.py_object).value
+        value = objects[i]
         if name in cells and isinstance(value, types.CellType):
             try:
                 value = value.cell_contents

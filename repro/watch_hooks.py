@@ -499,7 +499,7 @@ class Watcher:
             self.internal("census at capture end", e)
         t1 = time.perf_counter()
         self.seconds.census += t1 - t0
-        self.assign_pools(state)
+        self.assign_pools(state, checked=state.census is not None)
         if state.kept:
             graph.instantiate()   # where torch instantiates a graph without keep_graph
         try:
@@ -581,16 +581,18 @@ class Watcher:
     def live_states(self) -> list[GraphState]:
         return [s for s in self.graphs.values() if s.captured]
 
-    def assign_pools(self, state: GraphState) -> None:
+    def assign_pools(self, state: GraphState, checked: bool = False) -> None:
         """Which captured storages live in a graph pool: in the graph's own pool they are the
-        pool's business (not checked); in another graph's pool, a cross-pool dependency."""
+        pool's business (not checked); in another graph's pool, a cross-pool dependency.
+        checked: the census just brought the segment map up to date (nothing allocated since)."""
         if state.managed or state.pool is None:
             return
         try:
             if self.pools is None:
                 from repro.census import PoolMap
                 self.pools = self.book.pools if self.book is not None else PoolMap()
-            self.pools.check()
+            if not checked:
+                self.pools.check()
             cross = self.guard.assign_pools(state.label, state.pool, self.pools.graph_pool_of)
             self.cross_pool += len(cross)
             if cross:

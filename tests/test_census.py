@@ -539,10 +539,14 @@ def test_chunks_keep_words_aligned_to_the_parameter_buffer_and_locate_them():
     assert [(n, words) for n, _, _, words in chunks.each()] == [(3, [(8, LOCAL)]), (4, [(16, LOCAL + 8), (24, LOCAL + 8)])]
 
 
-def test_deferred_sorts_a_graphs_words_at_once_as_one_by_one():
-    """The array path (every kernel word of a graph in one search) against add(), word by word:
-    the same own-pool and outside counts, own segments and pending words, on random words."""
+@pytest.mark.parametrize("small,serial", [(0, C.SERIAL_ELEMENTS), (0, 50), (C.SMALL_GRAPH_WORDS, C.SERIAL_ELEMENTS)],
+                         ids=["arrays", "arrays-in-slices", "word-by-word"])
+def test_deferred_sorts_a_graphs_words_at_once_as_one_by_one(small, serial, monkeypatch):
+    """Every path of add_chunks (a large graph's words in one search, or in slices of `serial`
+    words; a small graph's one by one) against add(), word by word: the same own-pool and
+    outside counts, own segments and pending words, on random words."""
     import random
+    monkeypatch.setattr(C, "SERIAL_ELEMENTS", serial)
     rng = random.Random(7)
     pools = pools_of(AT_CAPTURE)
     outside = 0x7E00_0000_0000
@@ -553,7 +557,7 @@ def test_deferred_sorts_a_graphs_words_at_once_as_one_by_one():
             return rng.randrange(start - 4096, end + 4096) & ~7
         return rng.choice([0, 5, 1 << 50, outside, outside + 64, rng.randrange(1 << 64)])
     chunks, one = C.Chunks(), C.GraphCensus(label="g", pool=GRAPH_POOL)
-    d = C.Deferred(pools, GRAPH_POOL, is_device_address=lambda v: v >> 21 == outside >> 21)
+    d = C.Deferred(pools, GRAPH_POOL, is_device_address=lambda v: v >> 21 == outside >> 21, small=small)
     layout = C.param_layout([(0, 8), (8, 64), (72, 4)])
     for node in range(40):
         words = [value() for _ in range(9)]
@@ -599,3 +603,17 @@ def test_words_handed_to_the_guard_leave_the_census_and_are_counted_held():
     unseen = guard_finding(ptr=LOCAL + 4 * MiB, nbytes=8)
     merged = C.merge_findings([held, unseen], [], [], True, book)
     assert [f.disagreement for f in merged] == ["", "the census found no captured address in this storage"]
+
+
+@pytest.mark.parametrize("n", [0, 7, C.SERIAL_SEARCHES, C.SERIAL_SEARCHES + 1, 3 * C.SERIAL_SEARCHES + 5])
+def test_the_sliced_search_gives_what_one_search_gives(n):
+    """segment_positions searches in slices small enough for torch to run each on the calling
+    thread; the answer must be the one search's, slice edges included."""
+    import random
+
+    import torch
+    rng = random.Random(n)
+    values = torch.tensor([rng.choice([0, 5, LOCAL, LOCAL + 8, 1 << 50, -5, C.MIN_ADDR, C.MAX_ADDR - 8])
+                           for _ in range(n)], dtype=torch.int64)
+    starts = torch.sort(torch.tensor([rng.randrange(C.MIN_ADDR, C.MAX_ADDR) for _ in range(50)] + [LOCAL])).values
+    assert torch.equal(C.segment_positions(torch, starts, values), torch.searchsorted(starts, values, right=True))

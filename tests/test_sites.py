@@ -1,0 +1,83 @@
+"""repro/sites.py: reading a frame's locals without side effects (what the watch hooks use to
+name what the capturing code holds)."""
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+
+from repro import sites
+
+
+def locals_of_caller(depth: int = 1) -> dict:
+    frame = sys._getframe(depth + 1)
+    try:
+        return dict(sites.frame_locals(frame))
+    finally:
+        del frame
+
+
+def test_frame_locals_reads_arguments_locals_and_cells_and_skips_unbound_ones():
+    def f(a, b, *args, **kw):
+        x = [1]
+        cell = "held by a closure"
+
+        def inner():
+            return cell
+        got = locals_of_caller(0)
+        late = 5                      # noqa: F841 (unbound when read)
+        return got, inner
+    got, inner = f(1, "two", 3, k=4)
+    assert got["a"] == 1 and got["b"] == "two" and got["args"] == (3,) and got["kw"] == {"k": 4}
+    assert got["x"] == [1] and got["inner"] is inner
+    assert got["cell"] == "held by a closure"          # a cell variable: its contents, not the cell
+    assert "late" not in got and "got" not in got      # not yet bound when read
+
+
+def test_frame_locals_skips_an_empty_cell_and_reads_free_variables():
+    def outer():
+        captured = object()
+
+        def f():
+            seen = captured
+            got = locals_of_caller(0)
+            return got, seen
+        never = None                  # noqa: F841
+
+        def g():
+            return never
+        del never                     # an empty cell
+        return f(), locals_of_caller(0)
+    (inner_got, seen), outer_got = outer()
+    assert inner_got["captured"] is seen and inner_got["seen"] is seen
+    assert "never" not in outer_got and "g" in outer_got and "captured" in outer_got
+
+
+def test_reading_locals_changes_no_reference_count_and_keeps_nothing_alive():
+    class Thing:
+        pass
+    thing = Thing()
+    ref = weakref.ref(thing)
+    before = sys.getrefcount(thing)
+    for _ in range(200):
+        assert locals_of_caller(0)["thing"] is thing
+    gc.collect()
+    assert sys.getrefcount(thing) == before
+    del thing
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_frame_read_many_times_still_sees_its_later_assignments():
+    def f():
+        value = 1
+        first = locals_of_caller(0)["value"]
+        value = 2
+        return first, locals_of_caller(0)["value"], value
+    assert f() == (1, 2, 2)
+
+
+def test_module_frames_give_their_namespace():
+    namespace: dict = {"sites": sites, "sys": sys}
+    exec("frame = sys._getframe()\nfound = dict(sites.frame_locals(frame))\ndel frame", namespace)
+    assert namespace["found"]["sites"] is sites
