@@ -19,7 +19,7 @@ def locals_of_caller(depth: int = 1) -> dict:
 
 def test_frame_locals_reads_arguments_locals_and_cells_and_skips_unbound_ones():
     def f(a, b, *args, **kw):
-        x = [1]
+        x = [1]                       # noqa: F841 (read through the frame)
         cell = "held by a closure"
 
         def inner():
@@ -45,7 +45,7 @@ def test_frame_locals_skips_an_empty_cell_and_reads_free_variables():
         never = None                  # noqa: F841
 
         def g():
-            return never
+            return never              # noqa: F821 (an empty cell: deleted below)
         del never                     # an empty cell
         return f(), locals_of_caller(0)
     (inner_got, seen), outer_got = outer()
