@@ -651,7 +651,7 @@ class Deferred:
     def add_chunks(self, census: GraphCensus, chunks: Chunks) -> None:
         """add() for every kernel word of a graph at once, as arrays (torch on the host).
 
-        A small graph's plausible words (a piece of a piecewise engine: ~25 kernels, ~100 such
+        A small graph's plausible words (a piece of a piecewise engine: ~25 kernels, ~360 such
         words) are then sorted one by one: the pool search's ~20 tensor ops cost more there
         than the words themselves. A large graph's go through the search in slices of
         SERIAL_ELEMENTS words: only those outside the own pool become Python objects, and
