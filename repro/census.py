@@ -601,7 +601,8 @@ def segment_signature(device: int | None) -> tuple | None:
 
 
 # Past a size torch spreads a host op over its thread pool (elementwise ops and nonzero: 32,768
-# elements; searchsorted: 200 searches). Inside an engine's capture phase that cost milliseconds
+# elements, at::internal::GRAIN_SIZE in ATen/Parallel.h; searchsorted: 200 searches,
+# SEARCHSORTED_GRAIN_SIZE in ATen/native/Bucketization.cpp). Inside an engine's capture phase that cost milliseconds
 # per op (a 75,000-word mask and nonzero: 7 ms per graph in the watched engine, 0.4 ms alone; in
 # 16,384-word slices 0.9 ms), so the census's arrays go through in slices below those sizes,
 # on the calling thread.
