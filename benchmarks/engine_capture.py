@@ -2,7 +2,7 @@
 in one run, plain vs watched, on one GPU.
 
     PYTHONPATH=. python3 benchmarks/engine_capture.py [--cases full,piecewise] [--sizes 67]
-        [--layers 32] [--hidden 1024] [--repeats 3] [--out DIR] [--profile]
+        [--layers 32] [--hidden 1024] [--repeats 3] [--step-rounds 20] [--out DIR] [--profile]
 
 Each case runs examples/engine_shapes.py SHAPE (67 batch sizes, 32 layers, hidden 1024, one
 shared pool: 67 full graphs, or 67 x 33 = 2,211 piecewise graphs) in fresh processes,
@@ -11,8 +11,12 @@ alternating plain and `repro watch` runs. From the program's own JSON line: capt
 replay: where watch's deep checks run), the steady decode step (median over rounds), and
 max |graph - eager|. From watch's records: findings (a correct program must have none), the
 hooks' own time per part (recording, census, checks) and the watched process's peak RSS,
-against the plain process's. Ratios are of medians. --profile also runs one watched process
-per case under cProfile (top functions by cumulative time, in --out). GPU only.
+against the plain process's. Ratios are of medians. The step across processes moves by +-15%
+between fresh processes of the same program, so the step is also measured inside one watched
+process, with and without the replay hook round by round (benchmarks/engine_step.py,
+--step-rounds; 0 skips it), beside the same measure in a plain process (an A/A run: its
+ratio is the noise floor). --profile also runs one watched process per case under cProfile
+(top functions by cumulative time, in --out). GPU only.
 """
 from __future__ import annotations
 
@@ -102,6 +106,17 @@ def run_once(args, shape: str, watched: bool, workdir: Path, tag: str) -> dict:
     return result
 
 
+def step_once(args, shape: str, watched: bool, workdir: Path) -> dict:
+    """benchmarks/engine_step.py in one process: decode rounds with and without the replay
+    hook, alternating (watched), or the same replay twice (plain: the noise floor)."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "engine_step.py"), shape, "--sizes", str(args.sizes),
+           "--layers", str(args.layers), "--hidden", str(args.hidden), "--rounds", str(args.step_rounds)]
+    if watched:
+        cmd = [sys.executable, "-m", "repro", "watch", "--run-dir", str(workdir / f"step-{shape}"), "--"] + cmd
+    proc = subprocess.run(cmd, env=env_with_repo(), capture_output=True, text=True, timeout=args.timeout)
+    return last_json(proc.stdout)
+
+
 def profile_once(args, shape: str, workdir: Path) -> str:
     """One watched process under cProfile; the top of its cumulative-time table."""
     prof = workdir / f"{shape}.prof"
@@ -148,6 +163,16 @@ def table(rows: list[dict]) -> str:
                      f"{f['plain']:.2f} / {f['watch']:.2f} s ({f['ratio']:.2f}x) | "
                      f"{s['plain']:.0f} / {s['watch']:.0f} ({s['ratio']:.3f}x) | {r['findings']} | "
                      f"{r.get('watch_kib_per_graph', float('nan')):.1f} |")
+    steps = [r for r in rows if r.get("step_in_process")]
+    if steps:
+        lines += ["", "| shape | step in one process: with / without the replay hook, synced us (x) | "
+                  "pipelined us (x) | same process without watch, A/A (x) |", "|---|---|---|---|"]
+    for r in steps:
+        w, aa = r["step_in_process"]["watch"], r["step_in_process"]["plain_aa"]
+        s, q = w["step_us"], w["pipelined_us"]
+        lines.append(f"| {r['shape']} | {s['hooked']:.0f} / {s['bare']:.0f} ({s['ratio']:.4f}x) | "
+                     f"{q['hooked']:.0f} / {q['bare']:.0f} ({q['ratio']:.4f}x) | "
+                     f"synced {aa['step_us']['ratio']:.4f}x, pipelined {aa['pipelined_us']['ratio']:.4f}x |")
     return "\n".join(lines)
 
 
@@ -161,6 +186,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default=None, help="folder for the JSON, the table and profiles")
+    p.add_argument("--step-rounds", type=int, default=20,
+                   help="rounds per variant of the in-process step measure (0: skip it)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-cases", default="", help="profile only these shapes (comma-separated)")
     args = p.parse_args(argv)
@@ -176,6 +203,9 @@ def main(argv=None) -> int:
                              f"watch {watched[-1].get('capture_s')} s, findings {watched[-1].get('findings')}\n")
         raw[shape] = {"plain": plain, "watch": watched}
         rows.append(summarize(shape, plain, watched))
+        if args.step_rounds:
+            rows[-1]["step_in_process"] = {"watch": step_once(args, shape, True, out),
+                                           "plain_aa": step_once(args, shape, False, out)}
         if args.profile and (not args.profile_cases or shape in args.profile_cases.split(",")):
             (out / f"profile-{shape}.txt").write_text(profile_once(args, shape, out))
     doc = {"config": vars(args), "rows": rows, "raw": raw}

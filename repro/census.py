@@ -978,6 +978,10 @@ class Driver:
         self.kernel_name = self.optional("cuKernelGetName")
         self.address_cache: dict[int, bool] = {}
         self.function_cache: dict[int, tuple[str, Any]] = {}
+        # One parameter struct for every node (kernel_node fills it; its caller reads it before
+        # the next call): a struct and a byref per node cost ~1 us of the ~10 us a node took.
+        self.scratch = KernelNodeParams()
+        self.scratch_ref = ctypes.byref(self.scratch)
         # Declared argument types let the per-node calls take plain ints (half their cost: an
         # engine's graphs hold ~70,000 kernel nodes).
         node = ctypes.c_void_p
@@ -1032,6 +1036,15 @@ class Driver:
         p = KernelNodeParams()
         self.call("cuGraphKernelNodeGetParams_v2", self.get_params, node, ctypes.byref(p))
         return p
+
+    def kernel_node(self, node: int) -> KernelNodeParams | None:
+        """The node's kernel parameters, or None when the node is no kernel node (or the driver
+        will not say: node_type tells which). One driver call for a kernel node, the usual
+        kind, where node_type then kernel_params took two. The struct is the driver's scratch:
+        read it before the next call."""
+        if self.get_params is None or self.get_params(node, self.scratch_ref):
+            return None
+        return self.scratch
 
     def memcpy_params(self, node: int) -> Memcpy3D:
         p = Memcpy3D()
@@ -1164,7 +1177,14 @@ def read_kernel(driver: Driver, census: GraphCensus, match: Matcher, index: int,
     has read every node); without chunks, sorted now."""
     now = chunks is None
     chunks = Chunks() if now else chunks
-    p = driver.kernel_params(node)
+    read_kernel_params(driver, census, index, driver.kernel_params(node), chunks)
+    if now:
+        match.add_chunks(census, chunks)
+
+
+def read_kernel_params(driver: Driver, census: GraphCensus, index: int, p: KernelNodeParams,
+                       chunks: Chunks) -> None:
+    """read_kernel for parameters already read from the driver."""
     name, layout = function_info(driver, p)
     census.kernels += 1
     if p.kernelParams:
@@ -1191,8 +1211,6 @@ def read_kernel(driver: Driver, census: GraphCensus, match: Matcher, index: int,
         if pairs:
             census.unreadable.append(f"node {index} kernel {short_name(name)}: {len(pairs)} parameters "
                                      "but neither kernelParams nor extra")
-    if now:
-        match.add_chunks(census, chunks)
 
 
 def extra_where(offset: int) -> str:
@@ -1246,12 +1264,19 @@ def read_graph(driver: Driver, census: GraphCensus, match: Matcher, graph: int, 
     kernels' words are sorted by pool once, after the last node (one pass, not one per node)."""
     top = chunks is None
     chunks = Chunks() if top else chunks
+    kernel_node = getattr(driver, "kernel_node", None)   # stand-in drivers may lack it
+    types = census.node_types
     for node in driver.nodes(graph):
         index = census.nodes
         census.nodes += 1
         try:
+            p = kernel_node(node) if kernel_node is not None else None
+            if p is not None:         # most nodes: a kernel, read with one driver call
+                types["kernel"] = types.get("kernel", 0) + 1
+                read_kernel_params(driver, census, index, p, chunks)
+                continue
             kind = driver.node_type(node)
-            census.node_types[kind] = census.node_types.get(kind, 0) + 1
+            types[kind] = types.get(kind, 0) + 1
             if kind == "graph" and depth < 8:
                 read_graph(driver, census, match, driver.child_graph(node), depth + 1, chunks)
             elif kind == "kernel":

@@ -227,6 +227,9 @@ class CaptureGuard:
         # hidden from it (and its first use need not import torch._dynamo).
         self._observer = _HiddenOpObserver if compiles else _OpObserver
         self._plumbing = sites.plumbing_set(plumbing, OWN_FILES)
+        # Deaths of captured storages so far: while it has not moved, none of them died (the
+        # replay hook's fast path tests this one number, not each storage).
+        self.drops = DropCount()
         self._owners: list[Owner] = []
         self._slots: dict[int, Slot] = {}
         self._births: dict[int, _Birth] = {}
@@ -360,6 +363,9 @@ class CaptureGuard:
         named, t = None, None
         if found is not None:
             key, named = found
+            slot = self._slots.get(key) if key in done else None
+            if slot is not None and slot.storage_ptr <= w.addr < slot.storage_ptr + slot.storage_nbytes:
+                return slot               # this graph's slot of that storage, checked for a word before
             t = resolve(named)
             if not isinstance(t, torch.Tensor) or storage_key(t) != key or \
                     t.untyped_storage().data_ptr() != named.storage_ptr:
@@ -386,7 +392,7 @@ class CaptureGuard:
         slot.name = exposed_name(named, t) if named is not None else f"<local {holder[0]} of {holder[1]}>"
         self._slots[key] = slot
         self._by_graph[graph].append(slot)
-        listen_for_drop(slot, storage, self._plumbing)
+        listen_for_drop(slot, storage, self._plumbing, self.drops)
         return slot
 
     @contextlib.contextmanager
@@ -511,7 +517,7 @@ class CaptureGuard:
                 slot = self._new_slot(rec, func, t, storage)
                 slots[key] = slot
                 self._by_graph[label].append(slot)
-                listen_for_drop(slot, storage, self._plumbing)
+                listen_for_drop(slot, storage, self._plumbing, self.drops)
             elif slot.graphs[-1] != label or t.nbytes > slot.nbytes:
                 if widen_slot(slot, t, label):
                     self._by_graph[label].append(slot)
@@ -743,23 +749,33 @@ def note_produced(rec: _Recording, tensors: list[torch.Tensor], input_keys: set[
             rec.produced.add(key)
 
 
-def listen_for_drop(slot: Slot, storage: torch.UntypedStorage, plumbing: frozenset[str]) -> None:
+@dataclass
+class DropCount:
+    """How many captured storages have died (drop callbacks that fired)."""
+    n: int = 0
+
+
+def listen_for_drop(slot: Slot, storage: torch.UntypedStorage, plumbing: frozenset[str],
+                    drops: DropCount | None = None) -> None:
     """Note where the storage's last reference goes: that line freed it.
 
     torch keeps one Python object per live storage (PyObject preservation), and it dies with
     the storage itself, whichever reference was last: a tensor, a view, or the C++ side of
     `param.data = new`. A weakref callback fires inside that deallocation, so the stack is the
     dropping site. The ref lives on the slot (not in weakref.finalize's process-wide registry):
-    it dies with the guard.
+    it dies with the guard. drops: counted up at each death.
     """
     try:
-        slot.drop_ref = weakref.ref(storage, make_drop_callback(slot, plumbing))
+        slot.drop_ref = weakref.ref(storage, make_drop_callback(slot, plumbing, drops))
     except TypeError:
         slot.drop_ref = None
 
 
-def make_drop_callback(slot: Slot, plumbing: frozenset[str]) -> Callable[[weakref.ref], None]:
+def make_drop_callback(slot: Slot, plumbing: frozenset[str],
+                       drops: DropCount | None = None) -> Callable[[weakref.ref], None]:
     def on_drop(ref: weakref.ref) -> None:
+        if drops is not None:
+            drops.n += 1
         try:
             slot.freed_at = sites.drop_site(sys._getframe(1), plumbing)
         except Exception:  # runs inside a deallocation, maybe at interpreter exit: never raise

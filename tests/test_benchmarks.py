@@ -43,3 +43,31 @@ def test_census_host_benchmark_runs_on_the_cpu_at_a_small_size(benchmarks_on_pat
     assert doc["kernel_nodes"] == 36 and doc["pending_words"] == 36     # one weight word per node
     # 3 pointers + a 512-byte struct + two int32: 68 aligned words a node, all counted
     assert doc["words"] == 36 * 68 and doc["check_together_s"] >= 0
+
+
+def test_engine_step_alternates_the_replay_functions_and_restores_the_hook(benchmarks_on_path, monkeypatch):
+    """The in-process step measure: each variant's rounds time that variant's replay (a fake
+    clock that the hooked replay moves by 3 units and the bare one by 2 gives exactly 1.5x),
+    and the class keeps the hooked replay afterwards."""
+    import types
+    spec = importlib.util.spec_from_file_location("benchmark_engine_step", BENCHMARKS / "engine_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    clock = [0.0]
+    monkeypatch.setattr(module.time, "perf_counter", lambda: clock[0])
+    calls = {"hooked": 0, "bare": 0}
+
+    def make(name, cost):
+        def replay(graph):
+            calls[name] += 1
+            clock[0] += cost
+        return replay
+    hooked, bare = make("hooked", 3e-6), make("bare", 2e-6)
+    graph_class = type("CUDAGraph", (), {"replay": hooked})
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(CUDAGraph=graph_class, synchronize=lambda: None))
+    step = lambda b: torch.cuda.CUDAGraph.replay(None)       # noqa: E731
+    out = module.measure(torch, step, [1, 2, 4], 4, hooked, bare)
+    assert calls == {"hooked": 4 * 3 * 2, "bare": 4 * 3 * 2}   # synced steps + one pipelined pass per round
+    assert out["step_us"] == {"hooked": 3.0, "bare": 2.0, "ratio": 1.5}
+    assert out["pipelined_us"]["ratio"] == 1.5
+    assert graph_class.replay is hooked

@@ -382,6 +382,51 @@ def test_fast_path_catches_a_free_between_replays_plumbing(tmp_path):
     watcher.recorder.close()
 
 
+def test_fast_path_tests_storages_only_after_a_captured_storage_died_plumbing(tmp_path):
+    """While no captured storage dies, a replay tests none of them (one count compared); the
+    first replay after any death (here another graph's storage) tests the graph's own once."""
+    import torch
+    from repro import watch_hooks
+    sys.path.insert(0, str(PROGRAMS))
+    try:
+        from fake_graph import FakeGraph, capture
+    finally:
+        sys.path.remove(str(PROGRAMS))
+
+    class Graph(FakeGraph):
+        pass
+
+    class Engine:
+        def __init__(self):
+            self.cache, self.other = torch.zeros(4, 4), torch.zeros(4)
+
+    watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "warn", "api"))
+    watcher.recorder = watch_hooks.Recorder(str(tmp_path))
+    watcher.patch(Graph)
+    engine, graph, other = Engine(), Graph(), Graph()
+    with capture(graph):
+        engine.cache.add_(1)
+    with capture(other):
+        engine.other.add_(1)
+    graph.replay()
+    other.replay()                                            # deep checks: live handles noted
+    tested = []
+    real = watcher.expired
+    watcher.expired = lambda h: tested.append(h) or real(h)
+    for _ in range(3):
+        graph.replay()
+    assert len(tested) == 1                                   # once: live is new since the deep check
+    for _ in range(3):
+        graph.replay()
+    assert len(tested) == 1 and watcher.counters.replays == 8
+    engine.other = torch.zeros(4)                             # other's storage dies
+    assert watcher.guard.drops.n == 1
+    graph.replay()
+    graph.replay()
+    assert len(tested) == 2 and watcher.counters.findings == 0
+    watcher.recorder.close()
+
+
 def test_examples_run_as_is_and_under_watch_on_cpu(tmp_path):
     """Without CUDA each example says so and exits 0; watched, nothing changes and nothing is found."""
     import torch
