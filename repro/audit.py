@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from repro.audit_rules import (  # noqa: F401  (FIXES, FixCheck, find_fix: the audit's public API)
-    ABSENT, FIXES, NOT_APPLICABLE, PRESENT, UNPARSABLE, AuditError, FixCheck, find_fix, judge_all,
-    normalize_fix_id,
+    ABSENT, FIXES, NOT_APPLICABLE, PRESENT, UNKNOWN, UNPARSABLE, AuditError, FixCheck, find_fix,
+    judge_all, normalize_fix_id,
 )
 
 Kind = Literal["installed", "directory", "archive"]
@@ -216,7 +216,8 @@ VERSION_MEMBERS = ("vllm/_version.py", "vllm/version.py")
 
 
 def wanted_members() -> tuple[str, ...]:
-    return tuple(sorted({f.file for f in FIXES} | set(VERSION_MEMBERS)))
+    sources = {f.file for f in FIXES} | {file for f in FIXES for file in f.also}
+    return tuple(sorted(sources | set(VERSION_MEMBERS)))
 
 
 def split_member(name: str, wanted: tuple[str, ...]) -> tuple[str, str] | None:
@@ -334,7 +335,8 @@ def missing_required(result: AuditResult, required_ids: Iterable[str]) -> list[s
     """Required fixes the audited source does not carry, in the order asked.
 
     Anything not "present" is missing -- including "not-applicable": the user named the fix,
-    and a version without the file the fix lives in cannot be carrying it. Fixes the user
+    and a version without the file the fix lives in cannot be carrying it -- and "unknown": a
+    rule that cannot judge the source must not let a gate pass. Fixes the user
     did not ask for never count, whatever their state. Unknown ids raise AuditError so a
     typo cannot make a gate pass.
     """
@@ -352,7 +354,7 @@ def missing_required(result: AuditResult, required_ids: Iterable[str]) -> list[s
 
 # --------------------------------------------------------------------------- rendering
 
-STATE_STYLE = {PRESENT: "green", ABSENT: "bold red", NOT_APPLICABLE: "dim"}
+STATE_STYLE = {PRESENT: "green", ABSENT: "bold red", NOT_APPLICABLE: "dim", UNKNOWN: "yellow"}
 
 
 def render(result: AuditResult, console: Any) -> None:

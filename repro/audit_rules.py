@@ -2,9 +2,15 @@
 
 Each fix is judged by a rule that looks inside the body of one named function (parsed with
 ``ast``, line numbers those of the real file), with a resolver for sibling methods so a fix
-factored into a helper still counts. Knowledge of fixes lives in ``FIXES`` only: adding a fix
-is adding one ``Fix`` entry with its rule. Where the text comes from (a directory, a wheel, an
-sdist, the installed package) is repro.audit's concern, not this module's.
+factored into a helper still counts, and for the functions of the other files the fix names
+(``Fix.also``: the worker that calls the runner, the class a method delegates to). Knowledge of
+fixes lives in ``FIXES`` only: adding a fix is adding one ``Fix`` entry with its rule. Where the
+text comes from (a directory, a wheel, an sdist, the installed package) is repro.audit's
+concern, not this module's.
+
+A rule says ``unknown`` when the source has a shape it cannot judge (a call into code it cannot
+read, no recognisable capture), and its evidence says what it could not see: an unknown is
+never reported as present or absent.
 """
 from __future__ import annotations
 
@@ -16,11 +22,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-State = Literal["present", "absent", "not-applicable"]
+State = Literal["present", "absent", "not-applicable", "unknown"]
 
 PRESENT: State = "present"
 ABSENT: State = "absent"
 NOT_APPLICABLE: State = "not-applicable"
+UNKNOWN: State = "unknown"        # a shape the rule cannot judge; the evidence says what it lacks
 
 PWAL = "process_weights_after_loading"
 
@@ -57,11 +64,13 @@ class RuleVerdict:
     state: State
     line: int | None
     evidence: str
+    file: str | None = None   # where `line` is, when the evidence is in one of Fix.also
 
 
-# A rule sees the function's AST (line numbers are those of the real file) and a resolver
-# for sibling methods of the same class, so a fix factored into a helper still counts.
-AstRule = Callable[[ast.FunctionDef, Callable[[str], "ast.FunctionDef | None"]], RuleVerdict]
+# A rule sees the function's AST (line numbers are those of the real file) and a Resolver:
+# sibling methods of the same class first, so a fix factored into a helper still counts, then
+# the functions of the fix's other files.
+AstRule = Callable[[ast.FunctionDef, "Resolver"], RuleVerdict]
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,7 @@ class Fix:
     function: str             # the function/method whose body carries the fix
     rule: AstRule
     url: str = ""
+    also: tuple[str, ...] = ()   # other files the rule reads (absent ones read as None)
 
 
 def self_attr(node: ast.AST) -> str | None:
@@ -396,6 +406,342 @@ def rule_alphas_refreshed(fn: ast.FunctionDef, resolve: Callable[[str], Any]) ->
                    f"no in-place refresh of {' / '.join(ALPHAS)} before {where}")
 
 
+# -- shared by the Model Runner V2 rules -------------------------------------------------------
+
+V2_RUNNER = "vllm/v1/worker/gpu/model_runner.py"
+V2_BLOCK_TABLE = "vllm/v1/worker/gpu/block_table.py"
+GPU_WORKER = "vllm/v1/worker/gpu_worker.py"   # one Worker drives the V1 and the V2 runner
+
+
+def call_name(call: ast.Call) -> str | None:
+    """'m' for ``m(...)``, ``x.m(...)`` and ``self.a.m(...)``."""
+    if isinstance(call.func, ast.Name):
+        return call.func.id
+    if isinstance(call.func, ast.Attribute):
+        return call.func.attr
+    return None
+
+
+def calls_in(fn: ast.AST) -> list[ast.Call]:
+    return [n for n in walk_in_order(fn) if isinstance(n, ast.Call)]
+
+
+def self_rooted(node: ast.AST) -> bool:
+    """``self.a``, ``self.a.b``, ``self.a[i].b``: an expression reached from self."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def first_def(resolve: Resolver, file: str, name: str) -> ast.FunctionDef | None:
+    found = resolve.defined(file, name)
+    return found[0] if found else None
+
+
+# -- #55341: Model Runner V2 locks the workspace after CUDA-graph capture --------------------
+#
+# vLLM #55336: the V2 runner never locked the WorkspaceManager, so a workspace request larger
+# than the arena after capture (the V2 kernel warmup ran after capture) grew it by replacing
+# the arena tensor (`del`, `empty_cache()`, `torch.empty(...)`), freeing the buffer the
+# captured graphs had baked in: an illegal memory access at start-up. The V1 runner calls
+# `lock_workspace()` at the end of `capture_model()`, which turns such a growth into an
+# AssertionError. The fix (#55341) moved the V2 warmup before capture, and the V2
+# `capture_model()` now ends with the same lock: the lock is what this rule looks for, since it
+# is what makes any later growth raise instead of freeing graph memory. An open follow-up
+# (#46883) moves the lock to the end of `Worker.compile_or_warm_up_model()`, which this rule
+# accepts too. A lock after capture does not cover a growth *between* two captures (vLLM
+# #45670/#46067: ascending capture sizes); no rule here judges that.
+
+CAPTURE_CALL = re.compile(r"^_?capture(_\w+)?$")   # capture(), _capture_cudagraphs(), ...
+
+
+def capture_calls(fn: ast.AST) -> list[ast.Call]:
+    return [c for c in calls_in(fn) if (name := call_name(c)) and name != "capture_model"
+            and CAPTURE_CALL.match(name)]
+
+
+def is_workspace_lock(call: ast.Call) -> bool:
+    """``lock_workspace()``, or ``<...workspace...>.lock()`` (the manager's own method)."""
+    name = call_name(call)
+    if name == "lock_workspace":
+        return True
+    return name == "lock" and isinstance(call.func, ast.Attribute) \
+        and any("workspace" in i.lower() for i in identifiers(call.func.value))
+
+
+def locks_after(fn: ast.AST, after: tuple[int, int],
+                lookup: Callable[[str], ast.FunctionDef | None]) -> list[tuple[ast.Call, str]]:
+    """Workspace locks that run after `after` in fn: direct calls, and those one call deep
+    in a method fn calls after it (the lock factored into a helper), described at the call."""
+    found = []
+    for call in calls_in(fn):
+        if position(call) <= after:
+            continue
+        if is_workspace_lock(call):
+            found.append((call, f"{short(call.func)}() at line {call.lineno}"))
+        elif isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) \
+                and call.func.value.id == "self":
+            helper = lookup(call.func.attr)
+            if helper is not None and helper is not fn:
+                lock = next((c for c in calls_in(helper) if is_workspace_lock(c)), None)
+                if lock is not None:
+                    found.append((call, f"{short(lock.func)}() in self.{call.func.attr}() called "
+                                        f"at line {call.lineno}"))
+    return found
+
+
+def unread_self_calls(fn: ast.AST, after: tuple[int, int],
+                      lookup: Callable[[str], ast.FunctionDef | None]) -> list[ast.Call]:
+    """``self.m()`` calls after `after` whose method is in none of the files read."""
+    return [c for c in calls_in(fn) if position(c) > after
+            and isinstance(c.func, ast.Attribute) and isinstance(c.func.value, ast.Name)
+            and c.func.value.id == "self" and lookup(c.func.attr) is None]
+
+
+def worker_lock(resolve: Resolver) -> tuple[ast.FunctionDef | None, tuple[ast.Call, str] | None]:
+    """Worker.compile_or_warm_up_model(), and the first lock after its capture_model() call."""
+    warmup = first_def(resolve, GPU_WORKER, "compile_or_warm_up_model")
+    if warmup is None:
+        return None, None
+    capture = next((c for c in calls_in(warmup) if call_name(c) == "capture_model"), None)
+    if capture is None:
+        return warmup, None
+    locks = locks_after(warmup, position(capture), lambda n: first_def(resolve, GPU_WORKER, n))
+    return warmup, (locks[0] if locks else None)
+
+
+def rule_workspace_locked_after_capture(fn: ast.FunctionDef, resolve: Resolver) -> RuleVerdict:
+    captures = capture_calls(fn)
+    if not captures:
+        return RuleVerdict(UNKNOWN, fn.lineno,
+                           f"{fn.name}() calls nothing named capture or _capture_*: the rule "
+                           "cannot see where graphs are captured, so it cannot tell whether "
+                           "the workspace is locked after them")
+    last = captures[-1]
+    captured = f"{short(last.func)}() at line {last.lineno}"
+    locks = locks_after(fn, position(last), resolve)
+    if locks:
+        call, text = locks[0]
+        return RuleVerdict(PRESENT, call.lineno, f"{text}, after the capture by {captured}: a "
+                                                 "later workspace growth raises")
+    warmup, lock = worker_lock(resolve)
+    if lock is not None:
+        call, text = lock
+        return RuleVerdict(PRESENT, call.lineno,
+                           f"Worker.compile_or_warm_up_model() locks the workspace after "
+                           f"capture_model(): {text} of {GPU_WORKER}", file=GPU_WORKER)
+    unread = unread_self_calls(fn, position(last), resolve)
+    if unread:
+        names = ", ".join(f"self.{c.func.attr}() (line {c.lineno})" for c in unread)
+        return RuleVerdict(UNKNOWN, unread[0].lineno,
+                           f"no lock after the capture by {captured}, but {fn.name}() then "
+                           f"calls {names}, defined in none of the files read: the rule "
+                           "cannot see whether it locks the workspace")
+    before = [c for c in calls_in(fn) if is_workspace_lock(c)]
+    earlier = f" (the lock at line {before[0].lineno} runs before it)" if before else ""
+    worker = ("or in Worker.compile_or_warm_up_model()" if warmup is not None
+              else f"(and no Worker.compile_or_warm_up_model() in {GPU_WORKER} to read)")
+    return RuleVerdict(ABSENT, last.lineno,
+                       f"graphs captured by {captured}{earlier}; no lock_workspace() after it "
+                       f"in {fn.name}() {worker}: a later workspace growth frees the arena "
+                       "the graphs read")
+
+
+# -- #53508: block-table layout tensors keep their storage across a KV-cache wake ------------
+#
+# vLLM #53197: Model Runner V2's fused MTP draft graph (#46849) reads the block-table layout
+# tensors (BlockTables.block_table_ptrs, block_table_strides, ...: block_table.py) by address.
+# At a KV-cache wake, Worker.wake_up() called the runner's post_kv_cache_wake_up(), which
+# rebuilt them (`self.block_table_ptrs = <new tensor>`): Python saw new tensors, the graph the
+# old addresses -> illegal address on the first request after wake. The rebuild existed
+# because the tensors were made inside the kv_cache memory-pool scope, where level-1 sleep
+# discards their contents and keeps their virtual address. Two fixes keep the storage:
+# #53197 refreshes the values in place (`copy_()`) at wake; #53508 (merged) scopes the
+# kv_cache pool to the backing allocation -- the runner's initialize_kv_cache() takes a
+# `kv_cache_allocation_context` -- and stops running the hook at wake. This rule accepts both.
+
+LAYOUT_HOOK = "post_kv_cache_wake_up"
+IN_PLACE_OPS = ("copy_", "fill_", "zero_")
+TENSOR_FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange",
+                    "zeros_like", "ones_like", "empty_like", "full_like", "stack", "cat",
+                    "clone"}
+# Methods that read a tensor or container without replacing anything: not worth following.
+READ_ONLY = {"data_ptr", "stride", "size", "numel", "dim", "item", "tolist", "element_size",
+             "view", "reshape", "contiguous", "get", "items", "keys", "values"}
+FOLLOW_DEPTH = 2      # hook -> BlockTables method -> its helper
+
+
+@dataclass(frozen=True)
+class WakeEffect:
+    kind: Literal["rebuild", "in_place", "unread"]
+    node: ast.AST
+    text: str
+    file: str             # the file the node is in (a BlockTables method: block_table.py)
+
+
+def makes_tensor(value: ast.AST, resolve: Resolver) -> bool:
+    """Is `value` a new tensor or tensor holder: a torch factory, a call named *tensor*, a class
+    constructed anew (``BlockTables(...)``), or a method whose return value is a factory's
+    (``self._make_ptr_tensor(...)``)?"""
+    if not isinstance(value, ast.Call) or (name := call_name(value)) is None:
+        return False
+    if name in TENSOR_FACTORIES or "tensor" in name.lower() or name[:1].isupper():
+        return True
+    helper = resolve(name) if self_rooted(value.func) else None
+    return helper is not None and any(
+        isinstance(n, ast.Return) and n.value is not None and isinstance(n.value, ast.Call)
+        and (call_name(n.value) in TENSOR_FACTORIES) for n in ast.walk(helper))
+
+
+def is_layout(target: ast.AST, resolve: Resolver, in_fn: ast.AST) -> bool:
+    """Block-table state: an attribute written inside block_table.py, or one named *block*."""
+    return resolve.file_of(in_fn) == V2_BLOCK_TABLE or "block" in short(target, 200).lower()
+
+
+def wake_effects(fn: ast.AST, resolve: Resolver, depth: int = FOLLOW_DEPTH) -> list[WakeEffect]:
+    """What fn does to the block-table layout, following the self-rooted calls it makes."""
+    effects: list[WakeEffect] = []
+    file = resolve.file_of(fn)
+    for node in walk_in_order(fn):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Attribute) and self_rooted(target) \
+                        and makes_tensor(node.value, resolve) and is_layout(target, resolve, fn):
+                    effects.append(WakeEffect("rebuild", node,
+                                              f"{short(target, 50)} = {short(node.value, 50)}",
+                                              file))
+                elif isinstance(target, ast.Subscript) and self_rooted(target) \
+                        and is_layout(target, resolve, fn):
+                    effects.append(WakeEffect("in_place", node, short(node, 70), file))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and self_rooted(node.func.value):
+            name = node.func.attr
+            if name in IN_PLACE_OPS:
+                if is_layout(node.func.value, resolve, fn):
+                    effects.append(WakeEffect("in_place", node,
+                                              f"{short(node.func.value, 50)}.{name}(...)", file))
+            elif name not in READ_ONLY and name not in TENSOR_FACTORIES:
+                helper = resolve(name)
+                if helper is None:
+                    effects.append(WakeEffect("unread", node, f"{short(node.func)}()", file))
+                elif helper is not fn and depth > 0:
+                    effects += wake_effects(helper, resolve, depth - 1)
+    return effects
+
+
+def hook_runs_at_wake(resolve: Resolver) -> tuple[bool | None, ast.AST | None]:
+    """Does Worker.wake_up() (or a worker method it calls) call post_kv_cache_wake_up()?
+    None: there is no Worker.wake_up() to read."""
+    wake = first_def(resolve, GPU_WORKER, "wake_up")
+    if wake is None:
+        return None, None
+    bodies = [wake] + [h for c in calls_in(wake) if isinstance(c.func, ast.Attribute)
+                       and isinstance(c.func.value, ast.Name) and c.func.value.id == "self"
+                       and (h := first_def(resolve, GPU_WORKER, c.func.attr)) is not None
+                       and h is not wake]
+    for body in bodies:
+        hook = next((c for c in calls_in(body) if call_name(c) == LAYOUT_HOOK), None)
+        if hook is not None:
+            return True, hook
+    return False, None
+
+
+def allocation_context_param(fn: ast.FunctionDef) -> str | None:
+    """The `*allocation_context*` parameter fn takes and uses (#53508's pool scope)."""
+    args = fn.args
+    for arg in (*args.posonlyargs, *args.args, *args.kwonlyargs):
+        if "allocation_context" in arg.arg and any(
+                isinstance(n, ast.Name) and n.id == arg.arg for stmt in fn.body
+                for n in ast.walk(stmt)):
+            return arg.arg
+    return None
+
+
+def pool_around_init(resolve: Resolver) -> ast.With | None:
+    """The `with <...pool...>:` around initialize_kv_cache() in Worker.initialize_from_config()."""
+    init = first_def(resolve, GPU_WORKER, "initialize_from_config")
+    if init is None:
+        return None
+    aliases = alias_map(init)
+    for node in walk_in_order(init):
+        if isinstance(node, (ast.With, ast.AsyncWith)) \
+                and any(call_name(c) == "initialize_kv_cache" for s in node.body for c in calls_in(s)) \
+                and any("pool" in i.lower() for item in node.items
+                        for i in identifiers(item.context_expr)
+                        | {a for n in identifiers(item.context_expr) for a in aliases.get(n, ())}):
+            return node
+    return None
+
+
+def judge_wake_effects(hook: ast.FunctionDef, call: ast.AST | None, effects: list[WakeEffect],
+                       resolve: Resolver) -> RuleVerdict:
+    """The verdict when the wake-up hook touches the layout: a rebuild outweighs code the rule
+    cannot read, which outweighs an in-place refresh. `call`: where the worker runs the hook
+    (None: no Worker.wake_up() to read)."""
+    effect = next(e for kind in ("rebuild", "unread", "in_place") for e in effects
+                  if e.kind == kind)
+    file = None if effect.file == resolve.home else effect.file
+    at = f"{effect.file}:{effect.node.lineno}" if file else f"line {effect.node.lineno}"
+    if call is None:
+        return RuleVerdict(UNKNOWN, hook.lineno,
+                           f"{LAYOUT_HOOK}() (line {hook.lineno}) touches the block-table layout "
+                           f"({effect.text}, {at}), but there is no Worker.wake_up() in "
+                           f"{GPU_WORKER} to read: the rule cannot tell whether it runs at a "
+                           "KV-cache wake")
+    called = f"Worker.wake_up() calls {LAYOUT_HOOK}() ({GPU_WORKER}:{call.lineno})"
+    if effect.kind == "rebuild":
+        return RuleVerdict(ABSENT, effect.node.lineno,
+                           f"{called}, which rebinds {effect.text} ({at}): graphs captured "
+                           "before sleep keep reading the old tensor", file=file)
+    if effect.kind == "unread":
+        return RuleVerdict(UNKNOWN, effect.node.lineno,
+                           f"{called}, which calls {effect.text} ({at}), defined in none of the "
+                           "files read: the rule cannot tell whether it rebuilds the layout "
+                           "tensors or refreshes them in place", file=file)
+    return RuleVerdict(PRESENT, effect.node.lineno,
+                       f"{called}, which refreshes the layout in place ({effect.text}, {at}); "
+                       "nothing is rebound", file=file)
+
+
+def judge_untouched_layout(fn: ast.FunctionDef, idle: str, resolve: Resolver) -> RuleVerdict:
+    """The verdict when nothing touches the layout at wake (`idle` says why): it survives
+    level-1 sleep only if it was made outside the kv_cache pool."""
+    param = allocation_context_param(fn)
+    if param is not None:
+        return RuleVerdict(PRESENT, fn.lineno,
+                           f"{fn.name}() takes and uses {param} (the kv_cache pool wraps only "
+                           f"the backing allocation) and {idle}: the layout tensors keep their "
+                           "storage and values across sleep")
+    pool = pool_around_init(resolve)
+    if pool is not None:
+        return RuleVerdict(ABSENT, pool.lineno,
+                           f"Worker.initialize_from_config() enters the kv_cache pool around "
+                           f"initialize_kv_cache() ({GPU_WORKER}:{pool.lineno}) and {idle}: "
+                           "level-1 sleep loses the layout tensors' values at the same address",
+                           file=GPU_WORKER)
+    return RuleVerdict(UNKNOWN, fn.lineno,
+                       f"{idle}, and {fn.name}() takes no allocation context while no "
+                       f"Worker.initialize_from_config() in {GPU_WORKER} visibly enters the "
+                       "kv_cache pool around it: the rule cannot see where the pool scope "
+                       "ends, so it cannot tell whether the layout tensors survive sleep")
+
+
+def rule_layout_kept_at_wake(fn: ast.FunctionDef, resolve: Resolver) -> RuleVerdict:
+    hook = resolve.siblings(LAYOUT_HOOK)
+    runs, call = hook_runs_at_wake(resolve)
+    effects = wake_effects(hook, resolve) if hook is not None else []
+    if effects and runs is not False:
+        return judge_wake_effects(hook, call, effects, resolve)
+    if hook is None:
+        idle = f"the runner defines no {LAYOUT_HOOK}()"
+    elif runs is False:
+        idle = f"Worker.wake_up() does not call {LAYOUT_HOOK}()"
+    else:
+        idle = f"{LAYOUT_HOOK}() leaves the block-table layout alone"
+    return judge_untouched_layout(fn, idle, resolve)
+
+
 # --------------------------------------------------------------------------- the table
 
 GEMMA4_MTP = "vllm/model_executor/models/gemma4_mtp.py"
@@ -425,6 +771,24 @@ FIXES: tuple[Fix, ...] = (
         function="_setup_kernel",
         rule=rule_alphas_refreshed,
         url="https://github.com/vllm-project/vllm/pull/57954",
+    ),
+    Fix(
+        fix_id="55341",
+        title="Model Runner V2: workspace locked after CUDA-graph capture",
+        file=V2_RUNNER,
+        function="capture_model",
+        rule=rule_workspace_locked_after_capture,
+        url="https://github.com/vllm-project/vllm/pull/55341",
+        also=(GPU_WORKER,),
+    ),
+    Fix(
+        fix_id="53508",
+        title="Model Runner V2: block-table layout kept in place across a KV-cache wake",
+        file=V2_RUNNER,
+        function="initialize_kv_cache",
+        rule=rule_layout_kept_at_wake,
+        url="https://github.com/vllm-project/vllm/pull/53508",
+        also=(V2_BLOCK_TABLE, GPU_WORKER),
     ),
 )
 
@@ -529,13 +893,52 @@ def locate_sites(text: str, name: str) -> list[Site]:
     return sites
 
 
-def judge(fix: Fix, text: str | None) -> FixCheck:
-    """The fix's state in one file's text (None: the file does not exist).
+class Resolver:
+    """The functions a rule may follow from the one it judges.
+
+    Calling it with a name gives the judged function's sibling method of that name, else the
+    first function of that name in the fix's other files (``Fix.also``); ``defined`` looks in
+    one named file only. ``file_of`` says which file a returned node came from, for evidence.
+    """
+
+    def __init__(self, siblings: Callable[[str], ast.FunctionDef | None], home: str,
+                 others: dict[str, str | None]):
+        self.siblings = siblings
+        self.home = home
+        self.others = others
+        self._found: dict[tuple[str, str], list[ast.FunctionDef]] = {}
+        self._files: dict[int, str] = {}      # id(node) -> file, for nodes from `others`
+
+    def __call__(self, name: str) -> ast.FunctionDef | None:
+        node = self.siblings(name)
+        if node is not None:
+            return node
+        return next((found[0] for file in self.others if (found := self.defined(file, name))),
+                    None)
+
+    def defined(self, file: str, name: str) -> list[ast.FunctionDef]:
+        """Every definition of `name` that parses in `file` ([] when the file is absent)."""
+        key = (file, name)
+        if key not in self._found:
+            text = self.others.get(file)
+            nodes = [s.node for s in locate_sites(text, name) if s.node is not None] \
+                if text is not None else []
+            self._files.update((id(n), file) for n in nodes)
+            self._found[key] = nodes
+        return self._found[key]
+
+    def file_of(self, node: ast.AST) -> str:
+        return self._files.get(id(node), self.home)
+
+
+def judge(fix: Fix, text: str | None, others: dict[str, str | None] | None = None) -> FixCheck:
+    """The fix's state in one file's text (None: the file does not exist); `others` holds the
+    texts of the fix's other files (``Fix.also``), None for those that do not exist.
 
     A definition whose own body does not parse cannot be judged: AuditError names it, rather
     than a guess from text (a leftover merge-conflict marker is the usual cause)."""
-    def check(state: State, line: int | None, evidence: str) -> FixCheck:
-        return FixCheck(fix.fix_id, fix.title, state, fix.file, line, evidence)
+    def check(state: State, line: int | None, evidence: str, file: str | None = None) -> FixCheck:
+        return FixCheck(fix.fix_id, fix.title, state, file or fix.file, line, evidence)
 
     if text is None:
         return check(NOT_APPLICABLE, None, f"{fix.file} does not exist in this version")
@@ -549,11 +952,12 @@ def judge(fix: Fix, text: str | None) -> FixCheck:
         raise AuditError(f"{fix.file}:{broken.line}: {fix.function}() does not parse "
                          f"({broken.error}), so fix #{fix.fix_id} cannot be judged; repair the "
                          "file or audit another copy.")
-    findings = [fix.rule(site.node, site.resolve) for site in sites]
+    texts = {file: (others or {}).get(file) for file in fix.also}
+    findings = [fix.rule(site.node, Resolver(site.resolve, fix.file, texts)) for site in sites]
     # Several definitions (e.g. one per class): the fix is carried if any carries it.
     best = next((f for f in findings if f.state == PRESENT), findings[0])
-    return check(best.state, best.line, best.evidence)
+    return check(best.state, best.line, best.evidence, best.file)
 
 
 def judge_all(read: Callable[[str], str | None]) -> list[FixCheck]:
-    return [judge(fix, read(fix.file)) for fix in FIXES]
+    return [judge(fix, read(fix.file), {file: read(file) for file in fix.also}) for fix in FIXES]

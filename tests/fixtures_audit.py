@@ -14,6 +14,9 @@ from pathlib import Path
 
 GEMMA = "vllm/model_executor/models/gemma4_mtp.py"
 NVFP4 = "vllm/model_executor/layers/quantization/online/nvfp4.py"
+V2_RUNNER = "vllm/v1/worker/gpu/model_runner.py"
+BLOCK_TABLE = "vllm/v1/worker/gpu/block_table.py"
+WORKER = "vllm/v1/worker/gpu_worker.py"
 
 TRAP_INIT = 'raise RuntimeError("the audit must never import vllm")\n'
 
@@ -233,6 +236,334 @@ ONLY_50074 = {"guard": "is_none", "refresh": "none"}
 ALL_FIXES = {"guard": "is_none", "refresh": "else_branch"}
 
 
+# --------------------------------------------------------------------------- Model Runner V2
+#
+# Three files, in the shape of vLLM's (gpu/model_runner.py, gpu/block_table.py, gpu_worker.py),
+# each assembled from named pieces so a test picks the upstream state it needs.
+
+RUNNER_HEADER = dedent('''
+    """Model Runner V2 (synthetic test source)."""
+    import torch
+
+    from vllm.v1.worker.gpu.attn_utils import init_kv_cache
+    from vllm.v1.worker.gpu.block_table import BlockTables
+    from vllm.v1.worker.workspace import current_workspace_manager, lock_workspace
+
+
+    class GPUModelRunner:
+        def __init__(self, vllm_config, device) -> None:
+            self.vllm_config = vllm_config
+            self.device = device
+            self.speculator = None
+            self.cudagraph_manager = None
+
+        def _dummy_run(self, num_tokens: int) -> None:
+            self.execute_model(num_tokens, dummy_run=True)
+
+''')
+
+# initialize_kv_cache: where the block tables (and their layout tensors) are made.
+KV_INIT = {
+    # the worker decides the pool scope: everything made here is inside it
+    "unscoped": '''
+    def initialize_kv_cache(self, kv_cache_config) -> None:
+        self.kv_cache_config = kv_cache_config
+        self.block_tables = BlockTables(
+            block_sizes=[group.block_size for group in kv_cache_config.groups],
+            max_num_reqs=self.max_num_reqs,
+            device=self.device,
+        )
+        self.kv_caches = init_kv_cache(kv_cache_config, self.device)
+''',
+    # the pool context comes in and is entered only around the backing allocation
+    "scoped": '''
+    def initialize_kv_cache(
+        self,
+        kv_cache_config,
+        is_profiling: bool = False,
+        kv_cache_allocation_context=None,
+    ) -> None:
+        self.kv_cache_config = kv_cache_config
+        self.block_tables = BlockTables(
+            block_sizes=[group.block_size for group in kv_cache_config.groups],
+            max_num_reqs=self.max_num_reqs,
+            device=self.device,
+        )
+        self.kv_caches = init_kv_cache(
+            kv_cache_config,
+            self.device,
+            kv_cache_allocation_context=kv_cache_allocation_context,
+        )
+''',
+    # takes the parameter but drops it: not a scope
+    "ignored_param": '''
+    def initialize_kv_cache(self, kv_cache_config, kv_cache_allocation_context=None) -> None:
+        self.block_tables = BlockTables(
+            block_sizes=[group.block_size for group in kv_cache_config.groups],
+            max_num_reqs=self.max_num_reqs,
+            device=self.device,
+        )
+        self.kv_caches = init_kv_cache(kv_cache_config, self.device)
+''',
+}
+
+# post_kv_cache_wake_up: what the runner does to the layout at a KV-cache wake.
+WAKE_HOOK = {
+    "none": "",
+    "rebuild": '''
+    def post_kv_cache_wake_up(self) -> None:
+        self.block_tables.init_block_table_layout_tensors()
+''',
+    "in_place": '''
+    def post_kv_cache_wake_up(self) -> None:
+        # the draft graph holds these addresses: new values, same storage
+        self.block_tables.refresh_block_table_layout_tensors()
+''',
+    # the hook writes the tensor itself, on the runner's side
+    "rebuild_inline": '''
+    def post_kv_cache_wake_up(self) -> None:
+        tables = self.block_tables
+        self.block_tables.block_sizes_tensor = torch.tensor(tables.block_sizes, device=self.device)
+''',
+    # a tensor made by a function of another file
+    "rebuild_wrapper": '''
+    def post_kv_cache_wake_up(self) -> None:
+        self.block_tables.num_blocks = make_uva_tensor((2, self.max_num_reqs), dtype=torch.int32)
+''',
+    # the whole BlockTables made anew
+    "rebuild_object": '''
+    def post_kv_cache_wake_up(self) -> None:
+        self.block_tables = BlockTables(self.block_sizes, self.max_num_reqs, self.device)
+''',
+    # one tensor of the layout still rebuilt next to an in-place refresh
+    "half_in_place": '''
+    def post_kv_cache_wake_up(self) -> None:
+        self.block_tables.refresh_pointers_only()
+''',
+    # delegates to code in none of the three files
+    "unreadable": '''
+    def post_kv_cache_wake_up(self) -> None:
+        self.block_tables.restore_layout_after_wake()
+''',
+}
+
+CAPTURE = '''
+@torch.inference_mode()
+def capture_model(self, *, profile_only: bool = False) -> int:
+    if not self.cudagraph_manager.needs_capture():
+        return 0
+    start_free = torch.cuda.mem_get_info()[0]
+    self.cudagraph_manager.capture(
+        self.model,
+        self.input_buffers,
+        self.block_tables,
+    )
+    if self.speculator is not None:
+        self.speculator.capture()
+    end_free = torch.cuda.mem_get_info()[0]
+{tail}    return start_free - end_free
+'''
+
+# What capture_model does after its last capture call (the {tail} above), plus methods it needs.
+CAPTURE_TAIL = {
+    "unlocked": ("", ""),
+    "locked": ("    if not profile_only:\n"
+               "        # a later growth must raise, not replace the arena the graphs read\n"
+               "        lock_workspace()\n", ""),
+    "manager_lock": ("    current_workspace_manager().lock()\n", ""),
+    "helper_lock": ("    self._seal_workspace()\n",
+                    "\ndef _seal_workspace(self) -> None:\n    lock_workspace()\n"),
+    "helper_no_lock": ("    self._log_capture(start_free - end_free)\n",
+                       "\ndef _log_capture(self, size: int) -> None:\n    self.graph_bytes = size\n"),
+    # a mixin method from another file: the rule cannot read it
+    "unread_helper": ("    self._finish_capture()\n", ""),
+}
+
+
+def capture_source(tail: str) -> str:
+    code, extra = CAPTURE_TAIL[tail]
+    return dedent(CAPTURE).replace("{tail}", code) + extra
+
+
+# Upstream never wrote these; they are the shapes the rule must not guess about.
+CAPTURE_ODD = {
+    # the lock comes first, the capture after it
+    "lock_before": '''
+    def capture_model(self) -> int:
+        lock_workspace()
+        self.cudagraph_manager.capture(self.model, self.input_buffers)
+        return 0
+''',
+    # graphs are recorded by something the rule does not recognise as a capture
+    "no_capture_call": '''
+    def capture_model(self) -> int:
+        return self.graph_runner.record_all(self.model, self.input_buffers)
+''',
+}
+
+
+def runner_source(capture: str = "unlocked", wake: str = "rebuild", kv_init: str = "unscoped") -> str:
+    capture_code = dedent(CAPTURE_ODD[capture]) if capture in CAPTURE_ODD else capture_source(capture)
+    parts = [dedent(KV_INIT[kv_init]), dedent(WAKE_HOOK[wake]), capture_code]
+    return RUNNER_HEADER + "\n".join(textwrap.indent(p, "    ") for p in parts if p)
+
+
+BLOCK_TABLE_SOURCE = dedent('''
+    """Block tables of Model Runner V2 (synthetic test source)."""
+    import torch
+
+
+    class BlockTables:
+        def __init__(self, block_sizes, max_num_reqs, device) -> None:
+            self.block_sizes = block_sizes
+            self.device = device
+            # one [max_num_reqs, max_blocks] table per KV-cache group, and its gathered copy
+            self.tables = [
+                torch.zeros(max_num_reqs, 64, dtype=torch.int32, device=device)
+                for _ in block_sizes
+            ]
+            self.inputs = [torch.zeros_like(t) for t in self.tables]
+            self.init_block_table_layout_tensors()
+
+        def _addresses(self, tensors):
+            return torch.tensor(
+                [t.data_ptr() for t in tensors], dtype=torch.uint64, device=self.device
+            )
+
+        def init_block_table_layout_tensors(self) -> None:
+            # the layout the Triton kernels and the fused draft graph read by address
+            self.block_table_ptrs = self._addresses(self.tables)
+            self.block_table_strides = torch.tensor(
+                [t.stride(0) for t in self.tables], dtype=torch.int64, device=self.device
+            )
+            self.block_sizes_tensor = torch.tensor(
+                self.block_sizes, dtype=torch.int32, device=self.device
+            )
+            self.input_block_table_ptrs = self._addresses(self.inputs)
+
+        def refresh_block_table_layout_tensors(self) -> None:
+            self.block_table_ptrs.copy_(self._addresses(self.tables))
+            self.block_table_strides[:] = torch.tensor([t.stride(0) for t in self.tables])
+            self.block_sizes_tensor.copy_(torch.tensor(self.block_sizes, dtype=torch.int32))
+            self.input_block_table_ptrs.copy_(self._addresses(self.inputs))
+
+        def refresh_pointers_only(self) -> None:
+            # in place for the pointers, but a new tensor for the slot-mapping flags
+            self.block_table_ptrs.copy_(self._addresses(self.tables))
+            self.slot_mapping_enabled = torch.tensor(self.enabled, dtype=torch.bool)
+''')
+
+WORKER_HEADER = dedent('''
+    """GPU worker (synthetic test source)."""
+    from contextlib import nullcontext
+
+    from vllm.v1.worker.workspace import is_workspace_manager_initialized, lock_workspace
+
+
+    class Worker:
+        def _maybe_get_memory_pool_context(self, tag: str):
+            if not self.vllm_config.model_config.enable_sleep_mode:
+                return nullcontext()
+            return self.allocator.use_memory_pool(tag=tag)
+
+''')
+
+WORKER_KV_INIT = {
+    "pool": '''
+    def initialize_from_config(self, kv_cache_config) -> None:
+        with self._maybe_get_memory_pool_context(tag="kv_cache"):
+            self.model_runner.initialize_kv_cache(kv_cache_config)
+''',
+    # the older spelling: the pool bound to a local first
+    "pool_alias": '''
+    def initialize_from_config(self, kv_cache_config) -> None:
+        if self.vllm_config.model_config.enable_sleep_mode:
+            context = self.allocator.use_memory_pool(tag="kv_cache")
+        else:
+            context = nullcontext()
+        with context:
+            self.model_runner.initialize_kv_cache(kv_cache_config)
+''',
+    "passed": '''
+    def initialize_from_config(self, kv_cache_config) -> None:
+        self.model_runner.initialize_kv_cache(
+            kv_cache_config,
+            kv_cache_allocation_context=self._maybe_get_memory_pool_context(tag="kv_cache"),
+        )
+''',
+    # no pool in sight
+    "bare": '''
+    def initialize_from_config(self, kv_cache_config) -> None:
+        self.model_runner.initialize_kv_cache(kv_cache_config)
+''',
+}
+
+WORKER_WARMUP = '''
+def compile_or_warm_up_model(self) -> int:
+    kernel_warmup(self)
+    cuda_graph_memory_bytes = 0
+    if not self.model_config.enforce_eager:
+        cuda_graph_memory_bytes = self.model_runner.capture_model()
+    self.model_runner.warmup_kernels()
+{lock}    return cuda_graph_memory_bytes
+'''
+
+WORKER_LOCK = {
+    "none": "",
+    "after_capture": ("    # every path ends warmup here, captured or not\n"
+                      "    if is_workspace_manager_initialized():\n"
+                      "        lock_workspace()\n"),
+}
+
+WORKER_WAKE = {
+    "hook": '''
+    def wake_up(self, tags=None) -> None:
+        self.allocator.wake_up(tags)
+        if tags is None or "kv_cache" in tags:
+            self.model_runner.post_kv_cache_wake_up()
+''',
+    # the hook reached through a worker helper
+    "hook_helper": '''
+    def wake_up(self, tags=None) -> None:
+        self.allocator.wake_up(tags)
+        self._after_wake(tags)
+
+    def _after_wake(self, tags) -> None:
+        if tags is None or "kv_cache" in tags:
+            self.model_runner.post_kv_cache_wake_up()
+''',
+    "no_hook": '''
+    def wake_up(self, tags=None) -> None:
+        # the layout lives outside the kv_cache pool: nothing to rebuild
+        self.allocator.wake_up(tags)
+''',
+}
+
+
+def worker_source(kv_init: str = "pool", lock: str = "none", wake: str = "hook") -> str:
+    parts = [dedent(WORKER_KV_INIT[kv_init]), dedent(WORKER_WARMUP).replace("{lock}", WORKER_LOCK[lock]),
+             dedent(WORKER_WAKE[wake])]
+    return WORKER_HEADER + "\n".join(textwrap.indent(p, "    ") for p in parts)
+
+
+def v2_files(capture: str = "unlocked", wake: str = "rebuild", kv_init: str = "unscoped",
+             worker_kv_init: str = "pool", worker_lock: str = "none",
+             worker_wake: str = "hook") -> dict[str, str]:
+    return {
+        V2_RUNNER: runner_source(capture, wake, kv_init),
+        BLOCK_TABLE: BLOCK_TABLE_SOURCE,
+        WORKER: worker_source(worker_kv_init, worker_lock, worker_wake),
+    }
+
+
+# The upstream states the V2 rules must tell apart.
+V2_PRE_FIX = {}                                            # unlocked; layout rebuilt at wake
+V2_ONLY_LOCK = {"capture": "locked"}                       # #55341 alone
+V2_IN_PLACE = {"capture": "locked", "wake": "in_place"}    # #53197's in-place refresh
+V2_ALL_FIXES = {"capture": "locked", "kv_init": "scoped", "worker_kv_init": "passed",
+                "worker_wake": "no_hook"}                  # #55341 + #53508 as merged
+
+
 # --------------------------------------------------------------------------- trees
 
 def write_tree(root: Path, files: dict[str, str], version: str | None = None,
@@ -257,12 +588,15 @@ def metadata(version: str) -> str:
 
 
 def source_files(gemma: str | None = "fixed", guard: str | None = "is_none",
-                 refresh: str = "else_branch") -> dict[str, str]:
+                 refresh: str = "else_branch", v2: dict | None = None) -> dict[str, str]:
+    """The tree's audited files; `v2` (keyword arguments of v2_files) adds Model Runner V2."""
     files = {}
     if gemma is not None:
         files[GEMMA] = gemma_source(gemma)
     if guard is not None:
         files[NVFP4] = nvfp4_source(guard, refresh)
+    if v2 is not None:
+        files.update(v2_files(**v2))
     return files
 
 

@@ -32,6 +32,10 @@ except ImportError:  # ...or as a package, if one is added later
     from tests import fixtures_audit as fx
 
 
+# A tree without Model Runner V2 (vllm/v1/worker/gpu/) cannot carry its two fixes.
+NO_V2 = {"55341": "not-applicable", "53508": "not-applicable"}
+
+
 def states(result: AuditResult) -> dict[str, str]:
     return {c.fix_id: c.state for c in result.checks}
 
@@ -67,7 +71,7 @@ def test_find_fix_unknown_id_names_known_ones():
 def test_pre_fix_tree_has_nothing(tmp_path):
     root = tree(tmp_path, gemma="pre", **fx.PRE_FIX)
     result = audit_directory(root)
-    assert states(result) == {"43909": "absent", "50074": "absent", "57954": "absent"}
+    assert states(result) == {"43909": "absent", "50074": "absent", "57954": "absent", **NO_V2}
     text = (root / fx.NVFP4).read_text()
     kernel = result.check("50074")
     assert kernel.line == fx.line_of(text, "self.moe_kernel = make_nvfp4_moe_kernel")
@@ -79,21 +83,21 @@ def test_pre_fix_tree_has_nothing(tmp_path):
 
 def test_only_50074_tree(tmp_path):
     result = audit_directory(tree(tmp_path, **fx.ONLY_50074))
-    assert states(result) == {"43909": "present", "50074": "present", "57954": "absent"}
+    assert states(result) == {"43909": "present", "50074": "present", "57954": "absent", **NO_V2}
     assert "no in-place refresh" in result.check("57954").evidence
 
 
 def test_all_three_tree(tmp_path):
     root = tree(tmp_path, **fx.ALL_FIXES)
     result = audit_directory(root)
-    assert states(result) == {"43909": "present", "50074": "present", "57954": "present"}
+    assert states(result) == {"43909": "present", "50074": "present", "57954": "present", **NO_V2}
     nvfp4 = (root / fx.NVFP4).read_text()
     gemma = (root / fx.GEMMA).read_text()
     assert result.check("57954").line == fx.line_of(nvfp4, "g1_alphas.copy_")
     assert result.check("50074").line == fx.line_of(nvfp4, "self.moe_kernel = make")
     assert "is None" in result.check("50074").evidence
     assert result.check("43909").line == fx.line_of(gemma, "self._stable_full_lm_head_weight = head")
-    assert all(c.file in (fx.GEMMA, fx.NVFP4) for c in result.checks)
+    assert all(c.file in (fx.GEMMA, fx.NVFP4, fx.V2_RUNNER) for c in result.checks)
     assert result.version == "0.99.0"
     assert result.kind == "directory"
 
@@ -101,7 +105,7 @@ def test_all_three_tree(tmp_path):
 def test_no_nvfp4_file_is_not_applicable(tmp_path):
     result = audit_directory(tree(tmp_path, guard=None))
     assert states(result) == {"43909": "present", "50074": "not-applicable",
-                              "57954": "not-applicable"}
+                              "57954": "not-applicable", **NO_V2}
     assert result.check("50074").line is None
     assert "does not exist" in result.check("57954").evidence
 
@@ -150,7 +154,7 @@ def test_alpha_refresh_variants_are_recognized(tmp_path, refresh):
 
 def test_alpha_refresh_inside_early_return_branch(tmp_path):
     result = audit_directory(tree(tmp_path, guard="early_return", refresh="else_branch"))
-    assert states(result) == {"43909": "present", "50074": "present", "57954": "present"}
+    assert states(result) == {"43909": "present", "50074": "present", "57954": "present", **NO_V2}
 
 
 def test_copy_after_process_weights_after_loading_is_absent(tmp_path):
@@ -186,7 +190,7 @@ def test_module_that_does_not_parse_is_judged_per_function(tmp_path):
         "def broken(:\n    pass\n\n\nclass Nvfp4OnlineMoEMethod:")
     root = fx.write_tree(tmp_path / "src", files)
     result = audit_directory(root)
-    assert states(result) == {"43909": "present", "50074": "present", "57954": "absent"}
+    assert states(result) == {"43909": "present", "50074": "present", "57954": "absent", **NO_V2}
     text = (root / fx.NVFP4).read_text()
     assert result.check("50074").line == fx.line_of(text, "self.moe_kernel = make")
 
@@ -212,6 +216,229 @@ def test_function_that_does_not_parse_is_an_error_naming_it(tmp_path):
                                          rf"\(merge-conflict marker at line {marker}\), so fix #50074 "
                                          "cannot be judged"):
         audit_directory(root)
+
+
+# --------------------------------------------------------------------------- Model Runner V2
+
+def v2_tree(tmp_path: Path, drop: tuple[str, ...] = (), **v2) -> tuple[Path, AuditResult]:
+    """A tree with Model Runner V2's three files (less `drop`) in the state `v2` names."""
+    files = fx.source_files(v2=v2)
+    for rel in drop:
+        del files[rel]
+    root = fx.write_tree(tmp_path / "src", files, version="0.40.0")
+    return root, audit_directory(root)
+
+
+def text_of(root: Path, rel: str) -> str:
+    return (root / rel).read_text()
+
+
+@pytest.mark.parametrize("spec,expected", [
+    (fx.V2_PRE_FIX, ("absent", "absent")),
+    (fx.V2_ONLY_LOCK, ("present", "absent")),
+    (fx.V2_IN_PLACE, ("present", "present")),
+    (fx.V2_ALL_FIXES, ("present", "present")),
+])
+def test_v2_upstream_states(tmp_path, spec, expected):
+    _, result = v2_tree(tmp_path, **spec)
+    got = (result.check("55341").state, result.check("53508").state)
+    assert got == expected, [result.check(i).evidence for i in ("55341", "53508")]
+
+
+def test_v2_pre_fix_names_the_capture_and_the_rebuilt_tensor(tmp_path):
+    root, result = v2_tree(tmp_path, **fx.V2_PRE_FIX)
+    lock = result.check("55341")
+    assert (lock.file, lock.line) == (fx.V2_RUNNER,
+                                      fx.line_of(text_of(root, fx.V2_RUNNER), "self.speculator.capture()"))
+    assert "no lock_workspace() after it in capture_model()" in lock.evidence
+    assert "Worker.compile_or_warm_up_model()" in lock.evidence
+    # The rebuild is in BlockTables, one call below the runner's wake-up hook.
+    wake = result.check("53508")
+    assert (wake.file, wake.line) == (fx.BLOCK_TABLE, fx.line_of(
+        fx.BLOCK_TABLE_SOURCE, "self.block_table_ptrs = self._addresses"))
+    assert "rebinds self.block_table_ptrs = self._addresses(self.tables)" in wake.evidence
+    assert f"{fx.WORKER}:{fx.line_of(text_of(root, fx.WORKER), 'post_kv_cache_wake_up()')}" \
+        in wake.evidence
+
+
+def test_v2_files_absent_is_not_applicable(tmp_path):
+    # Only the runner decides: a worker alone (every V1 version has one) is not Model Runner V2.
+    _, result = v2_tree(tmp_path, drop=(fx.V2_RUNNER, fx.BLOCK_TABLE))
+    assert {k: states(result)[k] for k in NO_V2} == NO_V2
+    assert "does not exist" in result.check("55341").evidence
+
+
+# -- #55341 -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("capture,needle", [
+    ("locked", "lock_workspace()"),
+    ("manager_lock", "current_workspace_manager().lock()"),
+    ("helper_lock", "self._seal_workspace()"),
+])
+def test_workspace_lock_variants_are_recognized(tmp_path, capture, needle):
+    root, result = v2_tree(tmp_path, capture=capture)
+    check = result.check("55341")
+    assert check.state == "present", check.evidence
+    runner = text_of(root, fx.V2_RUNNER)
+    assert check.line == fx.line_of(runner, needle)
+    assert "after the capture by self.speculator.capture()" in check.evidence
+
+
+def test_workspace_lock_in_the_worker_counts(tmp_path):
+    # vLLM #46883's shape: the lock at the end of warmup, after capture_model().
+    root, result = v2_tree(tmp_path, worker_lock="after_capture")
+    check = result.check("55341")
+    assert (check.state, check.file) == ("present", fx.WORKER)
+    assert check.line == fx.line_of(text_of(root, fx.WORKER), "lock_workspace()")
+    assert "Worker.compile_or_warm_up_model() locks the workspace" in check.evidence
+
+
+@pytest.mark.parametrize("capture,says", [
+    ("helper_no_lock", "no lock_workspace() after it"),
+    ("lock_before", "the lock at line"),
+])
+def test_workspace_not_locked_after_capture_is_absent(tmp_path, capture, says):
+    _, result = v2_tree(tmp_path, capture=capture)
+    check = result.check("55341")
+    assert check.state == "absent"
+    assert says in check.evidence
+
+
+def test_workspace_lock_without_worker_says_so(tmp_path):
+    _, result = v2_tree(tmp_path, drop=(fx.WORKER,))
+    check = result.check("55341")
+    assert check.state == "absent"
+    assert f"no Worker.compile_or_warm_up_model() in {fx.WORKER} to read" in check.evidence
+
+
+def test_capture_model_without_a_capture_call_is_unknown(tmp_path):
+    root, result = v2_tree(tmp_path, capture="no_capture_call")
+    check = result.check("55341")
+    assert check.state == "unknown"
+    assert check.line == fx.line_of(text_of(root, fx.V2_RUNNER), "def capture_model")
+    assert "cannot see where graphs are captured" in check.evidence
+
+
+def test_unreadable_call_after_capture_is_unknown_unless_the_worker_locks(tmp_path):
+    root, result = v2_tree(tmp_path, capture="unread_helper")
+    check = result.check("55341")
+    assert check.state == "unknown"
+    assert check.line == fx.line_of(text_of(root, fx.V2_RUNNER), "self._finish_capture()")
+    assert "self._finish_capture()" in check.evidence and "cannot see whether it locks" in check.evidence
+    # A lock the rule can read settles it.
+    _, result = v2_tree(tmp_path / "locked", capture="unread_helper", worker_lock="after_capture")
+    assert result.check("55341").state == "present"
+
+
+# -- #53508 -----------------------------------------------------------------------------------
+
+def test_layout_refreshed_in_place_at_wake(tmp_path):
+    _, result = v2_tree(tmp_path, wake="in_place")
+    check = result.check("53508")
+    assert (check.state, check.file) == ("present", fx.BLOCK_TABLE)
+    assert check.line == fx.line_of(fx.BLOCK_TABLE_SOURCE, "self.block_table_ptrs.copy_")
+    assert "refreshes the layout in place (self.block_table_ptrs.copy_(...)" in check.evidence
+
+
+@pytest.mark.parametrize("worker_wake", ["hook", "hook_helper"])
+def test_layout_rebuilt_at_wake_is_absent(tmp_path, worker_wake):
+    _, result = v2_tree(tmp_path, worker_wake=worker_wake)
+    check = result.check("53508")
+    assert (check.state, check.file) == ("absent", fx.BLOCK_TABLE)
+    assert "graphs captured before sleep keep reading the old tensor" in check.evidence
+
+
+def test_one_rebuilt_layout_tensor_outweighs_an_in_place_refresh(tmp_path):
+    # slot_mapping_enabled has no "block" in its name: it counts because BlockTables owns it.
+    _, result = v2_tree(tmp_path, wake="half_in_place")
+    check = result.check("53508")
+    assert (check.state, check.file) == ("absent", fx.BLOCK_TABLE)
+    assert check.line == fx.line_of(fx.BLOCK_TABLE_SOURCE, "self.slot_mapping_enabled = ")
+    assert "rebinds self.slot_mapping_enabled" in check.evidence
+
+
+@pytest.mark.parametrize("wake,needle", [
+    ("rebuild_inline", "self.block_tables.block_sizes_tensor = torch.tensor"),
+    ("rebuild_wrapper", "self.block_tables.num_blocks = make_uva_tensor"),
+    ("rebuild_object", "self.block_tables = BlockTables(self.block_sizes"),
+])
+def test_layout_rebuilt_by_the_runner_itself_is_absent(tmp_path, wake, needle):
+    root, result = v2_tree(tmp_path, wake=wake)
+    check = result.check("53508")
+    assert (check.state, check.file) == ("absent", fx.V2_RUNNER)
+    assert check.line == fx.line_of(text_of(root, fx.V2_RUNNER), needle)
+    assert f"rebinds {needle.split(' =')[0]}" in check.evidence
+
+
+def test_layout_not_refreshed_inside_the_kv_pool_is_absent(tmp_path):
+    # Nothing rebuilds the layout, but it was made inside the kv_cache pool: level-1 sleep
+    # keeps its address and drops its values.
+    for worker_kv_init in ("pool", "pool_alias"):
+        root, result = v2_tree(tmp_path / worker_kv_init, worker_kv_init=worker_kv_init,
+                               worker_wake="no_hook")
+        check = result.check("53508")
+        assert (check.state, check.file) == ("absent", fx.WORKER), check.evidence
+        assert check.line == fx.line_of(text_of(root, fx.WORKER), "with ")
+        assert "does not call post_kv_cache_wake_up()" in check.evidence
+        assert "loses the layout tensors' values" in check.evidence
+
+
+def test_scoped_pool_without_wake_rebuild_is_present(tmp_path):
+    root, result = v2_tree(tmp_path, wake="none", kv_init="scoped")
+    check = result.check("53508")
+    assert (check.state, check.file) == ("present", fx.V2_RUNNER)
+    assert check.line == fx.line_of(text_of(root, fx.V2_RUNNER), "def initialize_kv_cache")
+    assert "takes and uses kv_cache_allocation_context" in check.evidence
+    assert "the runner defines no post_kv_cache_wake_up()" in check.evidence
+
+
+def test_allocation_context_that_is_dropped_is_not_a_scope(tmp_path):
+    _, result = v2_tree(tmp_path, wake="none", kv_init="ignored_param")
+    assert result.check("53508").state == "absent"
+
+
+def test_layout_hook_into_unreadable_code_is_unknown(tmp_path):
+    root, result = v2_tree(tmp_path, wake="unreadable")
+    check = result.check("53508")
+    assert (check.state, check.file) == ("unknown", fx.V2_RUNNER)
+    assert check.line == fx.line_of(text_of(root, fx.V2_RUNNER), "restore_layout_after_wake()")
+    assert "self.block_tables.restore_layout_after_wake()" in check.evidence
+    assert "cannot tell whether it rebuilds" in check.evidence
+
+
+def test_layout_scope_that_cannot_be_seen_is_unknown(tmp_path):
+    _, result = v2_tree(tmp_path, wake="none", worker_kv_init="bare")
+    check = result.check("53508")
+    assert check.state == "unknown"
+    assert "cannot see where the pool scope ends" in check.evidence
+
+
+def test_layout_hook_without_worker_is_unknown(tmp_path):
+    _, result = v2_tree(tmp_path, drop=(fx.WORKER,))
+    check = result.check("53508")
+    assert check.state == "unknown"
+    assert "no Worker.wake_up()" in check.evidence and "rebinds" not in check.evidence
+
+
+def test_layout_rebuild_without_block_table_file_is_unknown(tmp_path):
+    # Without block_table.py the hook's callee cannot be read: unknown, never a guess.
+    _, result = v2_tree(tmp_path, drop=(fx.BLOCK_TABLE,))
+    check = result.check("53508")
+    assert check.state == "unknown"
+    assert "init_block_table_layout_tensors()" in check.evidence
+
+
+def test_v2_fixes_are_read_from_archives(tmp_path):
+    # The worker and block_table.py are read from the wheel too, not only the runner.
+    wheel = fx.make_wheel(tmp_path / "vllm-0.40.0-py3-none-any.whl",
+                          fx.source_files(v2=fx.V2_PRE_FIX), version="0.40.0")
+    result = audit_archive(wheel)
+    assert (result.check("55341").state, result.check("53508").state) == ("absent", "absent")
+    assert result.check("53508").file == fx.BLOCK_TABLE
+    sdist = fx.make_sdist(tmp_path / "vllm-0.40.0.tar.gz",
+                          fx.source_files(v2=fx.V2_ALL_FIXES), version="0.40.0")
+    result = audit_archive(sdist)
+    assert (result.check("55341").state, result.check("53508").state) == ("present", "present")
 
 
 # --------------------------------------------------------------------------- directories
@@ -264,7 +491,7 @@ def test_wheel(tmp_path, spec, expected):
 def test_wheel_without_nvfp4_file(tmp_path):
     wheel = fx.make_wheel(tmp_path / "v.whl", fx.source_files(guard=None), version="0.24.0")
     assert states(audit_archive(wheel)) == {"43909": "present", "50074": "not-applicable",
-                                           "57954": "not-applicable"}
+                                           "57954": "not-applicable", **NO_V2}
 
 
 def test_sdist_with_top_level_versioned_folder(tmp_path):
@@ -273,7 +500,7 @@ def test_sdist_with_top_level_versioned_folder(tmp_path):
     result = audit_archive(sdist)
     assert result.version == "0.28.0"
     # The nested tests/data/vllm copy holds a pre-fix gemma file: it must not be chosen.
-    assert states(result) == {"43909": "present", "50074": "present", "57954": "absent"}
+    assert states(result) == {"43909": "present", "50074": "present", "57954": "absent", **NO_V2}
     line = result.check("50074").line
     assert line == fx.line_of(fx.nvfp4_source(**fx.ONLY_50074), "self.moe_kernel = make")
 
@@ -317,7 +544,7 @@ def test_installed_is_found_without_importing(tmp_path, monkeypatch):
     assert result.kind == "installed"
     assert result.version == "0.28.0"
     assert Path(result.source) == site / "vllm"
-    assert states(result) == {"43909": "present", "50074": "present", "57954": "absent"}
+    assert states(result) == {"43909": "present", "50074": "present", "57954": "absent", **NO_V2}
     assert "vllm" not in sys.modules
 
 
@@ -390,10 +617,11 @@ def result_with(**fix_states: str) -> AuditResult:
 
 
 def test_missing_required():
-    result = result_with(f50074="absent", f57954="not-applicable")
+    result = result_with(f50074="absent", f57954="not-applicable", f53508="unknown")
     assert missing_required(result, []) == []
-    assert missing_required(result, ["43909"]) == []
+    assert missing_required(result, ["43909", "55341"]) == []
     assert missing_required(result, ["#57954", "50074", "50074"]) == ["57954", "50074"]
+    assert missing_required(result, ["53508"]) == ["53508"]     # unknown never passes a gate
     with pytest.raises(AuditError):
         missing_required(result, ["999"])
 
@@ -402,7 +630,7 @@ def test_to_dict_is_json(tmp_path):
     result = audit_directory(tree(tmp_path, **fx.ALL_FIXES))
     data = json.loads(json.dumps(result.to_dict()))
     assert data["kind"] == "directory" and data["version"] == "0.99.0"
-    assert [c["fix_id"] for c in data["checks"]] == ["43909", "50074", "57954"]
+    assert [c["fix_id"] for c in data["checks"]] == ["43909", "50074", "57954", "55341", "53508"]
     assert set(data["checks"][0]) == {"fix_id", "title", "state", "file", "line", "evidence"}
 
 
@@ -416,6 +644,15 @@ def test_render_table_keeps_code_brackets(tmp_path):
     assert "0.99.0" in out
     for c in result.checks:
         assert f"#{c.fix_id}" in out and c.state in out
+
+
+def test_render_shows_unknown_and_evidence_in_another_file(tmp_path):
+    _, result = v2_tree(tmp_path, wake="unreadable", worker_lock="after_capture")
+    console = Console(record=True, width=300)
+    render(result, console)
+    out = console.export_text()
+    assert "unknown" in out and "restore_layout_after_wake" in out
+    assert f"{fx.WORKER}:{result.check('55341').line}" in out
 
 
 def test_library_has_no_print():

@@ -162,12 +162,26 @@ def test_vllm_audit_cli_states_and_require(tmp_path):
     result = invoke("vllm-audit", "--path", str(tree), "--json", "-")
     assert result.exit_code == 0, result.stderr
     states = {c["fix_id"]: c["state"] for c in json.loads(result.stdout)["checks"]}
-    assert states == {"43909": "present", "50074": "present", "57954": "absent"}
+    assert states == {"43909": "present", "50074": "present", "57954": "absent",
+                      "55341": "not-applicable", "53508": "not-applicable"}
     wheel = make_wheel(tmp_path / "vllm-0.28.0-py3-none-any.whl", source_files(refresh="none"), "0.28.0")
     assert invoke("vllm-audit", "--wheel", str(wheel), "--require", "50074").exit_code == 0
     failed = invoke("vllm-audit", "--wheel", str(wheel), "--require", "57954")
     assert failed.exit_code == 1 and "57954" in failed.stderr
     assert "99999" in one_line_error(invoke("vllm-audit", "--wheel", str(wheel), "--require", "99999"))
+
+
+def test_vllm_audit_cli_unknown_fails_a_requirement(tmp_path):
+    from fixtures_audit import source_files, write_tree
+    # The wake-up hook calls code the rule cannot read: #53508 is unknown, and a gate on it fails.
+    tree = write_tree(tmp_path / "src", source_files(v2={"capture": "locked", "wake": "unreadable"}))
+    result = invoke("vllm-audit", "--path", str(tree), "--require", "55341", "--json", "-")
+    assert result.exit_code == 0, result.stderr
+    states = {c["fix_id"]: c["state"] for c in json.loads(result.stdout)["checks"]}
+    assert (states["55341"], states["53508"]) == ("present", "unknown")
+    failed = invoke("vllm-audit", "--path", str(tree), "--require", "53508")
+    assert failed.exit_code == 1 and "53508" in failed.stderr
+    assert "unknown" in failed.stdout
 
 
 def test_parent_never_imports_torch_before_spawning():
