@@ -33,8 +33,8 @@ slice is still mapped, and its writes land on whatever now lives there; unmapped
 after-free knob decides which: `release` unmaps (ILLEGAL_ADDRESS), `reuse` and `poison` hand the
 freed blocks to other tensors (the knob's fills), and the step record counts the bytes of them the
 replays overwrote (MISMATCH: another tensor's contents changed under it), `keep` leaves them free
-(STALE_CAPTURE). Replacing the arena calls `empty_cache()` itself, so that variant faults whatever
-the knob does wherever an old arena had a segment of its own.
+(STALE_CAPTURE). Replacing the arena calls `empty_cache()` itself: there an old arena that had a
+segment of its own is unmapped before the knob acts, whatever it is (vLLM #45670's fault).
 
 Every step replays the graph of every captured size (a decode batch of each size) and checks it
 against an eager attention that uses no workspace. Upstream names: WorkspaceManager,
