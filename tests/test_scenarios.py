@@ -42,7 +42,9 @@ def test_run_keys_keep_the_places_of_schema_1():
                           "forensics"]
     assert names.index("reload_drafter") + 1 == names.index("num_speculative_tokens")
     assert names.index("num_speculative_tokens") + 1 == names.index("share_gpu")
-    assert names[-2:] == ["identity_reload", "expect"]
+    # identity_reload right after share_gpu, as schema 1 had it; later scenarios' keys after it, before expect.
+    assert names.index("share_gpu") + 1 == names.index("identity_reload")
+    assert names[-3:] == ["identity_reload", "resize_in_place", "expect"]
 
 
 def test_every_trial_carries_every_record_field():
