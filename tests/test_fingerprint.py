@@ -5,18 +5,24 @@ a deep check's fingerprint sees it; program writes and graph writes never read a
 from __future__ import annotations
 
 import ctypes
+import io
 import json
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 
 from repro import fingerprint
+from repro import report as rp
 from repro.config import load_preset, validate
 from repro.forensics import MemoryHistory
 from repro.graphs import HarnessMemory, capture
 from repro.guard import CaptureGuard, StaleCaptureError
+from repro.outcome import Outcome, Report, TrialRecord, report_from_dict, to_jsonable
 from repro.protocol import RecordSink, TrialSpec
+from repro.report import view
 from repro.scenarios import nvfp4_moe
 from repro.worker import WorkerContext
 
@@ -241,3 +247,28 @@ def test_a_sleep_between_replays_is_a_finding_record_before_the_next_replay(tmp_
     assert [(f.slot, f.status) for f in found] == [("runner.meta", "contents-changed")]
     events = [e for e in records(ctx) if e["event"] == "finding"]
     assert [(e["slot"], e["status"], e["when"]) for e in events] == [("runner.meta", "contents-changed", "after wake")]
+
+
+# -- the report: a status of its own, rendered like the others --------------------------------------
+
+def test_contents_changed_is_rendered_in_the_console_json_and_junit(tmp_path):
+    r = Runner()
+    guard = record(r)
+    wipe(r.meta)
+    finding = guard.check("after wake")[0]
+    trial = TrialRecord(id="sleep-wake-fixed", scenario="nvfp4-reload", mode="fixed",
+                        config={"scenario": "nvfp4-reload", "run": {"mode": "fixed", "tp": 1}},
+                        outcome=Outcome.STALE_CAPTURE, expected=[Outcome.CLEAN], met=False, graph_replayed=False,
+                        guard_findings=[finding], device="cpu")
+    console = Console(record=True, width=160, file=io.StringIO(), color_system=None)
+    rp.render_trial(trial, console)
+    text = console.export_text()
+    assert "CONTENTS-CHANGED runner.meta" in text and "no pointer check can see this" in text
+    assert view.finding_view(view.group_findings([finding])[0]).tone == view.BAD
+
+    report = Report(environment={}, trials=[trial])
+    back = report_from_dict(json.loads(json.dumps(to_jsonable(report))))
+    assert back.trials[0].guard_findings[0].status == "contents-changed"
+    rp.write_junit(report, tmp_path / "junit.xml")
+    failure = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite/testcase/failure")
+    assert "finding: rank 0 runner.meta contents-changed" in failure.text
