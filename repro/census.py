@@ -1664,6 +1664,9 @@ def merge_findings(guard: list[Finding], census: list[Finding], slots: list[Any]
                 g.disagreement = "the census found no captured address in this storage"
             elif g.status == "rebound":
                 g.disagreement = "the census sees the captured block still allocated (a rebinding is visible only to the guard)"
+            elif g.status == "contents-changed":
+                g.disagreement = ("the census sees the captured block still allocated (changed bytes at the same "
+                                  "address are visible only to the guard's fingerprint)")
             else:
                 said = {book.said.get(r.block.start) for _, r in refs} - {None}
                 g.disagreement = (f"the census reported this block earlier ({', '.join(sorted(said))})" if said

@@ -66,13 +66,20 @@ class Captured:
     inputs: tuple[torch.Tensor, ...]  # static inputs, written before each replay
     output: Any                       # static outputs (tensor or tuple), read after replay
     on_replay: Callable[[str], None] | None = None   # told before each real replay starts
+    guard: Any = None                 # repro.guard.CaptureGuard: brackets the first replay
+    replays: int = 0
 
     def replay(self) -> Any:
         if self.graph is None:
             return None
         if self.on_replay is not None:
             self.on_replay(self.label)   # on disk before a replay that may kill the process
-        self.graph.replay()
+        if self.replays == 0 and self.guard is not None:
+            with self.guard.replaying(self.label):   # what the graph writes is not a lost input
+                self.graph.replay()
+        else:
+            self.graph.replay()
+        self.replays += 1
         return self.output
 
 
@@ -99,12 +106,13 @@ def capture(fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...], label: str
             fn(*inputs)
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph(keep_graph=True) if census is not None else torch.cuda.CUDAGraph()
-    with guard.capture(graph, label, pool=pool):
+    with guard.capture(graph, label, pool=pool, fingerprint=False):
         out = fn(*inputs)
     if census is not None:
         census.add(graph, label, pool)
         graph.instantiate()
-    return Captured(label=label, graph=graph, inputs=inputs, output=out, on_replay=on_replay)
+    guard.fingerprint(label)             # after the census read the graph: nothing allocated before
+    return Captured(label=label, graph=graph, inputs=inputs, output=out, on_replay=on_replay, guard=guard)
 
 
 @dataclass

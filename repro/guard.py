@@ -60,13 +60,13 @@ import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, ContextManager, NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from repro import owners, sites
+from repro import fingerprint, owners, sites
 from repro.outcome import Finding, Manifest
 from repro.owners import Named, Owner, bind_owners, build_index, exposed_name, hold, resolve, storage_of
 from repro.sites import frame_site, holder_of, storage_key, user_frame
@@ -82,6 +82,11 @@ FIX_REBOUND = ("Replaying will keep using the old tensor, not the owner's curren
                "it changes.")
 FIX_MOVED = ("Replaying will touch memory the storage no longer owns: do not resize or re-point "
              "captured storages, or re-capture after they change.")
+FIX_CONTENTS = ("Replaying will compute with the new bytes: keep the tensor out of memory that is "
+                "discarded (a sleeping pool's scope), restore it before the next replay, or rebuild it "
+                "and re-capture. A write the program meant but torch did not count (through .data, "
+                "numpy, a raw kernel) reads the same: write through the tensor itself (copy_), or "
+                "inside guard.program_writes().")
 
 # The guard's own files never name a user's site; callers add theirs (capture helpers, collectives).
 OWN_FILES = sites.module_files(sys.modules[__name__], owners, sites)
@@ -124,6 +129,12 @@ class Slot:
     # the graphs that allocate from that very pool: for them the storage is pool-managed.
     pool: tuple[int, int] | None = None
     managed_in: set[str] = field(default_factory=set, repr=False, compare=False)
+    # Contents (repro/fingerprint.py): a captured op wrote the storage (graph-written, never
+    # fingerprinted); a weak handle to the tensor first seen (its version counter); the
+    # fingerprint of the bytes the graph reads, as of the last check point.
+    written: bool = field(default=False, repr=False, compare=False)
+    handle: weakref.ref | None = field(default=None, repr=False, compare=False)
+    contents: fingerprint.Print | None = field(default=None, repr=False, compare=False)
 
     @property
     def graph(self) -> str:
@@ -162,9 +173,10 @@ class _Recording:
 
 class _Status(NamedTuple):
     """A tuple, not a dataclass: check() builds one per slot per replay."""
-    status: str                   # "freed" | "moved" | "rebound" | "unchanged"
+    status: str                   # "freed" | "moved" | "rebound" | "unchanged" | "contents-changed"
     new_ptr: int | None = None
-    detail: str = ""              # for rebound: "rebound" (a new tensor) | "dropped" (none)
+    detail: str = ""              # for rebound: "rebound" (a new tensor) | "dropped" (none);
+                                  # for contents-changed: since when the bytes were as captured
 
 
 _UNCHANGED = _Status("unchanged")
@@ -218,7 +230,8 @@ class CaptureGuard:
     """
     _not_an_owner = True          # naming never walks into a guard
 
-    def __init__(self, mode: str = "warn", rank: int = 0, plumbing: Iterable[str] = (), compiles: bool = True):
+    def __init__(self, mode: str = "warn", rank: int = 0, plumbing: Iterable[str] = (), compiles: bool = True,
+                 scratch: Callable[[], ContextManager] | None = None):
         if mode not in MODES:
             raise ValueError(f"guard mode {mode!r} is not one of {', '.join(MODES)}")
         self.mode = mode
@@ -248,6 +261,9 @@ class CaptureGuard:
         self._unnamed: set[tuple[int, int]] = set()     # (storage key, data_ptr)
         self._extents: tuple[dict[int, Named] | None, Extents] | None = None
         self.index_builds = 0
+        # Where the fingerprints' temporaries are allocated (the harness's own pool): on a GPU
+        # they must not land in freed captured blocks, whose bytes decide how a bug shows.
+        self._scratch = scratch or contextlib.nullcontext
 
     # -- public API -------------------------------------------------------------------------
 
@@ -301,6 +317,8 @@ class CaptureGuard:
                 yield
         finally:
             self._live_refs.clear()
+        if not rec.capturing:
+            self.fingerprint(graph)    # a dry run ends here; a real capture after capture_end
 
     def adopt(self, graph: str, words: Iterable[Any], frame: Any = None) -> list[Any]:
         """Slots for a capture the graph census read, with nothing recorded at the dispatcher.
@@ -397,11 +415,13 @@ class CaptureGuard:
 
     @contextlib.contextmanager
     def capture(self, graph: torch.cuda.CUDAGraph, label: str, pool=None, stream=None,
-                use_torch_liveness: bool = False) -> Iterator[None]:
+                use_torch_liveness: bool = False, fingerprint: bool = True) -> Iterator[None]:
         """``torch.cuda.graph(graph, pool, stream)`` + ``recording(label)``.
 
         use_torch_liveness=True also passes ``check_input_liveness=True`` where the running torch
         accepts it (>= 2.13), so ``graph.replay()`` itself raises on dead inputs.
+        fingerprint=False: the caller calls fingerprint(label) itself, later (after its own
+        capture-end work).
         """
         kwargs: dict[str, Any] = {}
         if use_torch_liveness and torch_supports_liveness():
@@ -410,6 +430,8 @@ class CaptureGuard:
         with torch.cuda.graph(graph, pool=pool, stream=stream, **kwargs):
             with self.recording(label):
                 yield
+        if fingerprint:
+            self.fingerprint(label)
 
     def check(self, when: str, graph: str | None = None, deep: bool = True) -> list[Finding]:
         """Findings new since the last check (each slot once per status).
@@ -432,6 +454,8 @@ class CaptureGuard:
             slot.reported.add(status.status)
             findings.append(self._finding(slot, status, when))
             self._live_refs.clear()
+        if deep:
+            findings += self._check_contents(when, graph)
         if findings and self.mode == "raise":
             raise StaleCaptureError(findings[0].message, findings)
         return findings
@@ -491,6 +515,67 @@ class CaptureGuard:
         """Every file whose frames are not user sites: torch aside, the guard's and the caller's."""
         return self._plumbing
 
+    # -- contents (repro/fingerprint.py) ----------------------------------------------------
+
+    def fingerprint(self, graph: str) -> None:
+        """After a capture ended (outside it): fingerprint the storages it reads and no captured
+        op writes, outside every graph pool. One sync per device; recording() and capture() call
+        it, graphs.capture after its census."""
+        if self.mode == "off":
+            return
+        slots = [s for s in self._by_graph.get(graph, ()) if fingerprint.checkable(s, graph)]
+        with self._scratch():
+            fingerprint.take(slots, f"the end of capture '{graph}'", resolve)
+
+    def _check_contents(self, when: str, graph: str | None) -> list[Finding]:
+        """Deep checks: storages whose bytes changed while no version counter moved."""
+        slots = [s for s in (self._slots.values() if graph is None else self._by_graph.get(graph, ()))
+                 if s.contents is not None and fingerprint.checkable(s, graph)]
+        if not slots:
+            return []
+        with self._scratch():
+            changed = fingerprint.compare(slots, f"the check '{when}'", resolve)
+        findings = []
+        for slot, old in changed:
+            slot.reported.add(fingerprint.CONTENTS_CHANGED)
+            status = _Status(fingerprint.CONTENTS_CHANGED, None, fingerprint.since_text(old))
+            findings.append(self._finding(slot, status, when))
+        return findings
+
+    @contextlib.contextmanager
+    def replaying(self, graph: str) -> Iterator[None]:
+        """Around a graph's first replay (graphs.Captured brackets it): every fingerprinted
+        storage whose bytes the replay changed is graph-written from then on (a write no
+        captured op's schema declared). Every graph's storages: one graph may write what
+        another reads. Two fingerprints, one sync each; the first replay only."""
+        slots = [s for s in self._slots.values() if s.contents is not None and fingerprint.checkable(s, None)]
+        if not slots:             # mode off records nothing
+            yield
+            return
+        with self._scratch():
+            before = fingerprint.measure(slots)
+        yield
+        with self._scratch():
+            for slot in fingerprint.changed_since(slots, before):
+                slot.written = True
+
+    @contextlib.contextmanager
+    def program_writes(self) -> Iterator[None]:
+        """Writes made inside the block are the program's, also those no version counter
+        counts (``param.data.copy_(...)``): the captured storages they wrote get a new
+        reference fingerprint at the next deep check instead of a finding. Costs one dispatch
+        per op inside the block (ops are seen, not their memory: numpy or a raw kernel is not)."""
+        if self.mode == "off":
+            yield
+            return
+        keys: set[int] = set()
+        with self._observer(lambda func, args, kwargs, out: keys.update(fingerprint.written_keys(func, args, kwargs))):
+            yield
+        for key in keys:
+            slot = self._slots.get(key)
+            if slot is not None:
+                fingerprint.forget(slot)
+
     # -- recording --------------------------------------------------------------------------
 
     def _observe(self, rec: _Recording, func, args, kwargs, out) -> None:
@@ -515,6 +600,7 @@ class CaptureGuard:
                 if storage.data_ptr() == 0 or not graph_visible(t, rec.capturing):
                     continue
                 slot = self._new_slot(rec, func, t, storage)
+                slot.handle = fingerprint.handle_of(t)
                 slots[key] = slot
                 self._by_graph[label].append(slot)
                 listen_for_drop(slot, storage, self._plumbing, self.drops)
@@ -522,6 +608,8 @@ class CaptureGuard:
                 if widen_slot(slot, t, label):
                     self._by_graph[label].append(slot)
         note_produced(rec, out_tensors(out), input_keys, slots)
+        if fingerprint.written_args(func):
+            fingerprint.mark_written(func, args, kwargs, slots)
 
     def _new_slot(self, rec: _Recording, func, t: torch.Tensor, storage) -> Slot:
         key = storage._cdata
@@ -892,6 +980,9 @@ def finding_message(slot: Slot, status: _Status) -> str:
     if status.status == "moved":
         return (f"{head}, but that storage now lives at {status.new_ptr:#x} (it was resized or "
                 f"re-pointed). {FIX_MOVED}")
+    if status.status == fingerprint.CONTENTS_CHANGED:
+        return (f"{head}, and its bytes changed {status.detail} while no torch write reached it: the "
+                f"storage is alive at the same address, so no pointer check can see this. {FIX_CONTENTS}")
     if status.detail == "dropped":
         return (f"{head}, but {owner} no longer holds a tensor; the old storage is still alive "
                 f"only through another reference. {FIX_REBOUND}")

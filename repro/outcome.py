@@ -116,8 +116,9 @@ class Finding:
     """
     slot: str                       # readable name, e.g. "drafter.<local lm_head_weight>"
     graph: str                      # label of the capture that recorded it
-    status: str                     # guard: "freed" | "moved" (resized / re-pointed) | "rebound";
-                                    # census: "freed" | "released" | "reused"
+    status: str                     # guard: "freed" | "moved" (resized / re-pointed) | "rebound" |
+                                    # "contents-changed" (same address, new bytes, no torch write:
+                                    # repro/fingerprint.py); census: "freed" | "released" | "reused"
     when: str                       # e.g. "before replay, step 0"
     rank: int
     shape: list[int]

@@ -182,9 +182,11 @@ def build_context(spec: TrialSpec, rank: int, sink: RecordSink) -> WorkerContext
     # The harness's capture and collective helpers are plumbing: sites and stacks name the
     # scenario line that asked for a tensor, not the helper that allocated it.
     # No scenario compiles: the recording need not hide from torch.compile (which costs the
-    # torch._dynamo import, seconds of every trial).
+    # torch._dynamo import, seconds of every trial). The guard's fingerprints allocate in the
+    # harness's pool: never in freed captured blocks, whose bytes decide how a bug shows.
+    memory = graphs.HarnessMemory(device)
     stale_guard = guard.CaptureGuard(mode=cfg.run.guard, rank=rank, plumbing=(dist.__file__, graphs.__file__),
-                                     compiles=False)
+                                     compiles=False, scratch=memory.use)
     history = forensics.MemoryHistory(enabled=cfg.run.forensics and device.type == "cuda",
                                       plumbing=stale_guard.plumbing)
     history.start()
@@ -196,7 +198,7 @@ def build_context(spec: TrialSpec, rank: int, sink: RecordSink) -> WorkerContext
     sink.emit(Event.PHASE, name="init", seconds=time.perf_counter() - start)
     ctx = WorkerContext(spec=spec, cfg=cfg, rank=rank, device=device, tp=tp, sink=sink,
                         guard=stale_guard, history=history,
-                        memory=graphs.HarnessMemory(device), census=open_census(device, rank, history, sink))
+                        memory=memory, census=open_census(device, rank, history, sink))
     ctx.timings["init"] = time.perf_counter() - start
     return ctx
 

@@ -71,3 +71,18 @@ def test_engine_step_alternates_the_replay_functions_and_restores_the_hook(bench
     assert out["step_us"] == {"hooked": 3.0, "bare": 2.0, "ratio": 1.5}
     assert out["pipelined_us"]["ratio"] == 1.5
     assert graph_class.replay is hooked
+
+
+def test_fingerprint_benchmark_runs_on_the_cpu_at_a_small_size(benchmarks_on_path, tmp_path, capsys):
+    """The contents fingerprint's costs, CPU-runnable: every input fingerprinted, a sampled row
+    above FULL_BYTES (times are not asserted)."""
+    import json
+    spec = importlib.util.spec_from_file_location("benchmark_fingerprint", BENCHMARKS / "fingerprint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "fingerprint.json"
+    assert module.main(["--device", "cpu", "--counts", "3", "--sizes", "4096", str(2 << 20), "--repeats", "1",
+                        "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["count"], r["size_bytes"], r["sampled"], r["fingerprinted"]) for r in rows] == \
+        [(3, 4096, False, 3), (3, 2 << 20, True, 3)]

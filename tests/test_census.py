@@ -292,6 +292,12 @@ def test_merge_shows_what_the_census_says_of_a_guard_only_finding():
     assert C.merge_findings([guard_finding()], [], [], True, None)[0].disagreement == ""
 
 
+def test_merge_says_changed_bytes_at_a_live_block_are_the_fingerprints_alone():
+    book = book_with("g")
+    changed = C.merge_findings([guard_finding(status="contents-changed")], [], [], True, book)
+    assert changed[0].mechanism == "guard" and "only to the guard's fingerprint" in changed[0].disagreement
+
+
 # ------------------------------------------------------------------ reading parameter buffers
 
 class FakeDriver:

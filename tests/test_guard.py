@@ -554,7 +554,7 @@ def test_mechanism_and_capture_signature():
     assert guard.mechanism == "repro dispatch-mode guard"
     import inspect
     params = inspect.signature(guard.capture).parameters
-    assert list(params) == ["graph", "label", "pool", "stream", "use_torch_liveness"]
+    assert list(params) == ["graph", "label", "pool", "stream", "use_torch_liveness", "fingerprint"]
     assert guard.torch_liveness_available == (
         "check_input_liveness" in inspect.signature(torch.cuda.graph).parameters)
 

@@ -55,7 +55,7 @@ MEANINGS: dict[Outcome, str] = {
     Outcome.NONFINITE: "NaN/Inf in the output{where}: the replay read stale or overwritten memory.",
     Outcome.MISMATCH: "Finite output that differs from the reference{where}: the replay silently "
                       "computed with the wrong values.",
-    Outcome.STALE_CAPTURE: "Captured memory was found freed, moved or reused{where} (by the guard or "
+    Outcome.STALE_CAPTURE: "Captured memory was found freed, moved, reused or overwritten{where} (by the guard or "
                            "the graph census) with no visible symptom yet: the bug is latent and shows "
                            "once the memory is reused.",
     Outcome.HANG: "No rank made progress{where} (no record for the stall limit, or none by the deadline); "
@@ -455,7 +455,7 @@ def finding_view(group: FindingGroup) -> FindingView:
         facts.append(Fact("message", plain(f.message)))
     slot = f.slot if len(group.names()) == 1 else group.pattern
     return FindingView(status=f.status, slot=plain(slot), rank=f.rank,
-                       tone=BAD if f.status == "freed" else WARN, facts=facts,
+                       tone=BAD if f.status in ("freed", "contents-changed") else WARN, facts=facts,
                        ranks=ranks_text(group.ranks() or [f.rank]), count=group.count)
 
 
