@@ -40,7 +40,11 @@ contents can find); the layout is the same tensor for the graph and for Python, 
 shows even on CPU, where the eager path stands in for the graph. Rebuild moves Python to new
 tensors and frees the captured ones: the guard's pointer checks find it, the after-free knob
 applies, and on CPU the eager path reads the rebuilt (right) layout, so only the guard tells.
-Folding one into the other would hide one of the two shapes.
+Folding one into the other would hide one of the two shapes. The fixed mode takes #53197's refresh
+rather than #53508's narrowed scope: both leave the graph reading the right values at the
+captured address; the refresh keeps the discard happening (the program's own write puts back
+what the remap took, which a check of contents must tell from a loss), and its diff sits in the
+wake's hook beside the rebuild it replaces.
 
 The loop is gemma4-mtp's (its drafter, target stand-in, propose/verify/accept and acceptance
 bookkeeping, imported): the first half of the steps before the sleep, the rest after the wake.
@@ -236,9 +240,12 @@ class Engine:
     # -- sleep and wake ----------------------------------------------------------------------
 
     def kv_cache_pool(self) -> list[torch.Tensor]:
+        """What initialize_kv_cache made inside the `kv_cache` scope: the backing and the layout."""
         return [self.kv, *self.layout.tensors()]
 
     def weights_pool(self) -> list[torch.Tensor]:
+        """What model loading made inside the `weights` scope: both models' weights and buffers (the
+        gathered lm_head of TP > 1 is made at capture, outside every pool: a sleep leaves it)."""
         return [*self.drafter.parameters(), *self.drafter.buffers(), *target_tensors(self.target).values()]
 
     def sleep(self, level: int) -> dict[str, torch.Tensor]:
