@@ -104,7 +104,12 @@ def installed_torch() -> dict[str, Any]:
 def trial_id(index: int, cfg: TrialConfig) -> str:
     r = cfg.run
     parts = [f"{index:02d}", cfg.scenario, r.mode, f"tp{r.tp}", r.after_free]
-    parts += [k.tag for k in SCENARIOS[cfg.scenario].run_keys if getattr(r, k.name) is True]
+    for k in SCENARIOS[cfg.scenario].run_keys:
+        value = getattr(r, k.name)
+        if k.tag and value is True:
+            parts.append(k.tag)                   # a switch that is on: 'reload'
+        elif k.tag and k.type is int and value:
+            parts.append(f"{k.tag}{value}")      # a number: 'level2'
     return "-".join(parts)
 
 

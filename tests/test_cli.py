@@ -411,6 +411,8 @@ def test_a_real_dims_preset_on_cpu_is_estimated_before_it_starts(tmp_path, no_gp
     ("nvfp4-reload", "qwen3-30b-a3b-moe", {}, "(qwen3-30b-a3b-moe measured on a shared 2-core CPU"),
     ("gemma4-mtp", "gemma4-tiny", {}, None),
     ("nvfp4-reload", "moe-tiny", {}, None),
+    ("sleep-wake", "sleep-wake-e2b", {}, "sleep-wake-e2b on CPU: real model dimensions, slow here"),
+    ("sleep-wake", "sleep-wake-tiny", {}, None),
 ])
 def test_cpu_estimate_is_the_scenarios_own_and_only_for_real_sizes(scenario, preset, run, needle):
     from repro.cli import cpu_warnings

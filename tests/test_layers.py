@@ -19,7 +19,7 @@ TORCH_SIDE = {
     "repro.dist", "repro.fingerprint", "repro.graphs", "repro.guard", "repro.nvfp4", "repro.owners", "repro.sites",
     "repro.specdec", "repro.stability",
     "repro.scenarios.gemma4_mtp", "repro.scenarios.gemma4_target", "repro.scenarios.nvfp4_moe",
-    "repro.scenarios.selftest", "repro.scenarios.workspace_grow",
+    "repro.scenarios.selftest", "repro.scenarios.sleep_wake", "repro.scenarios.workspace_grow",
 }
 
 

@@ -42,9 +42,10 @@ def test_run_keys_keep_the_places_of_schema_1():
                           "forensics"]
     assert names.index("reload_drafter") + 1 == names.index("num_speculative_tokens")
     assert names.index("num_speculative_tokens") + 1 == names.index("share_gpu")
-    # identity_reload right after share_gpu, as schema 1 had it; later scenarios' keys after it, before expect.
+    # identity_reload right after share_gpu, as schema 1 had it; later scenarios' keys after it,
+    # in registry order, before expect.
     assert names.index("share_gpu") + 1 == names.index("identity_reload")
-    assert names[-3:] == ["identity_reload", "resize_in_place", "expect"]
+    assert names[-4:] == ["identity_reload", "resize_in_place", "sleep_level", "expect"]
 
 
 def test_every_trial_carries_every_record_field():
@@ -85,4 +86,7 @@ def test_cli_has_one_command_per_scenario_with_its_modes_and_run_keys():
 def test_trial_id_tags_come_from_the_registry():
     cfg = config.validate(config.apply_overrides(config.load_preset("gemma4-tiny"), {"reload_drafter": True}, []))
     assert runner.trial_id(3, cfg) == "03-gemma4-mtp-unfixed-tp2-release-reload"
+    # A number's tag carries its value (the switch-only rule would leave the level out).
+    cfg = config.validate(config.apply_overrides(config.load_preset("sleep-wake-tiny"), {"sleep_level": 2}, []))
+    assert runner.trial_id(0, cfg) == "00-sleep-wake-unfixed-tp1-reuse-level2"
 

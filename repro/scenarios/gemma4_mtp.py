@@ -342,6 +342,52 @@ def target_only(target: TargetStandIn, ref: Sequences, b: int, counts: list[int]
     return [row[:c] for row, c in zip(columns, counts)]
 
 
+@dataclass
+class Loop:
+    """What every decode step of the speculative loop reads besides the drafter: the target, the
+    sequences and their target-only twin (ref), the oracle of the drafts, k and the drafts' dtype."""
+    target: TargetStandIn
+    seqs: Sequences
+    ref: Sequences
+    oracle: Oracle
+    k: int
+    dtype: torch.dtype
+
+
+def speculative_step(ctx, loop: Loop, sample, step: int, b: int, size: int, label: str = "",
+                     extra: dict | None = None) -> torch.Tensor:
+    """One decode step for sequences [0, b), checked and recorded: propose through `sample` (the
+    draft graph of batch size `size`), verify, accept; the drafts against the oracle, the emitted
+    tokens against target-only greedy decoding. label: put before the step's own label; extra:
+    added to the record's. Returns accepted [b]; raises, once the step is recorded, when the loop
+    was not lossless."""
+    k = loop.k
+    start = time.perf_counter()
+    with ctx.phase("replays"), ctx.memory.use():
+        drafted, target_tokens, accepted = decode_step(loop.target, sample, loop.seqs, b, k, loop.dtype, ctx.tp)
+    seconds = time.perf_counter() - start
+    with ctx.phase("oracle"), ctx.memory.use():
+        eager = torch.stack([loop.oracle.top_tokens(h, size) for h in drafted.hiddens], dim=1)   # [B, k]
+        emitted = emitted_tokens(target_tokens, accepted)
+        diverged = first_divergence(emitted, target_only(loop.target, loop.ref, b, [len(e) for e in emitted]))
+    stats = SpecStats()
+    stats.add(accepted, k)
+    ctx.step(StepRecord(
+        step=step, rank=ctx.rank, batch=b, replayed=drafted.replayed, numel=drafted.scores.numel(),
+        nonfinite=int((~torch.isfinite(drafted.scores)).sum()), compared=drafted.local.numel(),
+        mismatches=int((drafted.local != eager).sum()), seconds=seconds,
+        label=f"{label}{'graph' if drafted.replayed else 'eager'} bs={size} k={k}",
+        extra={"rank_disagreements": drafted.rank_disagreements, "passes": stats.passes,
+               "proposed": stats.proposed, "accepted": stats.accepted, "emitted": stats.emitted,
+               "acceptance_rate": stats.acceptance_rate, "mean_accepted_length": stats.mean_accepted_length,
+               "lossless": diverged is None, **(extra or {})}))
+    if diverged is not None:
+        i, j = diverged
+        raise RuntimeError(f"speculative decoding was not lossless at step {step}: sequence {i} token {j} "
+                           f"differs from target-only greedy decoding (a bookkeeping bug in the loop)")
+    return accepted
+
+
 def run(ctx) -> None:
     dims: Gemma4Dims = ctx.cfg.model
     run_cfg = ctx.cfg.run
@@ -382,6 +428,7 @@ def run(ctx) -> None:
         # and the report says it per trial.
         ctx.note("CPU run: no CUDA graph was captured or replayed; the eager path stood in for the "
                  "centroid graphs")
+    loop = Loop(target, seqs, ref, oracle, k, drafter.dtype)
     schedule = [t for t in SCHEDULE if t <= max(dims.batch_sizes)]
     for step in range(run_cfg.steps):
         ctx.begin_step(step)
@@ -389,29 +436,6 @@ def run(ctx) -> None:
         size = bucket(b, dims.batch_sizes)
         # Deep (rebinding) check once after set-up and reload; liveness before every replay.
         ctx.check_guard(f"before replay, step {step}", graph=graph_label(size), deep=step == 0)
-        start = time.perf_counter()
-        with ctx.phase("replays"), ctx.memory.use():
-            drafted, target_tokens, accepted = decode_step(target, proposer.greedy_sample, seqs, b, k,
-                                                           drafter.dtype, ctx.tp)
-        seconds = time.perf_counter() - start
-        with ctx.phase("oracle"), ctx.memory.use():
-            eager = torch.stack([oracle.top_tokens(h, size) for h in drafted.hiddens], dim=1)   # [B, k]
-            emitted = emitted_tokens(target_tokens, accepted)
-            diverged = first_divergence(emitted, target_only(target, ref, b, [len(e) for e in emitted]))
-        stats = SpecStats()
-        stats.add(accepted, k)
-        ctx.step(StepRecord(
-            step=step, rank=ctx.rank, batch=b, replayed=drafted.replayed, numel=drafted.scores.numel(),
-            nonfinite=int((~torch.isfinite(drafted.scores)).sum()), compared=drafted.local.numel(),
-            mismatches=int((drafted.local != eager).sum()), seconds=seconds,
-            label=f"{'graph' if drafted.replayed else 'eager'} bs={size} k={k}",
-            extra={"rank_disagreements": drafted.rank_disagreements, "passes": stats.passes,
-                   "proposed": stats.proposed, "accepted": stats.accepted, "emitted": stats.emitted,
-                   "acceptance_rate": stats.acceptance_rate, "mean_accepted_length": stats.mean_accepted_length,
-                   "lossless": diverged is None}))
-        if diverged is not None:
-            i, j = diverged
-            raise RuntimeError(f"speculative decoding was not lossless at step {step}: sequence {i} token {j} "
-                               f"differs from target-only greedy decoding (a bookkeeping bug in the loop)")
+        speculative_step(ctx, loop, proposer.greedy_sample, step, b, size)
     ctx.sync()
     del after_free

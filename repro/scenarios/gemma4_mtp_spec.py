@@ -34,6 +34,15 @@ class Gemma4Dims:
 
 
 def validate(m: Gemma4Dims, r: Any, check: Check) -> None:
+    validate_dims(m, r, check)
+    if r.num_speculative_tokens == 0:
+        r.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
+    check(1 <= r.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS, "num_speculative_tokens",
+          f"num_speculative_tokens = {r.num_speculative_tokens} must be between 1 and {MAX_SPECULATIVE_TOKENS}")
+
+
+def validate_dims(m: Gemma4Dims, r: Any, check: Check) -> None:
+    """The drafter's and target's dims rules (every scenario built on them)."""
     for key in ("vocab_size", "hidden_size", "num_centroids", "centroid_top_k"):
         check(getattr(m, key) >= 1, "", f"model.{key} = {getattr(m, key)} must be >= 1")
     check(m.vocab_size % m.num_centroids == 0, "",
@@ -48,10 +57,6 @@ def validate(m: Gemma4Dims, r: Any, check: Check) -> None:
     check(m.backbone_hidden_size >= m.hidden_size, "",
           f"model.backbone_hidden_size = {m.backbone_hidden_size} is smaller than model.hidden_size = "
           f"{m.hidden_size}; the drafter reads its hidden state from the target's backbone state")
-    if r.num_speculative_tokens == 0:
-        r.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
-    check(1 <= r.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS, "num_speculative_tokens",
-          f"num_speculative_tokens = {r.num_speculative_tokens} must be between 1 and {MAX_SPECULATIVE_TOKENS}")
 
 
 def expectation(r: Any) -> str:

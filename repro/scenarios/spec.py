@@ -36,7 +36,8 @@ class RunKeySpec:
     name: str                         # RunConfig field, e.g. reload_drafter
     flag: str                         # Typer declaration, e.g. --reload-drafter/--no-reload-drafter
     help: str
-    tag: str = ""                     # switches: appended to the trial id when on, e.g. reload
+    tag: str = ""                     # appended to the trial id: a switch's when on (reload), a
+                                      # number's with its value when set (level2)
     type: type = bool
     default: str = ""                 # numbers: what 0 (left out) resolves to, for --help
     # The common [run] key it follows in a trial's config; the keys of schema repro.report/1
