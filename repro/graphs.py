@@ -41,6 +41,7 @@ class HarnessMemory:
     def __init__(self, device: torch.device):
         self.device = device
         self.pool = None
+        self.depth = 0                # use() blocks open: inner ones are already in the pool
         if device.type == "cuda" and hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool"):
             self.pool = torch.cuda.MemPool()
 
@@ -50,11 +51,22 @@ class HarnessMemory:
 
     @contextlib.contextmanager
     def use(self) -> Iterator[None]:
-        if self.pool is None:
-            yield
+        """Allocate in the harness's pool. Re-entrant: the guard's checks (which allocate here)
+        run inside a scenario's own use() blocks too, and torch refuses to begin allocating to
+        a pool it already allocates to ("already recording to mempool_id")."""
+        if self.pool is None or self.depth:
+            self.depth += 1
+            try:
+                yield
+            finally:
+                self.depth -= 1
             return
         with torch.cuda.use_mem_pool(self.pool, device=self.device):
-            yield
+            self.depth += 1
+            try:
+                yield
+            finally:
+                self.depth -= 1
 
 
 @dataclass

@@ -272,3 +272,32 @@ def test_contents_changed_is_rendered_in_the_console_json_and_junit(tmp_path):
     rp.write_junit(report, tmp_path / "junit.xml")
     failure = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite/testcase/failure")
     assert "finding: rank 0 runner.meta contents-changed" in failure.text
+
+
+def test_harness_memory_use_nests_without_beginning_the_pool_twice(monkeypatch):
+    """The guard's checks allocate in the harness pool from inside a scenario's own use() blocks;
+    torch refuses a second begin on a pool it already allocates to, so inner blocks only count."""
+    import contextlib
+    entered = []
+
+    @contextlib.contextmanager
+    def use_mem_pool(pool, device=None):
+        if entered:
+            raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
+        entered.append(pool)
+        try:
+            yield
+        finally:
+            entered.pop()
+    memory = HarnessMemory(CPU)
+    memory.pool = "harness pool"
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", use_mem_pool)
+    with memory.use():
+        with memory.use():
+            assert entered == ["harness pool"] and memory.depth == 2
+        assert memory.depth == 1
+    assert entered == [] and memory.depth == 0
+    with pytest.raises(ValueError):
+        with memory.use():
+            raise ValueError("a scenario's error")
+    assert entered == [] and memory.depth == 0
