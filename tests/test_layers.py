@@ -16,10 +16,10 @@ from conftest import REPO
 
 # Rank-side and diagnosis modules: they run where the graphs are (a rank, a watched process).
 TORCH_SIDE = {
-    "repro.dist", "repro.graphs", "repro.guard", "repro.nvfp4", "repro.owners", "repro.sites",
+    "repro.compare", "repro.dist", "repro.graphs", "repro.guard", "repro.nvfp4", "repro.owners", "repro.sites",
     "repro.specdec", "repro.stability",
     "repro.scenarios.gemma4_mtp", "repro.scenarios.gemma4_target", "repro.scenarios.nvfp4_moe",
-    "repro.scenarios.selftest",
+    "repro.scenarios.piecewise_split", "repro.scenarios.selftest",
 }
 
 
