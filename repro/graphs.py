@@ -33,6 +33,10 @@ import torch
 
 # How many same-size allocations to try before giving up on landing on a freed address.
 LAND_TRIES = 64
+# The caching allocator serves a request of up to 1 MiB from its small pool (2 MiB segments) and
+# a larger one from its large pool. Free neighbours coalesce, so a free region of a small segment
+# can exceed 1 MiB, and a request of its size then goes to the other pool and never reaches it.
+SMALL_REQUEST = 1 << 20
 
 
 class HarnessMemory:
@@ -176,16 +180,35 @@ def apply_after_free(knob: str, regions: list[tuple[int, int]], device: torch.de
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
         for addr, nbytes in regions:
-            holder = land_on(addr, nbytes, device)
-            if holder is None:
+            holders = land_over(addr, nbytes, device)
+            if not holders:
                 continue
-            fill(holder, knob, gen)
-            result.holders.append(holder)
+            for holder in holders:
+                fill(holder, knob, gen)
+            result.holders.extend(holders)
             result.landed += 1
         result.note = f"{result.landed}/{result.blocks} free regions holding captured blocks re-allocated and filled ({knob})"
     if census_note:
         result.note += f"; {census_note}"
     return result
+
+
+def land_over(addr: int, nbytes: int, device: torch.device) -> list[torch.Tensor]:
+    """Byte tensors covering the free region [addr, addr + nbytes): one of its size, or, where a
+    request of that size goes to the other pool (a small segment's region above 1 MiB), pieces
+    of at most 1 MiB from its start. [] when it cannot be covered (then nothing is kept)."""
+    whole = land_on(addr, nbytes, device)
+    if whole is not None:
+        return [whole]
+    if nbytes <= SMALL_REQUEST:
+        return []
+    pieces = []
+    for start in range(addr, addr + nbytes, SMALL_REQUEST):
+        piece = land_on(start, min(SMALL_REQUEST, addr + nbytes - start), device)
+        if piece is None:
+            return []
+        pieces.append(piece)
+    return pieces
 
 
 def land_on(addr: int, nbytes: int, device: torch.device) -> torch.Tensor | None:

@@ -115,7 +115,7 @@ def test_matrix_list_names_every_trial_without_running(tmp_path, no_gpu):
     result = invoke("matrix", "--list", env={"XDG_CACHE_HOME": str(tmp_path)})
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert len(lines) == 20 and lines[0].startswith("00-gemma4-mtp-unfixed-tp2-release")
+    assert len(lines) == 22 and lines[0].startswith("00-gemma4-mtp-unfixed-tp2-release")
     assert all(" expect " in line and line.rstrip().endswith("cpu") for line in lines)
     assert not any(tmp_path.iterdir())
 
@@ -141,7 +141,7 @@ def test_matrix_only_keeps_ids_of_the_full_matrix(tmp_path, no_gpu):
 
 def test_matrix_only_matching_nothing_is_usage_error():
     result = invoke("matrix", "--only", "no-such-trial")
-    assert result.exit_code == 2 and "matches none of the 20 trials" in result.stderr
+    assert result.exit_code == 2 and "matches none of the 22 trials" in result.stderr
     assert "--list" in result.stderr
 
 

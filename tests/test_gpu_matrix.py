@@ -1,7 +1,8 @@
 """GPU outcome tables: the matrix presets run for real, and their shape is asserted.
 
 gpu-2 (2 GPUs): gemma4-mtp at E2B dims, TP 1 and 2, every after-free value and the reload
-lifecycle; nvfp4-reload at Qwen3-30B-A3B MoE dims. gpu-1: the TP=1 half. Set
+lifecycle; nvfp4-reload at Qwen3-30B-A3B MoE dims. gpu-1: the TP=1 half, and piecewise-split
+at Llama 3 8B dims (every after-free value). Set
 REPRO_REPORT_DIR to keep the JSON report of the run.
 """
 import os
@@ -94,6 +95,19 @@ def assert_moe_shape(trials):
             assert all(s.rel_err is not None and s.rel_err < s.tolerance / 10 for s in t.steps), key(t)
 
 
+def assert_split_shape(trials):
+    for t in trials:
+        s, mode, _, _, _, _ = key(t)
+        if s != "piecewise-split":
+            continue
+        if mode == "unfixed":
+            assert t.outcome in SYMPTOMS, (key(t), t.outcome)             # no value hides it at 8B dims
+            assert finding_before_first_replay(t, "<local attn_out of capture_after"), key(t)
+        else:
+            assert t.outcome == Outcome.CLEAN and not t.guard_findings, (key(t), t.outcome)
+            assert all(s.rel_err == 0.0 for s in t.steps), key(t)         # replay == eager, bit for bit
+
+
 @pytest.mark.multi_gpu
 def test_gpu2_matrix(tmp_path):
     trials = run_matrix("gpu-2", 2, tmp_path)
@@ -109,4 +123,5 @@ def test_gpu1_matrix(tmp_path):
     trials = run_matrix("gpu-1", 1, tmp_path)
     assert_gemma_shape(trials)
     assert_moe_shape(trials)
+    assert_split_shape(trials)
     assert all(t.met for t in trials), [(t.id, t.outcome.value) for t in trials if not t.met]

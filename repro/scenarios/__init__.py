@@ -20,12 +20,13 @@ import importlib.metadata
 from types import ModuleType
 from typing import Any
 
-from repro.scenarios import gemma4_mtp_spec, nvfp4_moe_spec, selftest_spec, sleep_wake_spec, workspace_grow_spec
+from repro.scenarios import (gemma4_mtp_spec, nvfp4_moe_spec, piecewise_split_spec, selftest_spec, sleep_wake_spec,
+                             workspace_grow_spec)
 from repro.scenarios.spec import (CpuCost, ModeSpec, RecordField, RunKeySpec, ScenarioSpec,  # noqa: F401
                                   StepColumn)
 
 BUILTIN = (gemma4_mtp_spec.SPEC, nvfp4_moe_spec.SPEC, selftest_spec.SPEC, workspace_grow_spec.SPEC,
-           sleep_wake_spec.SPEC)
+           sleep_wake_spec.SPEC, piecewise_split_spec.SPEC)
 ENTRY_POINT_GROUP = "repro.scenarios"
 
 

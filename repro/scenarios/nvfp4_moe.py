@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from repro import nvfp4
+from repro.compare import Comparison, compare
 from repro.graphs import capture
 from repro.outcome import StepRecord
 from repro.scenarios.nvfp4_moe_spec import SPEC
@@ -366,39 +367,6 @@ def make_tokens(dims: Any, seed: int, step: int, dtype: torch.dtype, device: tor
 
 def weights_step(step: int, identity: bool) -> int:
     return -1 if identity else step
-
-
-# ------------------------------------------------------------------------ comparison
-
-@dataclass
-class Comparison:
-    numel: int
-    nonfinite: int
-    compared: int             # finite elements compared with the oracle
-    mismatches: int           # finite elements beyond the tolerance (elementwise count)
-    max_abs_err: float | None
-    rel_err: float | None     # ||y - y_ref|| / ||y_ref|| over the finite elements
-    max_scaled_err: float | None  # max |y - y_ref| / (|y_ref| + rms(y_ref)): vs the tolerance
-
-
-def compare(out: Tensor, ref: Tensor, tolerance: float) -> Comparison:
-    """out, ref [T, D]; elementwise bound tolerance * (|ref| + rms(ref))."""
-    y, r = out.double(), ref.double()
-    if not bool(torch.isfinite(r).all()):
-        raise RuntimeError("the cold oracle produced non-finite output: a harness bug, not the scenario's")
-    finite = torch.isfinite(y)
-    compared = int(finite.sum())
-    diff = torch.where(finite, y - r, torch.zeros_like(y))
-    rms = r.pow(2).mean().sqrt()
-    scaled = diff.abs() / (r.abs() + rms.clamp_min(1e-30))
-    beyond = (scaled > tolerance) & finite
-    ref_norm = float(torch.where(finite, r, torch.zeros_like(r)).norm())
-    return Comparison(
-        numel=y.numel(), nonfinite=y.numel() - compared, compared=compared,
-        mismatches=int(beyond.sum()),
-        max_abs_err=float(diff.abs().max()) if compared else None,
-        rel_err=(float(diff.norm()) / ref_norm if ref_norm > 0 else 0.0) if compared else None,
-        max_scaled_err=float(scaled.max()) if compared else None)
 
 
 @torch.no_grad()
