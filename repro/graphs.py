@@ -43,6 +43,8 @@ class HarnessMemory:
     """Allocations of the harness itself (oracle, inputs) live in their own pool on CUDA."""
 
     def __init__(self, device: torch.device):
+        if device.type == "cuda" and device.index is None:     # use_mem_pool wants an index
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.pool = None
         self.depth = 0                # use() blocks open: inner ones are already in the pool

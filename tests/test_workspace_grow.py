@@ -352,11 +352,11 @@ def test_the_command_runs_a_trial_and_exits_by_its_expectation(tmp_path, no_gpu,
 # ------------------------------------------------------------------------ on a GPU
 
 GPU_OUTCOMES = {
-    # (mode, resize, after_free): the outcome predicted from how the arena's memory ends up
+    # (mode, resize, after_free): the outcome measured on an H200 (docs/RESULTS.md, sixth series)
     ("unfixed", False, "release"): {Outcome.ILLEGAL_ADDRESS},   # the grow's own empty_cache() unmaps
-    ("unfixed", True, "keep"): {Outcome.STALE_CAPTURE},         # freed blocks left free: nobody harmed yet
+    ("unfixed", True, "keep"): {Outcome.ILLEGAL_ADDRESS},       # the old arenas' segments are released too
     ("unfixed", True, "release"): {Outcome.ILLEGAL_ADDRESS},
-    ("unfixed", True, "reuse"): {Outcome.MISMATCH},             # stale graphs write over the fills
+    ("unfixed", True, "reuse"): {Outcome.ILLEGAL_ADDRESS},
     ("fixed", False, "release"): {Outcome.CLEAN},
     ("fixed", True, "reuse"): {Outcome.CLEAN},
 }
