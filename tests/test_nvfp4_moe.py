@@ -8,48 +8,23 @@ live kernel), kernel-reuse is numerically wrong eager too, fixed is clean.
 from __future__ import annotations
 
 import inspect
-import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from scenario_run import Records, run_in_process
 from repro import nvfp4
 from repro.config import load_preset, validate
-from repro.forensics import MemoryHistory
-from repro.graphs import HarnessMemory
-from repro.guard import CaptureGuard
 from repro.outcome import Outcome
 from repro.scenarios import nvfp4_moe as moe
 from repro.scenarios.nvfp4_moe_spec import MoeDims
-from repro.protocol import RecordSink, TrialSpec
-from repro.worker import WorkerContext
 
 CPU = torch.device("cpu")
 TINY = MoeDims(num_experts=8, hidden_size=64, intermediate_size=32, top_k=2, tokens=8)
 KERNEL_TENSORS = {f"moe.quant_method.moe_kernel.{n}"
                   for n in ("workspace13", "workspace2", "expert_map", "w13_alpha", "w2_alpha")}
-
-
-@dataclass
-class Records:
-    events: list[dict[str, Any]] = field(default_factory=list)
-
-    def of(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["event"] == kind]
-
-    @property
-    def steps(self) -> list[dict[str, Any]]:
-        return self.of("step")
-
-    @property
-    def details(self) -> dict[str, Any]:
-        merged: dict[str, Any] = {}
-        for e in self.of("detail"):
-            merged.update(e)
-        return merged
 
 
 def drive(tmp_path: Path, mode: str, identity: bool = False, steps: int = 3,
@@ -59,18 +34,7 @@ def drive(tmp_path: Path, mode: str, identity: bool = False, steps: int = 3,
     cfg.run.mode, cfg.run.identity_reload, cfg.run.steps = mode, identity, steps
     if dims is not None:
         cfg.model = dims
-    out = tmp_path / f"{mode}-{'identity' if identity else 'changed'}"
-    out.mkdir()
-    spec = TrialSpec(trial_id="t", config=cfg.to_dict(), device="cpu", world_size=1,
-                     out_dir=str(out))
-    sink = RecordSink(out / "rank0.jsonl", 0)
-    ctx = WorkerContext(spec=spec, cfg=cfg, rank=0, device=CPU, tp=None, sink=sink,
-                        guard=CaptureGuard(mode=cfg.run.guard), history=MemoryHistory(enabled=False),
-                        memory=HarnessMemory(CPU))
-    moe.run(ctx)
-    sink.file.close()
-    lines = (out / "rank0.jsonl").read_text().splitlines()
-    return Records([json.loads(line) for line in lines])
+    return run_in_process(tmp_path / f"{mode}-{'identity' if identity else 'changed'}", cfg, moe)
 
 
 def cold(dims: MoeDims, step: int, mode: str = "fixed", seed: int = 0) -> moe.NvFp4MoE:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,17 +13,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from scenario_run import Records, run_in_process
 from repro.cli import app
 from repro.compare import compare
 from repro.config import load_preset, validate
-from repro.forensics import MemoryHistory
-from repro.graphs import HarnessMemory
 from repro.guard import CaptureGuard
 from repro.outcome import Outcome
-from repro.protocol import RecordSink, TrialSpec
 from repro.scenarios import piecewise_split as ps
 from repro.scenarios.piecewise_split_spec import DecoderDims, footprint
-from repro.worker import WorkerContext
 
 CPU = torch.device("cpu")
 TINY = DecoderDims(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
@@ -32,32 +29,11 @@ SPLIT_OUTPUT = "<local attn_out of capture_after, created by aten.bmm"
 runner = CliRunner()
 
 
-@dataclass
-class Records:
-    events: list[dict[str, Any]] = field(default_factory=list)
-
-    def of(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["event"] == kind]
-
-    @property
-    def steps(self) -> list[dict[str, Any]]:
-        return self.of("step")
-
-
 def drive(tmp_path: Path, mode: str, guard: str = "warn", steps: int = 6) -> Records:
     """Run the scenario in this process, exactly as a worker would, and read its records back."""
     cfg = validate(load_preset("llama-tiny"))
     cfg.run.mode, cfg.run.guard, cfg.run.steps = mode, guard, steps
-    out = tmp_path / f"{mode}-{guard}"
-    out.mkdir()
-    spec = TrialSpec(trial_id="t", config=cfg.to_dict(), device="cpu", world_size=1, out_dir=str(out))
-    sink = RecordSink(out / "rank0.jsonl", 0)
-    ctx = WorkerContext(spec=spec, cfg=cfg, rank=0, device=CPU, tp=None, sink=sink,
-                        guard=CaptureGuard(mode=cfg.run.guard), history=MemoryHistory(enabled=False),
-                        memory=HarnessMemory(CPU))
-    ps.run(ctx)
-    sink.file.close()
-    return Records([json.loads(line) for line in (out / "rank0.jsonl").read_text().splitlines()])
+    return run_in_process(tmp_path / f"{mode}-{guard}", cfg, ps)
 
 
 @dataclass

@@ -13,26 +13,20 @@ import inspect
 import json
 import re
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
+from scenario_run import Records, run_in_process
 from repro import gpus
 from repro.cli import app
 from repro.config import load_preset, validate
-from repro.forensics import MemoryHistory
-from repro.graphs import HarnessMemory
-from repro.guard import CaptureGuard
 from repro.matrix import load_matrix
 from repro.outcome import Outcome
-from repro.protocol import RecordSink, TrialSpec
 from repro.scenarios import workspace_grow as wg
 from repro.scenarios.workspace_grow_spec import WorkspaceDims, vllm_capture_sizes, workspace_bytes
-from repro.worker import WorkerContext
 
 CPU = torch.device("cpu")
 TINY = WorkspaceDims(num_heads=4, num_kv_heads=2, head_size=16, num_kv_splits=4, max_seq_len=32,
@@ -40,35 +34,11 @@ TINY = WorkspaceDims(num_heads=4, num_kv_heads=2, head_size=16, num_kv_splits=4,
 ARENA = "workspace._current_workspaces[0]"
 
 
-@dataclass
-class Records:
-    events: list[dict[str, Any]] = field(default_factory=list)
-
-    def of(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["event"] == kind]
-
-    @property
-    def details(self) -> dict[str, Any]:
-        merged: dict[str, Any] = {}
-        for e in self.of("detail"):
-            merged.update(e)
-        return merged
-
-
 def drive(tmp_path: Path, mode: str, resize: bool = False, steps: int = 2, guard: str = "warn") -> Records:
     """Run the scenario in this process, exactly as a worker would, and read its records back."""
     cfg = validate(load_preset("workspace-tiny"))
     cfg.run.mode, cfg.run.resize_in_place, cfg.run.steps, cfg.run.guard = mode, resize, steps, guard
-    out = tmp_path / f"{mode}-{'resize' if resize else 'replace'}-{guard}"
-    out.mkdir()
-    spec = TrialSpec(trial_id="t", config=cfg.to_dict(), device="cpu", world_size=1, out_dir=str(out))
-    sink = RecordSink(out / "rank0.jsonl", 0)
-    ctx = WorkerContext(spec=spec, cfg=cfg, rank=0, device=CPU, tp=None, sink=sink,
-                        guard=CaptureGuard(mode=guard), history=MemoryHistory(enabled=False),
-                        memory=HarnessMemory(CPU))
-    wg.run(ctx)
-    sink.file.close()
-    return Records([json.loads(line) for line in (out / "rank0.jsonl").read_text().splitlines()])
+    return run_in_process(tmp_path / f"{mode}-{'resize' if resize else 'replace'}-{guard}", cfg, wg)
 
 
 # ------------------------------------------------------------------------ presets
