@@ -339,6 +339,40 @@ def test_read_kernel_finds_a_pointer_inside_a_struct_parameter():
     del keep
 
 
+class GraphDriver(FakeDriver):
+    """A two-node graph: node 0 a kernel, node 1 an event node (read by type only)."""
+
+    def __init__(self, *args, one_call: bool, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.typed: list[int] = []
+        if one_call:
+            self.kernel_node = lambda node: self.params if node == 0 else None
+
+    def nodes(self, graph):
+        return [0, 1]
+
+    def node_type(self, node):
+        self.typed.append(node)
+        return "kernel" if node == 0 else "event"
+
+
+def test_read_graph_reads_a_kernel_node_with_one_call_and_the_same_census():
+    """With kernel_node (one driver call), a kernel node is never asked its type; the census is
+    the one node_type + kernel_params give."""
+    struct = (7).to_bytes(8, "little") + (LOCAL + 256).to_bytes(8, "little") + (1).to_bytes(8, "little")
+    p, keep = kernel_node([(5).to_bytes(4, "little"), struct])
+    got = {}
+    for one_call in (False, True):
+        driver = GraphDriver(p, [(0, 4), (8, 24)], "struct_kernel", one_call=one_call)
+        census = C.GraphCensus(label="g", pool=GRAPH_POOL)
+        C.read_graph(driver, census, matcher(), 0)
+        got[one_call] = (census.nodes, census.kernels, dict(census.node_types), census.words,
+                         [(r.addr, r.where) for r in census.references], driver.typed)
+    assert got[False][:5] == got[True][:5]
+    assert got[True][2] == {"kernel": 1, "event": 1} and got[True][4] == [(LOCAL + 256, "param 1 +8")]
+    assert got[False][5] == [0, 1] and got[True][5] == [1]
+
+
 def test_read_kernel_reads_the_extra_buffer_as_cublaslt_passes_it():
     buf = bytearray(64)
     buf[40:48] = (LOCAL + 8).to_bytes(8, "little")
