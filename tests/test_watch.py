@@ -340,17 +340,21 @@ def test_finding_records_survive_a_hard_crash_plumbing(tmp_path):
     assert len(rep["findings"]) == 1 and rep["processes"][0]["exited"] is False
 
 
-def test_fast_path_catches_a_free_between_replays_plumbing(tmp_path):
-    import torch
-    from repro import watch_hooks
+def fake_graph_class():
+    """(a fresh subclass of tests/watch_programs/fake_graph.FakeGraph, its capture helper): each
+    test patches its own class."""
     sys.path.insert(0, str(PROGRAMS))
     try:
         from fake_graph import FakeGraph, capture
     finally:
         sys.path.remove(str(PROGRAMS))
+    return type("Graph", (FakeGraph,), {}), capture
 
-    class Graph(FakeGraph):
-        pass
+
+def test_fast_path_catches_a_free_between_replays_plumbing(tmp_path):
+    import torch
+    from repro import watch_hooks
+    Graph, capture = fake_graph_class()
 
     class Engine:
         def __init__(self):
@@ -387,14 +391,7 @@ def test_fast_path_tests_storages_only_after_a_captured_storage_died_plumbing(tm
     first replay after any death (here another graph's storage) tests the graph's own once."""
     import torch
     from repro import watch_hooks
-    sys.path.insert(0, str(PROGRAMS))
-    try:
-        from fake_graph import FakeGraph, capture
-    finally:
-        sys.path.remove(str(PROGRAMS))
-
-    class Graph(FakeGraph):
-        pass
+    Graph, capture = fake_graph_class()
 
     class Engine:
         def __init__(self):
