@@ -44,10 +44,33 @@ steps = 2
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Ports Ray takes by default when not told otherwise (GCS, dashboard, client server, dashboard
+# agent HTTP) and its worker range: a port of ours must be none of these. A node-manager port
+# drawn at random once came out as 52365, the agent's default, and `ray start` refused it.
+RAY_DEFAULT_PORTS = {6379, 8265, 10001, 52365}
+RAY_WORKER_PORTS = range(10002, 20000)
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports, none of them one Ray uses by default."""
+    held, ports = [], []
+    try:
+        while len(ports) < n:
+            s = socket.socket()
+            held.append(s)                       # held open until all are drawn: all distinct
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            if port not in RAY_DEFAULT_PORTS and port not in RAY_WORKER_PORTS:
+                ports.append(port)
+    finally:
+        for s in held:
+            s.close()
+    return ports
+
+
+def node_ports(manager: int, agent_http: int) -> list[str]:
+    """The per-node ports `ray start` would otherwise default (and collide on, three nodes on one machine)."""
+    return ["--node-manager-port", str(manager), "--dashboard-agent-listen-port", str(agent_http)]
 
 
 # Token authentication off, said explicitly: with the mode unset Ray turns it on wherever a
@@ -72,21 +95,21 @@ def ray_start(*args) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def start_worker(address: str, name: str, gpus: int) -> None:
-    ray_start("--address", address, "--node-name", name, "--num-cpus", "2", "--num-gpus", str(gpus),
-              "--node-manager-port", str(free_port()))
+def start_worker(address: str, name: str, gpus: int, ports: list[int]) -> None:
+    ray_start("--address", address, "--node-name", name, "--num-cpus", "2", "--num-gpus", str(gpus), *node_ports(*ports))
 
 
 @pytest.fixture(scope="module")
 def cluster():
     """Head (1 CPU, no GPU) + worker-a (2 CPUs, 2 GPUs declared) + worker-b (2 CPUs, 1 GPU)."""
     started = time.monotonic()
-    address = f"127.0.0.1:{free_port()}"
+    gcs, *ports = free_ports(7)                   # drawn together: the cluster's ports all differ
+    address = f"127.0.0.1:{gcs}"
     try:
-        ray_start("--head", "--port", address.split(":")[1], "--node-name", "head", "--num-cpus", "1",
-                  "--num-gpus", "0", "--include-dashboard", "false")
-        start_worker(address, "worker-a", 2)      # one at a time: two at once overload 2 cores
-        start_worker(address, "worker-b", 1)
+        ray_start("--head", "--port", str(gcs), "--node-name", "head", "--num-cpus", "1",
+                  "--num-gpus", "0", "--include-dashboard", "false", *node_ports(*ports[0:2]))
+        start_worker(address, "worker-a", 2, ports[2:4])      # one at a time: two at once overload 2 cores
+        start_worker(address, "worker-b", 1, ports[4:6])
         sys.stderr.write(f"ray cluster up in {time.monotonic() - started:.1f} s\n")
         yield address
     finally:
@@ -170,7 +193,7 @@ def test_what_no_node_can_hold_is_refused_in_one_line(cluster, tmp_path, trial, 
 
 
 def test_an_unreachable_cluster_is_exit_3_in_one_line(tmp_path):
-    done = repro("matrix", "--ray", f"127.0.0.1:{free_port()}", "--list", cwd=tmp_path, timeout=120)
+    done = repro("matrix", "--ray", f"127.0.0.1:{free_ports(1)[0]}", "--list", cwd=tmp_path, timeout=120)
     assert done.returncode == 3 and done.stderr.startswith("repro: error: --ray 127.0.0.1:")
     assert done.stderr.count("\n") == 1 and "cannot reach a Ray cluster" in done.stderr
 
@@ -305,7 +328,7 @@ def test_a_node_lost_mid_trial_is_crash_naming_it_and_a_retry_runs_it_elsewhere(
     lost = long["node"]
 
     # The node comes back; with --retries 1 a loss runs the trial once more, on a live node.
-    start_worker(cluster, lost, 2 if lost == "worker-a" else 1)
+    start_worker(cluster, lost, 2 if lost == "worker-a" else 1, free_ports(2))
     (tmp_path / "r.toml").write_text(LONG.format(steps=3000))
     run = spawn("matrix", "--config", "r.toml", "--ray", cluster, "--retries", "1", "--json", "r.json",
                 "--artifacts", "runs", cwd=tmp_path)
