@@ -1,11 +1,14 @@
 """What `repro watch` costs a program: replay time of a decode-like graph, per-replay check cost
 against the number of captured storages, and interpreter start-up.
 
-    PYTHONPATH=. python3 benchmarks/watch_overhead.py [--json OUT] [--parts decode,storages,startup]
+    PYTHONPATH=. python3 benchmarks/watch_overhead.py [--json OUT] [--parts decode,storages,wrapper,startup]
 
 decode    a 24-layer graph (2 bf16 GEMMs + GELU per layer, batch 8, hidden 2048) replayed
           1000 times x 5 rounds, in a plain process and in one started under the watch
           environment (the same sitecustomize `repro watch` uses); GPU only.
+wrapper   what the hooked CUDAGraph.replay adds per call on settled graphs (nothing died since
+          their check): a chain of 33 graphs (one piecewise step), hooked vs the function it
+          wraps, rounds alternating; on CPU a stand-in graph class (the wrapper alone).
 storages  the hook's own per-replay work (the liveness check `before_replay` runs) on a graph
           that captured N distinct storages, N = 10 .. 3000: timed directly, 20000 calls. On
           GPU a real capture; on CPU a stand-in graph class (the hooks' plumbing; the check
@@ -29,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 DECODE_LAYERS, DECODE_HIDDEN, DECODE_BATCH = 24, 2048, 8
 REPLAYS, ROUNDS = 1000, 5
 STORAGE_COUNTS = (10, 100, 300, 1000, 3000)
+WRAPPER_CHAIN = 33          # one piecewise decode step of examples/engine_shapes.py: 32 layers + 1
 CHECK_CALLS = 20000
 
 
@@ -107,36 +111,53 @@ def part_decode() -> dict:
 
 # -- per-replay check cost vs captured storages ---------------------------------------------------
 
-def part_storages() -> dict:
+def watched_graph_class(run_dir: str):
+    """(a Watcher of this process, a graph class it hooks): torch.cuda.CUDAGraph's subclass on
+    GPU, a stand-in whose methods do nothing on CPU (`replay(self)`, torch's signature)."""
     import torch
     sys.path.insert(0, str(REPO))
     from repro import watch_hooks
+    watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(run_dir, "warn", "api"))
+    watcher.recorder = watch_hooks.Recorder(run_dir)
+    if torch.cuda.is_available():
+        graph_cls = type("TimedGraph", (torch.cuda.CUDAGraph,), {})
+    else:
+        def nothing(self):
+            pass
+        graph_cls = type("TimedGraph", (), {m: nothing for m in watch_hooks.HOOKED})
+    watcher.patch(graph_cls)
+    return watcher, graph_cls
+
+
+def captured(graph_cls, reads: list, acc):
+    """One graph that adds every tensor of `reads` into `acc`, replayed once (the deep check)."""
+    import torch
+    graph = graph_cls()
+    if acc.is_cuda:
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            for t in reads:
+                acc.add_(t)
+    else:
+        graph.capture_begin()
+        for t in reads:
+            acc.add_(t)
+        graph.capture_end()
+    graph.replay()
+    return graph
+
+
+def part_storages() -> dict:
+    import torch
     cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
     rows = []
     with tempfile.TemporaryDirectory() as run_dir:
         for n in STORAGE_COUNTS:
-            watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(run_dir, "warn", "api"))
-            watcher.recorder = watch_hooks.Recorder(run_dir)
-            if cuda:
-                graph_cls = type("TimedGraph", (torch.cuda.CUDAGraph,), {})
-            else:
-                graph_cls = type("TimedGraph", (), {m: (lambda self, *a, **k: None) for m in watch_hooks.HOOKED})
-            watcher.patch(graph_cls)
-            device = "cuda" if cuda else "cpu"
-            tensors = [torch.ones(16, device=device) for _ in range(n)]
+            watcher, graph_cls = watched_graph_class(run_dir)
+            tensors = [torch.ones(16, device=device) for _ in range(n)]     # alive while timed
             acc = torch.zeros(16, device=device)
-            graph = graph_cls()
-            if cuda:
-                torch.cuda.synchronize()
-                with torch.cuda.graph(graph):
-                    for t in tensors:
-                        acc.add_(t)
-            else:
-                graph.capture_begin()
-                for t in tensors:
-                    acc.add_(t)
-                graph.capture_end()
-            graph.replay()                                   # first replay: the deep check
+            graph = captured(graph_cls, tensors, acc)
             slots = sum(1 for s in watcher.guard.slots if watcher.graphs[graph].label in s.graphs)
             t0 = time.perf_counter()
             for _ in range(CHECK_CALLS):
@@ -145,6 +166,45 @@ def part_storages() -> dict:
             rows.append({"captured_storages": slots, "us_per_replay_check": per_call})
             watcher.recorder.close()
     return {"device": "cuda" if cuda else "cpu (stand-in graph class)", "rows": rows}
+
+
+# -- the replay wrapper's own cost -----------------------------------------------------------------
+
+def part_wrapper(chain: int = WRAPPER_CHAIN, rounds: int = 15, calls: int = 20000) -> dict:
+    """What the hooked `replay` adds per call on settled graphs (checked, nothing died): a chain
+    of `chain` graphs (one piecewise decode step's replays) replayed in turn, rounds alternating
+    the hooked replay and the function it wraps; medians of rounds, ns per call. On CPU the
+    graph does nothing, so this is the wrapper alone; on GPU it adds to a real replay's host
+    time (synchronized once per round: the host's own cost)."""
+    import torch
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with tempfile.TemporaryDirectory() as run_dir:
+        watcher, graph_cls = watched_graph_class(run_dir)
+        bufs = [torch.zeros(64, device=device) for _ in range(chain + 1)]
+        graphs = [captured(graph_cls, [bufs[i]], bufs[i + 1]) for i in range(chain)]
+        for g in graphs:
+            g.replay()                                        # settles each graph
+        hooked = graph_cls.replay
+        variants = {"hooked": hooked, "bare": hooked.__wrapped__}
+        per_call = {name: [] for name in variants}
+        laps = max(1, calls // chain)
+        for r in range(rounds):
+            for name in (variants if r % 2 == 0 else reversed(list(variants))):
+                fn = variants[name]
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(laps):
+                    for g in graphs:
+                        fn(g)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                per_call[name].append((time.perf_counter() - t0) / (laps * chain) * 1e9)
+        settled = sum(watcher.graphs[g].fast_at == watcher.drops.n for g in graphs)
+        watcher.recorder.close()
+    med = {name: statistics.median(v) for name, v in per_call.items()}
+    return {"device": device, "chain": chain, "rounds": rounds, "calls_per_round": laps * chain,
+            "settled_graphs": settled, "ns_per_replay": med, "added_ns": med["hooked"] - med["bare"]}
 
 
 # -- start-up ------------------------------------------------------------------------------------
@@ -186,7 +246,7 @@ def sitecustomize_import_ms(env: dict, runs: int = 5) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
-    parser.add_argument("--parts", default="decode,storages,startup")
+    parser.add_argument("--parts", default="decode,storages,wrapper,startup")
     parser.add_argument("--inner-decode", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inner_decode:
@@ -196,7 +256,7 @@ def main() -> None:
     doc = {"benchmark": "watch_overhead", "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "python": sys.version.split()[0]}
-    parts = {"decode": part_decode, "storages": part_storages, "startup": part_startup}
+    parts = {"decode": part_decode, "storages": part_storages, "wrapper": part_wrapper, "startup": part_startup}
     for name in args.parts.split(","):
         doc[name] = parts[name]()
     emit(doc, args.json)

@@ -86,3 +86,14 @@ def test_fingerprint_benchmark_runs_on_the_cpu_at_a_small_size(benchmarks_on_pat
     rows = json.loads(out.read_text())["rows"]
     assert [(r["count"], r["size_bytes"], r["sampled"], r["fingerprinted"]) for r in rows] == \
         [(3, 4096, False, 3), (3, 2 << 20, True, 3)]
+
+
+def test_watch_overhead_wrapper_part_times_settled_graphs_on_the_cpu(benchmarks_on_path):
+    """The replay wrapper's own cost runs on a stand-in graph class here: every graph of the
+    chain is settled (its replays take the fast path), and both variants were timed."""
+    spec = importlib.util.spec_from_file_location("benchmark_watch_overhead", BENCHMARKS / "watch_overhead.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    doc = module.part_wrapper(chain=5, rounds=2, calls=50)
+    assert doc["device"] == "cpu" and doc["settled_graphs"] == 5 and doc["calls_per_round"] == 50
+    assert set(doc["ns_per_replay"]) == {"hooked", "bare"} and all(v > 0 for v in doc["ns_per_replay"].values())

@@ -424,6 +424,88 @@ def test_fast_path_tests_storages_only_after_a_captured_storage_died_plumbing(tm
     watcher.recorder.close()
 
 
+def test_a_settled_graph_replays_past_the_checking_path_until_something_asks_for_a_check_plumbing(tmp_path):
+    """The wrapper's fast path: once a graph is checked and its storages seen alive, a replay
+    does not enter before_replay; a death anywhere, or another graph's reset, sends it back."""
+    import torch
+    from repro import watch_hooks
+    Graph, capture = fake_graph_class()
+    cache, other_cache = torch.zeros(4), torch.zeros(4)
+    watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "warn", "api"))
+    watcher.recorder = watch_hooks.Recorder(str(tmp_path))
+    watcher.patch(Graph)
+    graph, other = Graph(), Graph()
+    with capture(graph):
+        cache.add_(1)
+    with capture(other):
+        other_cache.add_(1)
+    entered = []
+    real = watcher.before_replay
+    watcher.before_replay = lambda g: entered.append(g) or real(g)
+    for _ in range(4):
+        graph.replay()
+    assert entered == [graph, graph]                     # the deep check, then the storages tested once
+    assert watcher.graphs[graph].fast_at == watcher.drops.n and watcher.counters.replays == 4
+    other.reset()
+    graph.replay()
+    assert entered[-1] is graph and watcher.counters.checks_deep == 2   # deep again after the reset
+    graph.replay()
+    graph.replay()
+    assert len(entered) == 4                                 # tested once more, then settled again
+    watcher.recorder.close()
+
+
+def test_a_replay_that_takes_arguments_gets_them_and_is_still_checked_plumbing(tmp_path):
+    import torch
+    from repro import watch_hooks
+    from repro.guard import StaleCaptureError
+    Graph, capture = fake_graph_class()
+    seen = []
+    Graph = type("StreamGraph", (Graph,), {"replay": lambda self, stream=None: seen.append(stream)})
+    watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "raise", "api"))
+    watcher.recorder = watch_hooks.Recorder(str(tmp_path))
+    watcher.patch(Graph)
+    assert not watch_hooks.takes_only_self(Graph.replay.__wrapped__)
+    holder = {"cache": torch.zeros(4)}
+    graph = Graph()
+    with capture(graph):
+        holder["cache"].add_(1)
+    graph.replay(stream="s1")
+    graph.replay()
+    assert seen == ["s1", None]
+    del holder["cache"]
+    with pytest.raises(StaleCaptureError):
+        graph.replay(stream="s2")
+    assert seen == ["s1", None]                              # raise mode: the stale replay never ran
+    watcher.recorder.close()
+
+
+def test_takes_only_self_is_torchs_replay_signature():
+    from repro.watch_hooks import takes_only_self
+
+    class G:
+        def replay(self):
+            pass
+
+        def posonly(self, /):
+            pass
+
+        def more(self, stream=None):
+            pass
+
+        def star(self, *args):
+            pass
+
+        def kw(self, *, stream=None):
+            pass
+
+        def keywords(self, **kw):
+            pass
+
+    assert takes_only_self(G.replay) and takes_only_self(G.posonly)
+    assert not any(map(takes_only_self, (G.more, G.star, G.kw, G.keywords, len, print)))
+
+
 def test_examples_run_as_is_and_under_watch_on_cpu(tmp_path):
     """Without CUDA each example says so and exits 0; watched, nothing changes and nothing is found."""
     import torch
