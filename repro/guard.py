@@ -245,6 +245,10 @@ class CaptureGuard:
         self.drops = DropCount()
         self._owners: list[Owner] = []
         self._slots: dict[int, Slot] = {}
+        # Slots of storages that moved after they were recorded (resize_() in place: the same
+        # storage object, new memory): one Slot per placement, so each graph is told about the
+        # address it captured. _slots holds each storage's current placement.
+        self._earlier: list[Slot] = []
         self._births: dict[int, _Birth] = {}
         self._births_since_prune = 0
         self._mechanism = MECHANISM
@@ -269,7 +273,22 @@ class CaptureGuard:
 
     @property
     def slots(self) -> list[Slot]:
-        return list(self._slots.values())
+        return self._every_slot()
+
+    def _every_slot(self) -> list[Slot]:
+        """Every placement of every captured storage, earlier placements first."""
+        return [*self._earlier, *self._slots.values()] if self._earlier else list(self._slots.values())
+
+    def _placed(self, key: int, storage_ptr: int) -> Slot | None:
+        """The slot of storage `key` at its current address, or None. A storage that moved since
+        its slot was made retires that slot (still checked: the graphs that captured it read
+        the old address) and gets a new one from the caller: FlashInfer #4398's resize_()."""
+        slot = self._slots.get(key)
+        if slot is not None and slot.storage_ptr != storage_ptr:
+            self._earlier.append(self._slots.pop(key))
+            self._live_refs.clear()
+            return None
+        return slot
 
     @property
     def mechanism(self) -> str:
@@ -396,12 +415,12 @@ class CaptureGuard:
         if key in done:
             return self._slots[key]
         done.add(key)
-        slot = self._slots.get(key)
+        storage = t.untyped_storage()
+        slot = self._placed(key, storage.data_ptr())
         if slot is not None:
             if widen_slot(slot, t, graph):
                 self._by_graph[graph].append(slot)
             return slot
-        storage = t.untyped_storage()
         slot = Slot(
             name="", graphs=[graph], shape=list(t.shape), dtype=dtype_name(t.dtype), nbytes=t.nbytes,
             data_ptr=t.data_ptr(), storage_ptr=storage.data_ptr(), storage_nbytes=storage.nbytes(),
@@ -445,7 +464,7 @@ class CaptureGuard:
         if self.mode == "off" or (not deep and self._all_alive(graph)):
             return []
         findings = []
-        for slot in self._slots.values() if graph is None else self._by_graph.get(graph, ()):
+        for slot in self._every_slot() if graph is None else self._by_graph.get(graph, ()):
             if "freed" in slot.reported or not slot.checked_in(graph):
                 continue  # freed is final; a pool-managed storage is its pool's business
             status = self._classify(slot) if deep else self._liveness(slot)
@@ -464,7 +483,7 @@ class CaptureGuard:
         """Counts of captured storages by state (the pointer census of vLLM RFC #48312)."""
         counts = {"freed": 0, "moved": 0, "rebound": 0, "unchanged": 0}
         if self.mode != "off":
-            for slot in self._slots.values():
+            for slot in self._every_slot():
                 if not slot.checked_in(None):
                     continue
                 status = "freed" if "freed" in slot.reported else self._classify(slot).status
@@ -474,7 +493,7 @@ class CaptureGuard:
     def freed_blocks(self) -> list[tuple[int, int, str]]:
         """(storage data_ptr, storage nbytes, dtype) of every captured storage now freed."""
         return [(s.storage_ptr, s.storage_nbytes, s.dtype)
-                for s in self._slots.values() if s.checked_in(None) and s.ref is not None and s.ref.expired()]
+                for s in self._every_slot() if s.checked_in(None) and s.ref is not None and s.ref.expired()]
 
     def slots_of(self, graph: str) -> list[Slot]:
         """The storages one capture recorded (its slots), in the order first seen."""
@@ -508,7 +527,7 @@ class CaptureGuard:
 
     def pool_managed(self) -> int:
         """Storages pool-managed for every graph that captured them (not checked)."""
-        return sum(1 for s in self._slots.values() if s.managed_in and not s.checked_in(None))
+        return sum(1 for s in self._every_slot() if s.managed_in and not s.checked_in(None))
 
     @property
     def plumbing(self) -> frozenset[str]:
@@ -529,7 +548,7 @@ class CaptureGuard:
 
     def _check_contents(self, when: str, graph: str | None) -> list[Finding]:
         """Deep checks: storages whose bytes changed while no version counter moved."""
-        slots = [s for s in (self._slots.values() if graph is None else self._by_graph.get(graph, ()))
+        slots = [s for s in (self._every_slot() if graph is None else self._by_graph.get(graph, ()))
                  if s.contents is not None and fingerprint.checkable(s, graph)]
         if not slots:
             return []
@@ -548,7 +567,7 @@ class CaptureGuard:
         storage whose bytes the replay changed is graph-written from then on (a write no
         captured op's schema declared). Every graph's storages: one graph may write what
         another reads. Two fingerprints, one sync each; the first replay only."""
-        slots = [s for s in self._slots.values() if s.contents is not None and fingerprint.checkable(s, None)]
+        slots = [s for s in self._every_slot() if s.contents is not None and fingerprint.checkable(s, None)]
         if not slots:             # mode off records nothing
             yield
             return
@@ -596,6 +615,8 @@ class CaptureGuard:
             if key in produced:
                 continue
             slot = slots.get(key)
+            if slot is not None and slot.storage_ptr != storage.data_ptr():
+                slot = self._placed(key, storage.data_ptr())     # it moved since: a new placement
             if slot is None:
                 if storage.data_ptr() == 0 or not graph_visible(t, rec.capturing):
                     continue
@@ -646,18 +667,20 @@ class CaptureGuard:
     def _named(self, rec: _Recording, key: int, storage_ptr: int) -> Named | None:
         """The owner path of a storage. The index of every owner's tensors is built once and
         kept while the owners stay the same; a storage it does not know rebuilds it once per
-        recording (an owner may have gained a tensor since)."""
+        recording (an owner may have gained a tensor since), and so does one it knows at
+        another address (the storage moved: resize_() in place)."""
         if rec.index is None:
             if self._index is None:
                 self._index, rec.index_fresh = self._build_index(), True
             rec.index = self._index
         named = rec.index.get(key)
-        if named is None and not rec.index_fresh and (key, storage_ptr) not in self._unnamed:
+        known = named is not None and named.storage_ptr == storage_ptr
+        if not known and not rec.index_fresh and (key, storage_ptr) not in self._unnamed:
             self._index = rec.index = self._build_index()
             rec.index_fresh = True
             named = rec.index.get(key)
         if named is not None and named.storage_ptr != storage_ptr:
-            named = None  # a stale key from a storage that died since the index was built
+            named = None  # a key that another storage had, or an address the storage left
         if named is None and rec.index_fresh:
             self._unnamed.add((key, storage_ptr))
         return named
@@ -695,7 +718,7 @@ class CaptureGuard:
         """The per-replay fast path: one C call per storage, no allocation, no name lookups."""
         refs = self._live_refs.get(graph)
         if refs is None:
-            slots = self._slots.values() if graph is None else self._by_graph.get(graph, ())
+            slots = self._every_slot() if graph is None else self._by_graph.get(graph, ())
             refs = self._live_refs[graph] = tuple(
                 s.ref for s in slots if "freed" not in s.reported and s.checked_in(graph))
         for ref in refs:

@@ -175,6 +175,75 @@ def test_storage_resized_in_place_is_moved():
     assert (manifest.moved, manifest.rebound, manifest.freed) == (1, 0, 0)
 
 
+class Arena(torch.nn.Module):
+    """A workspace grown in place between captures (FlashInfer #4398's resize_())."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ws", torch.zeros(64, dtype=torch.uint8))
+
+    def grow(self, nbytes: int) -> None:
+        self.ws.untyped_storage().resize_(nbytes)
+        self.ws.set_(self.ws.untyped_storage(), 0, (nbytes,))
+
+
+def record_arena(guard: CaptureGuard, arena: Arena, label: str, nbytes: int) -> int:
+    with guard.recording(label):
+        arena.ws[:nbytes].add_(1)
+    return arena.ws.data_ptr()
+
+
+def test_a_storage_moved_between_captures_tells_each_graph_its_own_address():
+    """Graphs captured before a resize_() read the old memory, the one after it the new: the
+    finding names only the graphs that read an address the storage left, with their view."""
+    guard = CaptureGuard("warn")
+    arena = Arena()
+    guard.watch("arena", arena)
+    at = [record_arena(guard, arena, "bs=1", 16)]
+    arena.grow(4096)
+    at.append(record_arena(guard, arena, "bs=2", 32))
+    arena.grow(8192)
+    at.append(record_arena(guard, arena, "bs=4", 8192))
+    assert len(set(at)) == 3
+    findings = guard.check("after capture")
+    # (the slice op reads the whole arena: each slot is the arena as that capture saw it)
+    assert [(f.graph, f.slot, f.status, f.old_ptr, f.nbytes) for f in findings] == [
+        ("bs=1", "arena.ws", "moved", at[0], 64), ("bs=2", "arena.ws", "moved", at[1], 4096)]
+    assert all(f.new_ptr == arena.ws.data_ptr() for f in findings)
+    assert "'bs=1' captured" in findings[0].message and "more graphs" not in findings[0].message
+    assert guard.check("before replay", graph="bs=4") == []
+    manifest = guard.manifest("after capture")
+    assert (manifest.moved, manifest.unchanged) == (2, 1)
+
+
+def test_a_storage_moved_inside_one_capture_is_moved_for_that_graph_at_the_first_address():
+    guard = CaptureGuard("warn")
+    arena = Arena()
+    guard.watch("arena", arena)
+    with guard.recording("piece"):
+        arena.ws[:8].add_(1)
+        first = arena.ws.data_ptr()
+        arena.grow(4096)                            # mid-capture: later ops read the new memory
+        arena.ws[:8].add_(1)
+    (finding,) = guard.check("before replay", graph="piece")
+    assert (finding.status, finding.old_ptr, finding.new_ptr) == ("moved", first, arena.ws.data_ptr())
+    assert [s.storage_ptr for s in guard.slots_of("piece")] == [first, arena.ws.data_ptr()]
+
+
+def test_adopt_gives_a_storage_that_moved_a_slot_per_placement():
+    guard = CaptureGuard("warn")
+    arena = Arena()
+    guard.watch("arena", arena)
+    first = arena.ws.data_ptr()
+    assert guard.adopt("g0", [word(arena.ws)], None) == []
+    arena.grow(4096)
+    guard.refresh_index()                            # the watch hooks refresh it once per check
+    assert guard.adopt("g1", [word(arena.ws)], None) == []
+    (finding,) = guard.check("after capture")
+    assert (finding.graph, finding.status, finding.old_ptr) == ("g0", "moved", first)
+    assert [s.graphs for s in guard.slots] == [["g0"], ["g1"]]
+
+
 def test_parameter_data_swap_names_the_swap_line_as_freed_at():
     guard = CaptureGuard("warn")
     moe = MoE()

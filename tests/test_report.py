@@ -781,7 +781,7 @@ def test_one_finding_per_rank_is_one_group_with_its_ranks():
                                        "message": f"rank {r}: the storage has been freed"}) for r in (0, 1)]
     text = trial_text(trial)
     assert text.count(f"FREED {SLOT}") == 1 and "ranks 0, 1 · 2 findings" in text
-    assert "(rank 0; 2 storages in all)" in text
+    assert "(rank 0; 2 addresses in all)" in text
     assert "rank 0: the storage has been freed" in text
 
 

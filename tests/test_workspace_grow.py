@@ -192,15 +192,20 @@ def test_unfixed_replace_frees_the_arena_of_every_smaller_graph(tmp_path):
     assert [n["text"] for n in rec.of("note")] == [wg.CPU_NOTE]
 
 
-def test_unfixed_resize_moves_the_one_arena_every_graph_holds(tmp_path):
+def test_unfixed_resize_moves_the_arena_under_exactly_the_graphs_captured_before_a_growth(tmp_path):
+    """One storage, resized in place at each larger capture: each graph captured before a
+    growth read an address the arena left (one finding each, its own address); the last one
+    reads the live arena."""
     rec = drive(tmp_path, "unfixed", resize=True)
-    [finding] = rec.of("finding")
-    assert finding["slot"].startswith(ARENA) and finding["status"] == "moved"
-    assert "it was resized or re-pointed" in finding["message"]
-    assert [m["moved"] for m in rec.of("manifest")] == [1]
     ws = rec.details["workspace"]
     assert [g["how"] for g in ws["grows"]] == ["allocate", "resize_", "resize_", "resize_"]
     assert ws["stale_sizes"] == [1, 2, 4]
+    findings = rec.of("finding")
+    assert [f["graph"] for f in findings] == [f"decode bs={b}" for b in ws["stale_sizes"]]
+    assert all(f["slot"].startswith(ARENA) and f["status"] == "moved" for f in findings)
+    assert len({f["old_ptr"] for f in findings}) == 3 and len({f["new_ptr"] for f in findings}) == 1
+    assert all("it was resized or re-pointed" in f["message"] for f in findings)
+    assert [m["moved"] for m in rec.of("manifest")] == [3]
     assert all(s["mismatches"] == 0 for s in rec.of("step"))
 
 

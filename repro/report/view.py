@@ -359,11 +359,12 @@ def finding_address(f: Finding) -> str:
 
 
 def group_address(g: FindingGroup) -> str:
-    """The first member's address; the others have their own (each rank its own copy)."""
+    """The first member's address; the others have their own (each rank its own copy; each
+    placement of a storage that moved between captures its own)."""
     text = finding_address(g.first)
-    storages = len({(f.rank, f.old_ptr) for f in g.findings})
-    if storages > 1:
-        text += f" (rank {g.first.rank}; {storages} storages in all)"
+    addresses = len({(f.rank, f.old_ptr) for f in g.findings})
+    if addresses > 1:
+        text += f" (rank {g.first.rank}; {addresses} addresses in all)"
     return text
 
 
