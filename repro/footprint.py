@@ -20,6 +20,13 @@ def needed_bytes(cfg: TrialConfig) -> int:
     return SCENARIOS[cfg.scenario].footprint(cfg.model, cfg.run.tp)
 
 
+def expected_peak_bytes(cfg: TrialConfig) -> int:
+    """What one rank is expected to reach (the scenario's peak estimate, else its footprint):
+    what the matrix promises a concurrent CUDA trial on each GPU it uses (repro/ledger.py)."""
+    spec = SCENARIOS[cfg.scenario]
+    return spec.peak(cfg.model, cfg.run) if spec.peak is not None else needed_bytes(cfg)
+
+
 def host_available() -> int | None:
     """MemAvailable (Linux), else physical memory; None when neither can be read."""
     try:

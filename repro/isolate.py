@@ -320,10 +320,12 @@ def rank_exit(r: Rank, recs: RankRecords, out_dir: str, dump: str = "") -> RankE
     error = f"{errors[-1]['type']}: {errors[-1]['message']}" if errors else None
     code = r.proc.returncode
     starts = recs.of(Event.START)
+    last = [e for e in recs.events if e.get("event") in (Event.DONE, Event.ERROR)][-1:]
     return RankExit(rank=r.rank, pid=starts[0]["pid"] if starts else r.proc.pid,
                     exitcode=None if r.killed else code, signal=None if r.killed else signal_name(code),
                     killed_by_harness=r.killed, stderr_tail=tail(log_path(out_dir, r.rank)), error=error,
-                    stack=stacks.top_frames(dump))
+                    stack=stacks.top_frames(dump),
+                    peak_reserved_bytes=last[0].get("peak_reserved_bytes") if last else None)
 
 
 def error_text(ex: RankExit, recs: RankRecords) -> str:

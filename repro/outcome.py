@@ -168,6 +168,9 @@ class RankExit:
     stderr_tail: str
     error: str | None = None        # exception text the worker recorded before dying
     stack: list[str] = field(default_factory=list)  # top frames, most recent first, when asked at a deadline
+    # The CUDA caching allocator's peak reserved bytes, as the rank said at its end (done or
+    # error); None on CPU, or when it died without a word.
+    peak_reserved_bytes: int | None = None
 
 
 @dataclass

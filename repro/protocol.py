@@ -34,8 +34,8 @@ class Event(str, Enum):
     DETAIL = "detail"            # trial facts (after-free result, mechanism, ...)
     ARTIFACT = "artifact"        # name, path
     UNSUPPORTED = "unsupported"  # reason: this rank cannot run the scenario here
-    ERROR = "error"              # type, message, traceback: recorded before the rank exits
-    DONE = "done"                # timings: the rank finished cleanly
+    ERROR = "error"              # type, message, traceback, peak_reserved_bytes: recorded before the rank exits
+    DONE = "done"                # timings, peak_reserved_bytes (None off CUDA): the rank finished cleanly
 
 
 # Test hook: the ways a rank can be made to fail as real failures look from the outside.

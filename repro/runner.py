@@ -19,10 +19,11 @@ from typing import Any, Callable
 
 from repro import doctor, gpus
 from repro.config import SCENARIOS, TrialConfig, apply_overrides, bare_config, load_preset, validate
-from repro.footprint import fit_reason
+from repro.footprint import expected_peak_bytes, fit_reason, gib
 from repro.interrupts import Interrupts, Terminated, checkpoint
 from repro.isolate import POLL_S, Interrupted, run_trial, unsupported_record
 from repro.launch import RankServer, child_env
+from repro.ledger import MemoryLedger, need_on, trial_gpus
 from repro.outcome import Report, TrialRecord
 
 
@@ -148,7 +149,7 @@ def run_planned(planned: list[Planned], out_root: Path, on_start: Callable[[str,
             env = pool.submit(environment)
             lanes = gpus.gpu_lanes(gpus.gpu_count(), dict(os.environ)) if jobs > 1 else []
             result = run_all(planned, run_dir, Hooks(on_start, on_tick, on_done), wrapper, jobs, lanes, server,
-                             interrupts=interrupts)
+                             interrupts=interrupts, ledger=gpu_ledger(planned, lanes))
             checkpoint("collected")
             result.report.environment = with_runtime(env.result(), result.report.trials)
     finally:
@@ -160,6 +161,28 @@ def run_planned(planned: list[Planned], out_root: Path, on_start: Callable[[str,
     return result
 
 
+def gpu_ledger(planned: list[Planned], lanes: list[str]) -> MemoryLedger | None:
+    """Where concurrent CUDA trials share GPUs whose size NVML tells: the ledger they claim
+    memory from (repro/ledger.py); None otherwise (one job, no CUDA trial, no NVML)."""
+    if not lanes or not any(p.device == "cuda" for p in planned):
+        return None
+    totals = gpus.visible_memory()[:len(lanes)]
+    return MemoryLedger(totals) if len(totals) == len(lanes) and all(totals) else None
+
+
+def claim_memory(ledger: MemoryLedger | None, p: Planned, slot: int, lanes: list[str],
+                 stop: threading.Event) -> tuple[Any, str]:
+    """(the claim, a note for the trial when it had to wait); (None, "") without a ledger."""
+    if ledger is None or p.device != "cuda":
+        return None, ""
+    per_rank = expected_peak_bytes(p.cfg)
+    claim = ledger.claim(need_on(trial_gpus(slot, len(lanes), p.cfg.run.tp, p.cfg.run.share_gpu), per_rank), stop)
+    if claim is None or claim.waited_s < 1.0:
+        return claim, ""
+    return claim, (f"waited {claim.waited_s:.0f} s for GPU memory: this trial is expected to reach "
+                   f"{gib(per_rank)} a rank, more than was left beside the trials running then")
+
+
 @dataclass
 class Hooks:
     on_start: Callable[[str, Planned], None] | None = None
@@ -169,7 +192,7 @@ class Hooks:
 
 def run_one(i: int, p: Planned, run_dir: Path, hooks: Hooks, wrapper: list[str] | None,
             slots: queue.SimpleQueue, lanes: list[str], stop: threading.Event,
-            server: RankServer | None = None) -> TrialRecord | None:
+            server: RankServer | None = None, ledger: MemoryLedger | None = None) -> TrialRecord | None:
     """One trial on a pool thread. The thread lives until its trial's ranks are reaped, which
     matters: PR_SET_PDEATHSIG fires when the *thread* that spawned a worker exits."""
     if stop.is_set():
@@ -181,10 +204,18 @@ def run_one(i: int, p: Planned, run_dir: Path, hooks: Hooks, wrapper: list[str] 
         trial = unsupported_record(tid, p.cfg, p.reason)
     else:
         slot = slots.get()
+        claim = None
         try:
+            claim, waited = claim_memory(ledger, p, slot, lanes, stop)
+            if ledger is not None and claim is None and stop.is_set():
+                return None                           # stopped while waiting for memory
             trial = run_trial(p.cfg, p.device, run_dir, tid, fault=p.fault, wrapper=wrapper,
                               on_tick=hooks.on_tick, env=lane_env(slot, lanes), stop=stop, server=server)
+            if waited:
+                trial.notes.append(waited)
         finally:
+            if claim is not None:
+                ledger.release(claim)
             slots.put(slot)
     if hooks.on_done:
         hooks.on_done(trial)
@@ -194,8 +225,9 @@ def run_one(i: int, p: Planned, run_dir: Path, hooks: Hooks, wrapper: list[str] 
 def run_all(planned: list[Planned], run_dir: Path, hooks: Hooks, wrapper: list[str] | None,
             jobs: int, lanes: list[str], server: RankServer | None = None,
             one: Callable[..., TrialRecord | None] | None = None,
-            interrupts: Interrupts | None = None) -> RunResult:
-    """one: the per-trial step, run_one's signature (repro/ray_runner.py runs it on a cluster)."""
+            interrupts: Interrupts | None = None, ledger: MemoryLedger | None = None) -> RunResult:
+    """one: the per-trial step, run_one's signature (repro/ray_runner.py runs it on a cluster);
+    ledger: the GPU memory concurrent CUDA trials claim (passed to `one` only when there is one)."""
     one = one or run_one
     stop = threading.Event()
     slots: queue.SimpleQueue = queue.SimpleQueue()
@@ -207,7 +239,8 @@ def run_all(planned: list[Planned], run_dir: Path, hooks: Hooks, wrapper: list[s
         stop.set()                                     # a signal during start-up: run nothing
         interrupted_by = interrupts.name
     with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="trial") as pool:
-        futures = {pool.submit(one, i, p, run_dir, hooks, wrapper, slots, lanes, stop, server): i
+        extra = {"ledger": ledger} if ledger is not None else {}
+        futures = {pool.submit(one, i, p, run_dir, hooks, wrapper, slots, lanes, stop, server, **extra): i
                    for i, p in enumerate(planned)}
         pending = set(futures)
         while pending:

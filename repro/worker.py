@@ -228,6 +228,19 @@ def dump_forensics(ctx: WorkerContext) -> None:
         ctx.sink.emit(Event.ARTIFACT, name=f"memory snapshot rank {ctx.rank}", path=str(path))
 
 
+def peak_reserved(ctx: WorkerContext | None) -> int | None:
+    """The caching allocator's peak reserved bytes on this rank's GPU (what a trial really
+    reached, to check the scenario's peak estimate against: repro/ledger.py); None off CUDA or
+    before CUDA started. Never raises: it runs on the way out of a failing rank too."""
+    try:
+        import torch
+        if ctx is None or ctx.device.type != "cuda" or not torch.cuda.is_initialized():
+            return None
+        return int(torch.cuda.max_memory_reserved(ctx.device))
+    except Exception:
+        return None
+
+
 def run_rank(spec: TrialSpec, rank: int) -> int:
     from repro.scenarios import load_scenario
     sink = RecordSink(records_path(spec.out_dir, rank), rank)
@@ -246,13 +259,13 @@ def run_rank(spec: TrialSpec, rank: int) -> int:
         with torch.no_grad():           # inference engines never build autograd graphs
             load_scenario(ctx.cfg.scenario).run(ctx)
         dump_forensics(ctx)
-        sink.emit(Event.DONE, timings=ctx.timings)
+        sink.emit(Event.DONE, timings=ctx.timings, peak_reserved_bytes=peak_reserved(ctx))
         from repro import dist
         dist.shutdown(ctx.tp)
         return 0
     except BaseException as e:  # noqa: BLE001 - every failure must be recorded before exit
         sink.emit(Event.ERROR, type=type(e).__name__, message=str(e)[:4000],
-                  traceback=traceback.format_exc()[-6000:])
+                  traceback=traceback.format_exc()[-6000:], peak_reserved_bytes=peak_reserved(ctx))
         if ctx is not None:
             with contextlib.suppress(BaseException):
                 dump_forensics(ctx)

@@ -356,6 +356,16 @@ def test_each_mode_on_cuda(tmp_path, mode, resize, after_free):
     else:
         assert t.guard_findings and ws["stale_graphs"] == len(ws["stale_sizes"]) > 0
         assert all(f.when == "after capture" for f in t.guard_findings[:1])
+    if mode == "unfixed" and resize:
+        # One finding per placement the arena left (each resize_ leaves one), none for the live one.
+        moved = [f for f in t.guard_findings if f.status == "moved"]
+        assert len(moved) == sum(g["how"] == "resize_" for g in ws["grows"]) and len({f.old_ptr for f in moved}) == len(moved)
+    # The estimate the matrix packs concurrent trials by is not below what the trial reached
+    # (a rank that died of the fault may not have said its peak).
+    from repro.footprint import expected_peak_bytes
+    peaks = [r.peak_reserved_bytes for r in t.ranks if r.peak_reserved_bytes is not None]
+    assert peaks or t.outcome is not Outcome.CLEAN
+    assert all(0 < n <= expected_peak_bytes(p.cfg) for n in peaks), (peaks, expected_peak_bytes(p.cfg))
     if t.outcome is Outcome.MISMATCH:
         # The graphs' own outputs are right; what changed is the other tensors' memory.
         graphs = [s for s in t.steps if "worst_graph" in s.extra]

@@ -325,6 +325,14 @@ def census_fact(trial: TrialRecord) -> str | None:
     return f"{len(census)} graphs read, {refs} captured addresses outside their pools checked"
 
 
+def memory_fact(trial: TrialRecord) -> str | None:
+    """Each rank's peak reserved GPU memory, where the ranks said it (CUDA trials)."""
+    said = [(r.rank, r.peak_reserved_bytes) for r in trial.ranks if r.peak_reserved_bytes is not None]
+    if not said:
+        return None
+    return "peak reserved " + ", ".join(f"{fmt_bytes(n)} (rank {rank})" for rank, n in said)
+
+
 TRIAL_FACTS: tuple[tuple[str, Callable[[TrialRecord], Any]], ...] = (
     ("injected fault", fault_text),
     ("node", lambda t: t.node),
@@ -332,6 +340,7 @@ TRIAL_FACTS: tuple[tuple[str, Callable[[TrialRecord], Any]], ...] = (
     ("knob writes", lambda t: (t.details.get("after_free") or {}).get("writes")),
     ("guard", guard_fact),
     ("census", census_fact),
+    ("GPU memory", memory_fact),
 )
 
 

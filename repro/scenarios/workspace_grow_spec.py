@@ -88,6 +88,32 @@ def footprint(m: WorkspaceDims, tp: int) -> int:
     return kv + io + workspace_bytes(m, b) + decode
 
 
+def decode_scratch(m: WorkspaceDims, batch: int) -> int:
+    """The decode's own temporaries at `batch` near their peak (split_kv_stage1 in
+    workspace_grow.py): K (then V) in fp32 and the copy einsum makes of it for its batched GEMM,
+    [B, L, Hkv, D] each; the scores, the masked scores and the probabilities [B, Hq, L] fp32;
+    each split's output and its normalized copy [B, Hq, S, D] fp32."""
+    f32 = 4
+    kv = batch * m.max_seq_len * m.num_kv_heads * m.head_size * f32
+    scores = batch * m.num_heads * m.max_seq_len * f32
+    splits = batch * m.num_heads * m.num_kv_splits * m.head_size * f32
+    return 2 * kv + 3 * scores + 2 * splits
+
+
+def peak(m: WorkspaceDims, r: Any) -> int:
+    """What one rank is expected to reach: an estimate from the caching allocator's rules, well
+    above the footprint. The sizes are captured ascending into one shared pool, so each
+    capture's temporaries are larger than every block an earlier capture freed there: the pool
+    keeps them all (the sum over sizes; a graph pool gives nothing back while its graphs live).
+    The eager warm-up before each capture leaves the same sum in the allocator's cache, unless
+    something empties it: the unfixed replace path calls empty_cache() at every growth.
+    Not yet checked against a measured peak: trial records carry each rank's peak reserved
+    bytes (RankExit.peak_reserved_bytes) for that."""
+    scratch = [decode_scratch(m, b) for b in m.capture_sizes]
+    emptied = r.mode == "unfixed" and not r.resize_in_place
+    return footprint(m, 1) + sum(scratch) + (max(scratch) if emptied else sum(scratch))
+
+
 # The worst graph's error against the eager reference, and the bytes of other tensors (the
 # after-free knob's fills) that the replays wrote over.
 STEP_COLUMNS = (StepColumn("worst_scaled_err", "worst err", drop=2),
@@ -145,4 +171,4 @@ SPEC = ScenarioSpec(
          "(vLLM #45670, #55336; FlashInfer #4398).",
     steps_help="Decode steps: each replays the graph of every captured batch size once and checks it "
                "against an eager attention.",
-    validate=validate, footprint=footprint, step_columns=STEP_COLUMNS, report_lines=report_lines)
+    validate=validate, footprint=footprint, peak=peak, step_columns=STEP_COLUMNS, report_lines=report_lines)
