@@ -18,7 +18,8 @@ if has corpus; then
 fi
 if has scale; then
   prof=""; has profile && prof="--profile --profile-cases ${PROFILE_CASES:-full,piecewise}"
-  timeout ${SCALE_S:-500} python3 benchmarks/engine_capture.py --repeats "${REPEATS:-2}" --out "$out/scale" $prof > /dev/null 2> "$out/scale.log"
+  steps=""; [ -n "${STEP_ROUNDS:-}" ] && steps="--step-rounds $STEP_ROUNDS"
+  timeout ${SCALE_S:-500} python3 benchmarks/engine_capture.py --repeats "${REPEATS:-2}" --out "$out/scale" $prof $steps > /dev/null 2> "$out/scale.log"
   tail -8 "$out/scale.log"
 fi
 cd "$out" && tar czf results.tgz --exclude=results.tgz --exclude='*.prof' --exclude='watch-*' --exclude='prof-*' . 2>/dev/null; ls -la "$out"
