@@ -171,16 +171,19 @@ def gpu_ledger(planned: list[Planned], lanes: list[str]) -> MemoryLedger | None:
 
 
 def claim_memory(ledger: MemoryLedger | None, p: Planned, slot: int, lanes: list[str],
-                 stop: threading.Event) -> tuple[Any, str]:
-    """(the claim, a note for the trial when it had to wait); (None, "") without a ledger."""
+                 stop: threading.Event) -> tuple[Any, str, bool]:
+    """(the claim or None, a note for the trial when it had to wait, whether it was stopped
+    while waiting); no claim without a ledger or off CUDA."""
     if ledger is None or p.device != "cuda":
-        return None, ""
+        return None, "", False
     per_rank = expected_peak_bytes(p.cfg)
     claim = ledger.claim(need_on(trial_gpus(slot, len(lanes), p.cfg.run.tp, p.cfg.run.share_gpu), per_rank), stop)
-    if claim is None or claim.waited_s < 1.0:
-        return claim, ""
+    if claim is None:
+        return None, "", True
+    if claim.waited_s < 1.0:
+        return claim, "", False
     return claim, (f"waited {claim.waited_s:.0f} s for GPU memory: this trial is expected to reach "
-                   f"{gib(per_rank)} a rank, more than was left beside the trials running then")
+                   f"{gib(per_rank)} a rank, more than was left beside the trials running then"), False
 
 
 @dataclass
@@ -206,9 +209,9 @@ def run_one(i: int, p: Planned, run_dir: Path, hooks: Hooks, wrapper: list[str] 
         slot = slots.get()
         claim = None
         try:
-            claim, waited = claim_memory(ledger, p, slot, lanes, stop)
-            if ledger is not None and claim is None and stop.is_set():
-                return None                           # stopped while waiting for memory
+            claim, waited, stopped = claim_memory(ledger, p, slot, lanes, stop)
+            if stopped:
+                return None                           # Ctrl-C while it waited for GPU memory
             trial = run_trial(p.cfg, p.device, run_dir, tid, fault=p.fault, wrapper=wrapper,
                               on_tick=hooks.on_tick, env=lane_env(slot, lanes), stop=stop, server=server)
             if waited:

@@ -240,3 +240,22 @@ def test_workspace_grows_scratch_estimate_covers_what_its_decode_allocates(prese
                            mid_o)
         wg.reduce_splits(mid_o, output, lse)
     assert new.peak <= decode_scratch(dims, batch) <= 1.3 * new.peak, (new.peak, decode_scratch(dims, batch))
+
+
+def test_an_interrupt_while_a_trial_waits_for_memory_leaves_it_not_run(tmp_path, monkeypatch):
+    spans = []
+    monkeypatch.setattr(runner, "run_trial", fake_trial(spans, 1.5))
+    monkeypatch.setattr(runner.gpus, "visible_memory", lambda: [140 * GIB])
+    planned = [planned_cuda("turboquant-decode", "fixed") for _ in range(2)]
+    start = time.monotonic()
+
+    class Interrupts:                       # a Ctrl-C half a second in
+        name = "SIGINT"
+
+        def pending(self):
+            return time.monotonic() - start > 0.5
+
+    result = runner.run_all(planned, tmp_path, runner.Hooks(), None, 2, ["0"], interrupts=Interrupts(),
+                            ledger=runner.gpu_ledger(planned, ["0"]))
+    assert len(spans) == 1 and len(result.report.trials) == 1 and result.report.not_run == 1
+    assert result.interrupted and result.report.interrupted_by == "SIGINT"
