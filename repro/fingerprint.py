@@ -54,12 +54,12 @@ from typing import Any
 
 import torch
 
+from repro.outcome import Status
 from repro.sites import storage_key
 
-CONTENTS_CHANGED = "contents-changed"
 FULL_BYTES = 1 << 20      # a region up to 1 MiB is summed whole
 SAMPLES = 4096            # words summed of a larger one (16 KiB), evenly spaced
-_DEAD = frozenset(("freed", "moved", "rebound", CONTENTS_CHANGED))   # said already: not checked
+_DEAD = frozenset((Status.FREED, Status.MOVED, Status.REBOUND, Status.CONTENTS_CHANGED))   # said already: not checked
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from repro import fingerprint, owners, sites
-from repro.outcome import Finding, Manifest
+from repro.outcome import Finding, Manifest, Status
 from repro.owners import Named, Owner, bind_owners, build_index, exposed_name, hold, resolve, storage_of
 from repro.sites import frame_site, holder_of, storage_key, user_frame
 from repro.units import format_bytes
@@ -123,7 +123,7 @@ class Slot:
     ref: StorageWeakRef | None = field(default=None, repr=False, compare=False)
     key: int = field(default=0, repr=False)  # storage identity; unique while `ref` lives
     named: Named | None = field(default=None, repr=False, compare=False)
-    reported: set[str] = field(default_factory=set, repr=False, compare=False)
+    reported: set[Status] = field(default_factory=set, repr=False, compare=False)   # each said once
     drop_ref: weakref.ref | None = field(default=None, repr=False, compare=False)
     # The graph pool the storage's memory belongs to, where the caller told (assign_pools), and
     # the graphs that allocate from that very pool: for them the storage is pool-managed.
@@ -173,13 +173,13 @@ class _Recording:
 
 class _Status(NamedTuple):
     """A tuple, not a dataclass: check() builds one per slot per replay."""
-    status: str                   # "freed" | "moved" | "rebound" | "unchanged" | "contents-changed"
+    status: Status                # freed, moved, rebound, contents-changed or unchanged
     new_ptr: int | None = None
     detail: str = ""              # for rebound: "rebound" (a new tensor) | "dropped" (none);
                                   # for contents-changed: since when the bytes were as captured
 
 
-_UNCHANGED = _Status("unchanged")
+_UNCHANGED = _Status(Status.UNCHANGED)
 
 
 class _OpObserver(TorchDispatchMode):
@@ -465,10 +465,10 @@ class CaptureGuard:
             return []
         findings = []
         for slot in self._every_slot() if graph is None else self._by_graph.get(graph, ()):
-            if "freed" in slot.reported or not slot.checked_in(graph):
+            if Status.FREED in slot.reported or not slot.checked_in(graph):
                 continue  # freed is final; a pool-managed storage is its pool's business
             status = self._classify(slot) if deep else self._liveness(slot)
-            if status.status == "unchanged" or status.status in slot.reported:
+            if status.status is Status.UNCHANGED or status.status in slot.reported:
                 continue
             slot.reported.add(status.status)
             findings.append(self._finding(slot, status, when))
@@ -481,14 +481,15 @@ class CaptureGuard:
 
     def manifest(self, when: str) -> Manifest:
         """Counts of captured storages by state (the pointer census of vLLM RFC #48312)."""
-        counts = {"freed": 0, "moved": 0, "rebound": 0, "unchanged": 0}
+        counts = dict.fromkeys((Status.FREED, Status.MOVED, Status.REBOUND, Status.UNCHANGED), 0)
         if self.mode != "off":
             for slot in self._every_slot():
                 if not slot.checked_in(None):
                     continue
-                status = "freed" if "freed" in slot.reported else self._classify(slot).status
+                status = Status.FREED if Status.FREED in slot.reported else self._classify(slot).status
                 counts[status] += 1
-        return Manifest(when=when, rank=self.rank, **counts)
+        return Manifest(when=when, rank=self.rank, freed=counts[Status.FREED], rebound=counts[Status.REBOUND],
+                        unchanged=counts[Status.UNCHANGED], moved=counts[Status.MOVED])
 
     def freed_blocks(self) -> list[tuple[int, int, str]]:
         """(storage data_ptr, storage nbytes, dtype) of every captured storage now freed."""
@@ -556,8 +557,8 @@ class CaptureGuard:
             changed = fingerprint.compare(slots, f"the check '{when}'", resolve)
         findings = []
         for slot, old in changed:
-            slot.reported.add(fingerprint.CONTENTS_CHANGED)
-            status = _Status(fingerprint.CONTENTS_CHANGED, None, fingerprint.since_text(old))
+            slot.reported.add(Status.CONTENTS_CHANGED)
+            status = _Status(Status.CONTENTS_CHANGED, None, fingerprint.since_text(old))
             findings.append(self._finding(slot, status, when))
         return findings
 
@@ -720,7 +721,7 @@ class CaptureGuard:
         if refs is None:
             slots = self._every_slot() if graph is None else self._by_graph.get(graph, ())
             refs = self._live_refs[graph] = tuple(
-                s.ref for s in slots if "freed" not in s.reported and s.checked_in(graph))
+                s.ref for s in slots if Status.FREED not in s.reported and s.checked_in(graph))
         for ref in refs:
             if ref is None or ref.expired():
                 return False
@@ -728,35 +729,35 @@ class CaptureGuard:
 
     def _liveness(self, slot: Slot) -> _Status:
         if slot.ref is None or slot.ref.expired():
-            return _Status("freed", current_ptr(slot))
+            return _Status(Status.FREED, current_ptr(slot))
         return _UNCHANGED
 
     def _classify(self, slot: Slot) -> _Status:
         if slot.ref is None or slot.ref.expired():
-            return _Status("freed", current_ptr(slot))
+            return _Status(Status.FREED, current_ptr(slot))
         current = resolve(slot.named) if slot.named is not None else None
         held = isinstance(current, torch.Tensor) and storage_key(current) == slot.key
         # While the owner still holds it, its tensor gives the storage; otherwise revive the weak ref.
         storage = current.untyped_storage() if held else \
             torch.UntypedStorage._new_with_weak_ptr(slot.ref.cdata)
         if storage is None:
-            return _Status("freed", current_ptr(slot))
+            return _Status(Status.FREED, current_ptr(slot))
         ptr = storage.data_ptr()
         del storage
         if ptr != slot.storage_ptr:
-            return _Status("moved", ptr + (slot.data_ptr - slot.storage_ptr))
+            return _Status(Status.MOVED, ptr + (slot.data_ptr - slot.storage_ptr))
         if held or slot.named is None:
             return _UNCHANGED
         if not isinstance(current, torch.Tensor):
-            return _Status("rebound", None, "dropped")
-        return _Status("rebound", current.data_ptr() + view_offset(slot), "rebound")
+            return _Status(Status.REBOUND, None, "dropped")
+        return _Status(Status.REBOUND, current.data_ptr() + view_offset(slot), "rebound")
 
     def _finding(self, slot: Slot, status: _Status, when: str) -> Finding:
         return Finding(
             slot=slot.name, graph=graph_label(slot), status=status.status, when=when,
             rank=self.rank, shape=list(slot.shape), dtype=slot.dtype, nbytes=slot.nbytes,
             old_ptr=slot.data_ptr, new_ptr=status.new_ptr, created_at=slot.created_at,
-            freed_at=slot.freed_at if status.status == "freed" else None,
+            freed_at=slot.freed_at if status.status is Status.FREED else None,
             message=finding_message(slot, status))
 
 
@@ -995,15 +996,15 @@ def finding_message(slot: Slot, status: _Status) -> str:
         what += f", in graph pool {slot.pool}: not this graph's own, a cross-pool dependency"
     head = f"{graphs} {what}) at {slot.data_ptr:#x}"
     owner = slot.named.name if slot.named is not None else ""
-    if status.status == "freed":
+    if status.status is Status.FREED:
         dropped = f" (last reference dropped at {slot.freed_at})" if slot.freed_at else ""
         now = f"; {owner} now names a different tensor at {status.new_ptr:#x}" \
             if owner and status.new_ptr is not None else ""
         return f"{head}, and that storage has been freed{dropped}{now}. {FIX_FREED}"
-    if status.status == "moved":
+    if status.status is Status.MOVED:
         return (f"{head}, but that storage now lives at {status.new_ptr:#x} (it was resized or "
                 f"re-pointed). {FIX_MOVED}")
-    if status.status == fingerprint.CONTENTS_CHANGED:
+    if status.status is Status.CONTENTS_CHANGED:
         return (f"{head}, and its bytes changed {status.detail} while no torch write reached it: the "
                 f"storage is alive at the same address, so no pointer check can see this. {FIX_CONTENTS}")
     if status.detail == "dropped":

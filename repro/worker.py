@@ -216,7 +216,7 @@ def open_census(device: Any, rank: int, history: Any, sink: RecordSink) -> Any:
     if not ok:
         sink.emit(Event.NOTE, text=f"graph census unavailable: {reason}")
         return None
-    return census.CensusBook(rank=rank, trace="external" if history.active else "start")
+    return census.CensusBook(rank=rank, trace=census.Tracing.EXTERNAL if history.active else census.Tracing.START)
 
 
 def dump_forensics(ctx: WorkerContext) -> None:
