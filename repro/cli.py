@@ -14,6 +14,7 @@ import shutil
 import signal
 import sys
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Optional
@@ -35,7 +36,7 @@ from repro.protocol import FAULTS
 from repro.ray_runner import RayUnavailable
 from repro.runner import Planned, RunResult, plan, run_planned
 from repro.scenarios import SCENARIOS, CpuCost, RunKeySpec, ScenarioSpec
-from repro.watch_hooks import ON_FINDING, RECORD
+from repro.watch_hooks import OnFinding, Record
 
 EXIT_CODES = exit_codes_help(TRIAL_EXITS)
 MATRIX_EXIT_CODES = exit_codes_help(MATRIX_EXITS)
@@ -208,9 +209,10 @@ def with_default(text: str, default: str) -> str:
     return f"{text}  [default: {default}]"
 
 
-def choices(values: tuple[str, ...]) -> Any:
-    """A Literal over the values, so --help lists them and a wrong one is a usage error."""
-    return Literal[values]  # type: ignore[valid-type]
+def choices(values: Iterable[str]) -> Any:
+    """A Literal over the values (an enum's: their plain strings), so --help lists them and a
+    wrong one is a usage error."""
+    return Literal[tuple(str(v) for v in values)]  # type: ignore[valid-type]
 
 
 # Options declared once, reused by every scenario command. Choices come from config.py, the
@@ -585,9 +587,9 @@ WatchHtmlOpt = Annotated[Optional[Path], typer.Option("--html", metavar="PATH", 
                                "allow_interspersed_args": False})
 def watch_cmd(
     ctx: typer.Context,
-    on_finding: Annotated[choices(ON_FINDING), typer.Option("--on-finding", help="warn: record and let the replay run; raise: the replay raises StaleCaptureError naming the tensor, before the launch.")] = "warn",
+    on_finding: Annotated[choices(OnFinding), typer.Option("--on-finding", help="warn: record and let the replay run; raise: the replay raises StaleCaptureError naming the tensor, before the launch.")] = "warn",
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", metavar="DIR", help=with_default("Directory for the per-process records.", "a new folder $XDG_CACHE_HOME/repro/runs/watch-DATE-TIME-XXXXXXXX (else under ~/.cache), its own for each run"))] = None,
-    record: Annotated[choices(RECORD), typer.Option("--record", help="graph: where the graph census runs (CUDA), read what each capture holds from the graph after it, with no per-op hook (capture cost per node); ops: also record every op at the dispatcher (cost per op; names and drop sites for tensors only pointer tables in device memory reach). Without the census every op is recorded either way.")] = "graph",
+    record: Annotated[choices(Record), typer.Option("--record", help="graph: where the graph census runs (CUDA), read what each capture holds from the graph after it, with no per-op hook (capture cost per node); ops: also record every op at the dispatcher (cost per op; names and drop sites for tensors only pointer tables in device memory reach). Without the census every op is recorded either way.")] = "graph",
     json_path: JsonOpt = None, junit: WatchJunitOpt = None, html: WatchHtmlOpt = None,
 ) -> int:
     """Run CMD unchanged with the stale-capture hooks in every Python process it starts: repro watch -- CMD [ARGS...]."""

@@ -38,23 +38,45 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from enum import StrEnum
+from typing import Any, TypeVar
 
 ENV_ON = "REPRO_WATCH"                  # "1": hooks on (the vLLM plugin's switch too)
 ENV_DIR = "REPRO_WATCH_DIR"             # run directory for the per-process records
-ENV_ON_FINDING = "REPRO_WATCH_ON_FINDING"   # warn | raise
+ENV_ON_FINDING = "REPRO_WATCH_ON_FINDING"   # an OnFinding
 ENV_SITE = "REPRO_WATCH_SITE"           # the sitecustomize directory `repro watch` prepended
-ENV_RECORD = "REPRO_WATCH_RECORD"       # graph | ops (see RECORD)
+ENV_RECORD = "REPRO_WATCH_RECORD"       # a Record
 ENV_VARS = (ENV_ON, ENV_DIR, ENV_ON_FINDING, ENV_SITE, ENV_RECORD)
 ENV_OWNER = "REPRO_WATCH_OWNER"         # set by the pytest plugin: the record file (stem) of the
                                         # test process whose test started this process
 DEFAULT_DIR = "repro-watch"
-ON_FINDING = ("warn", "raise")
-# graph: where the census runs, what a capture holds is read from the graph after it (cost per
-#   node); elsewhere every op is recorded at the dispatcher. ops: every op is recorded at the
-#   dispatcher as well (cost per op: tensors behind pointer tables in device memory, which no
-#   node holds, get names and drop sites too).
-RECORD = ("graph", "ops")
+
+
+class OnFinding(StrEnum):
+    """What a finding does to the replay that would read the dead memory."""
+    WARN = "warn"                 # recorded; the replay runs
+    RAISE = "raise"               # recorded; the replay raises StaleCaptureError before the launch
+
+
+class Record(StrEnum):
+    """How the hooks learn what a capture holds."""
+    # Where the census runs, read from the graph after it (cost per node); elsewhere every op
+    # is recorded at the dispatcher.
+    GRAPH = "graph"
+    # Every op is recorded at the dispatcher as well (cost per op: tensors behind pointer
+    # tables in device memory, which no node holds, get names and drop sites too).
+    OPS = "ops"
+
+
+class Origin(StrEnum):
+    """What started the hooks in a process."""
+    SITECUSTOMIZE = "sitecustomize"   # `repro watch` (every Python process of the command)
+    VLLM_PLUGIN = "vllm-plugin"       # vLLM's plugin entry point, with REPRO_WATCH set
+    PYTEST = "pytest"                 # the pytest plugin (repro.pytest_watch)
+    RAY = "ray"                       # a Ray worker (repro.watch_ray)
+    API = "api"                       # the program itself (activate)
+
+
 TARGET = "torch.cuda.graphs"
 RECORD_SCHEMA = "repro.watch.record/1"
 HOOKED = ("capture_begin", "capture_end", "replay", "reset")
@@ -68,31 +90,38 @@ _RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK
              "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
 
 _ACTIVE: Watcher | None = None
+E = TypeVar("E", bound=StrEnum)
 
 
 @dataclass(frozen=True)
 class WatchSettings:
     run_dir: str
-    on_finding: str               # "warn" | "raise"
-    origin: str                   # "sitecustomize" | "vllm-plugin" | "api"
-    record: str = "graph"         # RECORD
+    on_finding: OnFinding
+    origin: Origin
+    record: Record = Record.GRAPH
 
 
-def settings_from_env(environ: dict[str, str], origin: str) -> WatchSettings | None:
+def settings_from_env(environ: dict[str, str], origin: Origin) -> WatchSettings | None:
     """None unless REPRO_WATCH is set to something other than 0/empty."""
     if environ.get(ENV_ON, "").strip() in ("", "0"):
         return None
-    on_finding = environ.get(ENV_ON_FINDING, "warn").strip() or "warn"
-    if on_finding not in ON_FINDING:
-        sys.stderr.write(f"repro watch: {ENV_ON_FINDING}={on_finding!r} is not one of "
-                         f"{', '.join(ON_FINDING)}; using warn\n")
-        on_finding = "warn"
-    record = environ.get(ENV_RECORD, "graph").strip() or "graph"
-    if record not in RECORD:
-        sys.stderr.write(f"repro watch: {ENV_RECORD}={record!r} is not one of {', '.join(RECORD)}; using graph\n")
-        record = "graph"
     return WatchSettings(run_dir=os.path.abspath(environ.get(ENV_DIR) or DEFAULT_DIR),
-                         on_finding=on_finding, origin=origin, record=record)
+                         on_finding=choice_from_env(environ, ENV_ON_FINDING, OnFinding.WARN), origin=origin,
+                         record=choice_from_env(environ, ENV_RECORD, Record.GRAPH))
+
+
+def choice_from_env(environ: dict[str, str], key: str, default: E) -> E:
+    """The member of default's enum that environ[key] names; default (said on stderr) for
+    any other value, default (silently) when unset or empty."""
+    text = environ.get(key, "").strip()
+    if not text:
+        return default
+    kind = type(default)
+    try:
+        return kind(text)
+    except ValueError:
+        sys.stderr.write(f"repro watch: {key}={text!r} is not one of {', '.join(kind)}; using {default}\n")
+        return default
 
 
 def active() -> Watcher | None:
@@ -111,7 +140,7 @@ def activate(settings: WatchSettings) -> Watcher:
     return watcher
 
 
-def activate_from_env(origin: str) -> Watcher | None:
+def activate_from_env(origin: Origin) -> Watcher | None:
     settings = settings_from_env(os.environ, origin)
     return activate(settings) if settings is not None else None
 
@@ -330,7 +359,7 @@ class Watcher:
         atexit.register(self.on_exit)
         os.register_at_fork(after_in_child=self.on_fork_child)
 
-    def note_origin(self, origin: str) -> None:
+    def note_origin(self, origin: Origin) -> None:
         if origin not in self.origins:
             self.origins.append(origin)
             self.write({"kind": "origin", "origin": origin})
@@ -500,7 +529,7 @@ class Watcher:
 
     def by_census(self, state: GraphState) -> bool:
         """Whether this capture's slots come from its census (no per-op recording)."""
-        return state.kept is not None and self.book is not None and self.settings.record == "graph"
+        return state.kept is not None and self.book is not None and self.settings.record == Record.GRAPH
 
     def on_capture_end(self, graph, frame=None) -> None:
         """frame: the frame that ended the capture (its locals name what the graph holds)."""
@@ -562,7 +591,7 @@ class Watcher:
             self.seconds.checks += time.perf_counter() - t0
         if findings:
             self.report(findings)
-            if self.settings.on_finding == "raise":
+            if self.settings.on_finding == OnFinding.RAISE:
                 from repro.guard import StaleCaptureError
                 raise StaleCaptureError(findings[0].message, findings)
 
@@ -588,7 +617,7 @@ class Watcher:
         what it names."""
         censuses = [self.book.censuses[label] for label in labels
                     if label in self.book.censuses and self.book.censuses[label].references]
-        if not censuses or self.settings.record != "graph":
+        if not censuses or self.settings.record != Record.GRAPH:
             return
         self.guard.refresh_index()
         for census in censuses:
@@ -679,9 +708,10 @@ class Watcher:
         """Handles of the graph's storages not yet reported freed; None: use the guard's path."""
         if self.expired is None:
             return None
+        from repro.outcome import Status      # loaded with the guard already
         handles = []
         for slot in self.guard.slots_of(label):
-            if "freed" not in slot.reported and slot.checked_in(label):
+            if Status.FREED not in slot.reported and slot.checked_in(label):
                 if slot.ref is None:
                     return None
                 handles.append(slot.ref.cdata)
@@ -713,7 +743,7 @@ class Watcher:
                 # Only the dispatch-mode recording needs the warm-up (its first dispatch imports
                 # torch._dynamo: seconds on an image without bytecode); where the census makes
                 # the slots, no capture records at the dispatcher.
-                if self.settings.record == "ops" or census is None or not census.census_supported()[0]:
+                if self.settings.record == Record.OPS or census is None or not census.census_supported()[0]:
                     repro.guard.warm_up()
             except Exception as e:
                 failed.append(f"{type(e).__name__}: {e}")
@@ -744,7 +774,7 @@ class Watcher:
                 # Starts the allocator's alloc/free trace (no stacks), so reuse at the same
                 # address is seen; before the first capture, never inside one.
                 try:
-                    self.book = self.census_mod.CensusBook(rank=0, trace="start")
+                    self.book = self.census_mod.CensusBook(rank=0, trace=self.census_mod.Tracing.START)
                 except Exception as e:
                     self.census_state = f"unavailable: {type(e).__name__}: {e}"
             self.write({"kind": "census", "state": self.census_state})
@@ -929,14 +959,14 @@ def finding_dict(finding: Any) -> dict[str, Any]:
 
 
 def torch_finding(graph: str, text: str, rank: int | None):
-    from repro.outcome import Finding
+    from repro.outcome import Finding, Mechanism, Status
     ptr = 0
     for word in text.replace("(", " ").replace(")", " ").replace(":", " ").split():
         if word.startswith("data_ptr=0x"):
             ptr = int(word.removeprefix("data_ptr="), 16)
             break
     finding = Finding(slot="<tensor named by torch check_input_liveness>", graph=graph,
-                      status="freed", when="replay (torch's own check)", rank=rank or 0,
+                      status=Status.FREED, when="replay (torch's own check)", rank=rank or 0,
                       shape=[], dtype="", nbytes=0, old_ptr=ptr, message=text.splitlines()[0],
-                      mechanism="torch")
+                      mechanism=Mechanism.TORCH)
     return finding
