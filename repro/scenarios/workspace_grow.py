@@ -59,7 +59,7 @@ from torch import Tensor
 from repro.graphs import Captured, capture
 from repro.outcome import StepRecord
 from repro.units import format_bytes
-from repro.scenarios.workspace_grow_spec import (ALIGN, MIB, SPEC, WorkspaceDims, decode_workspace_views,
+from repro.scenarios.workspace_grow_spec import (ALIGN, MIB, SPEC, GrowthKind, WorkspaceDims, decode_workspace_views,
                                                  round_up, workspace_bytes)
 
 # Mismatch tolerance, per element: |y - y_ref| > TOLERANCE * (|y_ref| + rms(y_ref)). The graph and
@@ -94,7 +94,7 @@ class Growth:
     """One growth of the arena, as the report tells it."""
     old_bytes: int
     new_bytes: int
-    how: str                       # "allocate" (the first) | "replace" | "resize_"
+    how: GrowthKind
 
 
 def empty_cache(device: torch.device) -> None:
@@ -158,16 +158,16 @@ class WorkspaceManager:
         current = self.arena
         old = self.size_bytes()
         if current is None:
-            self.growths.append(Growth(0, required, "allocate"))     # the first request: nothing to free
+            self.growths.append(Growth(0, required, GrowthKind.ALLOCATE))
             self._current_workspaces[0] = torch.empty(required, dtype=torch.uint8, device=self.device)
             return
         if self.resize_in_place:
-            self.growths.append(Growth(old, required, "resize_"))
+            self.growths.append(Growth(old, required, GrowthKind.RESIZE))
             # FlashInfer #4398: grown in place. The storage object stays, its memory moves: a new
             # block is allocated, the bytes copied, the old block freed under the captured graphs.
             current.resize_(required)
             return
-        self.growths.append(Growth(old, required, "replace"))
+        self.growths.append(Growth(old, required, GrowthKind.REPLACE))
         # vLLM #55336: replaced. The old arena is freed and its cached segment returned to the
         # driver before the new one is made, so graphs captured on it read unmapped memory.
         self._current_workspaces[0] = None
