@@ -24,12 +24,12 @@ from typer.core import TyperGroup
 
 import repro
 from repro import doctor, gpus, noise, report, runs
-from repro.config import (AFTER_FREE, DEVICES, GUARD_MODES, ConfigError, load_preset, override_sources,
+from repro.config import (AFTER_FREE, DEVICES, ConfigError, load_preset, override_sources,
                           preset_names)
 from repro.footprint import needed_bytes
 from repro.interrupts import Interrupts, Terminated, checkpoint
 from repro.launch import RankServer, runs_trials
-from repro.outcome import Outcome, Report, to_jsonable
+from repro.outcome import GuardMode, Outcome, Report, to_jsonable
 from repro.output import MATRIX_EXITS, TRIAL_EXITS, WATCH_EXITS, Exit, Output, exit_codes_help
 from repro.preflight import check_outputs, refuse_ignored
 from repro.protocol import FAULTS
@@ -156,7 +156,7 @@ def cpu_warnings(planned: list[Planned]) -> list[str]:
     """Options that cannot act on CPU, said before the run rather than silently ignored."""
     on_cpu = [p for p in planned if p.device == "cpu"]
     found = []
-    if any(p.cfg.run.guard == "off" for p in on_cpu):
+    if any(p.cfg.run.guard == GuardMode.OFF for p in on_cpu):
         found.append("--guard off on CPU: no CUDA graph is replayed there, so with the guard off a "
                      "stale capture cannot be detected (use --guard warn, or run on a GPU)")
     if any(p.cfg.run.forensics for p in on_cpu):
@@ -221,7 +221,7 @@ ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", metavar="PRE
 TpOpt = Annotated[Optional[int], typer.Option("--tp", metavar="N", help=with_default("Tensor-parallel size (one process per rank).", "the preset's run.tp"))]
 ShareGpuOpt = Annotated[Optional[bool], typer.Option("--share-gpu/--no-share-gpu", help=with_default("Let the TP ranks share one GPU, over gloo instead of NCCL (which refuses two ranks on one GPU): real CUDA graphs, slower collectives.", "--no-share-gpu"))]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", help=with_default("Seed of the weights and inputs; the same seed gives the same trial.", "0"))]
-GuardOpt = Annotated[Optional[choices(GUARD_MODES)], typer.Option("--guard", help=with_default("Stale-capture guard: off; warn records findings and keeps going; raise stops at the first.", "warn"))]
+GuardOpt = Annotated[Optional[choices(GuardMode)], typer.Option("--guard", help=with_default("Stale-capture guard: off; warn records findings and keeps going; raise stops at the first.", "warn"))]
 DeviceOpt = Annotated[Optional[choices(DEVICES)], typer.Option("--device", help=with_default("auto: GPU if NVML sees one; cuda; cpu: gloo, no graphs, guard verdicts.", "auto"))]
 DeadlineOpt = Annotated[Optional[float], typer.Option("--deadline", metavar="SECONDS", help=with_default("The whole trial's budget: past it the group is killed; DEADLINE if it was still progressing, HANG if stuck.", "the preset's run.deadline_s"))]
 StallOpt = Annotated[Optional[float], typer.Option("--stall", metavar="SECONDS", help=with_default("Progress watchdog: no record from any rank for this long (or for twice the longest pause the steps have shown, if longer) is a HANG (the stuck rank is blamed).", "the preset's run.stall_s, 60"))]

@@ -67,12 +67,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from repro import fingerprint, owners, sites
-from repro.outcome import Finding, Manifest, Status
+from repro.outcome import Finding, GuardMode, Manifest, Status
 from repro.owners import Named, Owner, bind_owners, build_index, exposed_name, hold, resolve, storage_of
 from repro.sites import frame_site, holder_of, storage_key, user_frame
 from repro.units import format_bytes
 
-MODES = ("off", "warn", "raise")
 MECHANISM = "repro dispatch-mode guard"
 MECHANISM_WITH_TORCH = "torch check_input_liveness + repro dispatch-mode guard"
 FIX_FREED = ("Replaying will read freed memory: keep the tensor alive for the graph's lifetime "
@@ -221,8 +220,9 @@ class _HiddenOpObserver(_OpObserver):
 class CaptureGuard:
     """Records tensors a capture baked in and checks, before replay, that they are still there.
 
-    mode: "off" records nothing; "warn" returns findings and lets the run go on (so the real
-    symptom still shows); "raise" makes check() raise StaleCaptureError on the first finding.
+    mode: a GuardMode (or its string): off records nothing; warn returns findings and lets the
+    run go on (so the real symptom still shows); raise makes check() raise StaleCaptureError on
+    the first finding.
     plumbing: source files of the caller's own helpers (capture wrappers, collectives) whose
     frames must not be named as the site: a site names the line that asked for the tensor.
     compiles: whether the process may run torch.compile (the default, as for any program);
@@ -230,11 +230,11 @@ class CaptureGuard:
     """
     _not_an_owner = True          # naming never walks into a guard
 
-    def __init__(self, mode: str = "warn", rank: int = 0, plumbing: Iterable[str] = (), compiles: bool = True,
-                 scratch: Callable[[], ContextManager] | None = None):
-        if mode not in MODES:
-            raise ValueError(f"guard mode {mode!r} is not one of {', '.join(MODES)}")
-        self.mode = mode
+    def __init__(self, mode: GuardMode | str = GuardMode.WARN, rank: int = 0, plumbing: Iterable[str] = (),
+                 compiles: bool = True, scratch: Callable[[], ContextManager] | None = None):
+        if mode not in tuple(GuardMode):
+            raise ValueError(f"guard mode {mode!r} is not one of {', '.join(GuardMode)}")
+        self.mode = GuardMode(mode)
         self.rank = rank
         # compiles=False: the process never runs torch.compile, so the recording need not be
         # hidden from it (and its first use need not import torch._dynamo).
@@ -300,7 +300,7 @@ class CaptureGuard:
 
     def watch(self, name: str, obj: Any) -> None:
         """Register an owner (module, kernel or config object, dataclass, dict, tensor)."""
-        if self.mode == "off":
+        if self.mode is GuardMode.OFF:
             return
         owners = [o for o in self._owners if o.name != name]
         owners.append(Owner(name, hold(obj)))
@@ -311,7 +311,7 @@ class CaptureGuard:
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:
         """Remember the op and user-code site that created each storage made in the block."""
-        if self.mode == "off":
+        if self.mode is GuardMode.OFF:
             yield
             return
         with self._observer(self._note_births):
@@ -326,7 +326,7 @@ class CaptureGuard:
         pool / pool_of: the capturing graph's pool and a cheap address -> pool lookup; a
         storage already known to be in that pool is recorded as pool-managed at once, without
         naming it (it is never a finding, and naming walks the caller's frames)."""
-        if self.mode == "off":
+        if self.mode is GuardMode.OFF:
             yield
             return
         rec = _Recording(label=graph, capturing=cuda_capturing(), pool=pool, pool_of=pool_of)
@@ -354,7 +354,7 @@ class CaptureGuard:
         """
         self._by_graph.setdefault(graph, [])
         words = list(words)
-        if self.mode == "off" or not words:
+        if self.mode is GuardMode.OFF or not words:
             return words
         frame = user_frame(frame, self._plumbing)
         site = frame_site(frame)
@@ -382,7 +382,7 @@ class CaptureGuard:
         """Build the owner index again: an owner may have gained a tensor since (a reload, a
         lazily made buffer). The watch hooks call it once per check, not per capture (an
         engine captures thousands of graphs, and building it walks every owner)."""
-        if self.mode != "off":
+        if self.mode is not GuardMode.OFF:
             self._index = self._build_index()
 
     def _owned_extents(self) -> Extents:
@@ -461,7 +461,7 @@ class CaptureGuard:
                tensor before an illegal memory access): run it before every replay, and a
                deep check after anything that may rebind (a weight reload).
         """
-        if self.mode == "off" or (not deep and self._all_alive(graph)):
+        if self.mode is GuardMode.OFF or (not deep and self._all_alive(graph)):
             return []
         findings = []
         for slot in self._every_slot() if graph is None else self._by_graph.get(graph, ()):
@@ -475,14 +475,14 @@ class CaptureGuard:
             self._live_refs.clear()
         if deep:
             findings += self._check_contents(when, graph)
-        if findings and self.mode == "raise":
+        if findings and self.mode is GuardMode.RAISE:
             raise StaleCaptureError(findings[0].message, findings)
         return findings
 
     def manifest(self, when: str) -> Manifest:
         """Counts of captured storages by state (the pointer census of vLLM RFC #48312)."""
         counts = dict.fromkeys((Status.FREED, Status.MOVED, Status.REBOUND, Status.UNCHANGED), 0)
-        if self.mode != "off":
+        if self.mode is not GuardMode.OFF:
             for slot in self._every_slot():
                 if not slot.checked_in(None):
                     continue
@@ -541,7 +541,7 @@ class CaptureGuard:
         """After a capture ended (outside it): fingerprint the storages it reads and no captured
         op writes, outside every graph pool. One sync per device; recording() and capture() call
         it, graphs.capture after its census."""
-        if self.mode == "off":
+        if self.mode is GuardMode.OFF:
             return
         slots = [s for s in self._by_graph.get(graph, ()) if fingerprint.checkable(s, graph)]
         with self._scratch():
@@ -585,7 +585,7 @@ class CaptureGuard:
         counts (``param.data.copy_(...)``): the captured storages they wrote get a new
         reference fingerprint at the next deep check instead of a finding. Costs one dispatch
         per op inside the block (ops are seen, not their memory: numpy or a raw kernel is not)."""
-        if self.mode == "off":
+        if self.mode is GuardMode.OFF:
             yield
             return
         keys: set[int] = set()

@@ -105,6 +105,14 @@ class StepRecord:
         return int(self.extra.get("rank_disagreements") or 0)
 
 
+class GuardMode(StrEnum):
+    """The stale-capture guard's mode: [run] guard, --guard, CaptureGuard(mode=...). Here, with
+    the findings it governs, so the config (parent side) and the guard (rank side) share it."""
+    OFF = "off"                   # records nothing
+    WARN = "warn"                 # findings are recorded and the run goes on (the real symptom still shows)
+    RAISE = "raise"               # check() raises StaleCaptureError at the first finding
+
+
 class Status(StrEnum):
     """What became of a captured storage (guard) or block (census): a Finding's status.
 

@@ -764,11 +764,12 @@ class Watcher:
             self.load_modules()
             import torch
             from repro.guard import CaptureGuard
+            from repro.outcome import GuardMode
             # StorageWeakRef.expired() goes through two Python calls; the C function is ~20x faster.
             self.expired = getattr(torch.UntypedStorage, "_expired", None)
             # raise mode: we raise ourselves, after writing the record. This file's frames
             # (the CUDAGraph wrappers) are plumbing, never the user's site.
-            self.guard = CaptureGuard(mode="warn", plumbing=[__file__])
+            self.guard = CaptureGuard(mode=GuardMode.WARN, plumbing=[__file__])
             self.drops = self.guard.drops
             if self.census_ready():
                 # Starts the allocator's alloc/free trace (no stacks), so reuse at the same

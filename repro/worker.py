@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 from repro.config import TrialConfig
 from repro.noise import silence_known_warnings
-from repro.outcome import Finding, StepRecord
+from repro.outcome import Finding, GuardMode, StepRecord
 from repro.protocol import (STACKS_SIGNAL, Event, RecordSink, TrialSpec, records_path, rendezvous_path,
                             stacks_path)
 
@@ -112,7 +112,7 @@ class WorkerContext:
     def emit_findings(self, guard_findings: list[Finding], census_findings: list[Finding]) -> list[Finding]:
         from repro.census import merge_findings
         findings = merge_findings(guard_findings, census_findings, self.guard.slots if census_findings else [],
-                                  self.guard.mode != "off", self.census)
+                                  self.guard.mode != GuardMode.OFF, self.census)
         if findings:
             self.history.annotate(findings)
             for f in findings:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from urllib.parse import quote
 
 from repro.scenarios import SCENARIO_RUN_KEYS, SCENARIOS, RecordField, StepColumn, record_fields, step_columns
-from repro.outcome import Finding, FirstFailure, Outcome, RankExit, Report, Status, StepRecord, TrialRecord
+from repro.outcome import Finding, FirstFailure, GuardMode, Outcome, RankExit, Report, Status, StepRecord, TrialRecord
 from repro.report.groups import FindingGroup, group_findings
 from repro.report.fmt import (
     fmt_bytes, fmt_expected, fmt_float, fmt_ptr, fmt_ranges, fmt_seconds, fmt_value, plain, tail,
@@ -215,7 +215,7 @@ def verdict_basis(trial: TrialRecord) -> list[str]:
     if trial_device(trial) != "cpu" or trial.graph_replayed:
         return []
     captured = "capture" in trial.timings      # a dry-run capture ran (selftest has none)
-    guard_on = run_config(trial).get("guard", "warn") != "off"
+    guard_on = run_config(trial).get("guard", GuardMode.WARN) != GuardMode.OFF
     if trial.outcome is Outcome.STALE_CAPTURE:
         return [CPU_NOTE]
     if trial.outcome in (Outcome.MISMATCH, Outcome.NONFINITE):
@@ -309,7 +309,7 @@ def stack_text(frames: list[str], n: int = STACK_FRAMES) -> str:
 
 # Trial-level facts shown under the verdict; a value of None leaves the line out.
 def guard_fact(trial: TrialRecord) -> str | None:
-    if run_config(trial).get("guard") != "off":
+    if run_config(trial).get("guard") != GuardMode.OFF:
         return None
     if trial.details.get("census"):
         return ("off: captured tensors were not checked at the dispatcher; the graph census still "
