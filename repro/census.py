@@ -72,11 +72,14 @@ import functools
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from repro.outcome import Finding, Mechanism, Status
 from repro.trace_index import (ALLOC_ACTIONS, FREE_ACTIONS, RELEASE_ACTIONS, entries_at_points,
                                entries_over_blocks, first_from, since)
+
+if TYPE_CHECKING:       # annotations only: CUDA work is lazy, importing this module needs no torch
+    import torch
 
 # Allocator trace kept while censuses are live. Without stacks an entry is small, but every
 # snapshot copies the whole ring, so it is bounded to keep a check within milliseconds.
@@ -601,7 +604,7 @@ class PoolMap:
         self._arrays = None
         self.refreshes += 1
 
-    def arrays(self) -> tuple[Any, Any, Any, list[tuple[int, int]]]:
+    def arrays(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
         """(segment starts, ends, pool index of each, the pools) as int64 tensors, sorted by
         start: the segments to sort a graph's words by in one search."""
         if self._arrays is None:
@@ -755,7 +758,7 @@ class Deferred:
                 self.sort(census, node, NodeKind.KERNEL, kernel, offset, value, where_of)
         census.own_pool += own
 
-    def count_device_addresses(self, values: Any) -> int:
+    def count_device_addresses(self, values: torch.Tensor) -> int:
         """How many of these words the driver knows as device addresses: asked once per 2 MiB
         page (as is_device_address caches), with the page's lowest word, not once per word (a
         decoder graph holds thousands of int pairs that look like addresses)."""
@@ -766,7 +769,8 @@ class Deferred:
         lowest = torch.full(pages.shape, MAX_ADDR, dtype=torch.int64).scatter_reduce_(0, which, values, reduce="amin")
         return sum(n for value, n in zip(lowest.tolist(), counts.tolist()) if self.is_device_address(value))
 
-    def note_own_segments(self, census: GraphCensus, chunks: Chunks, at: Any, v: Any, seg: Any, own: Any) -> None:
+    def note_own_segments(self, census: GraphCensus, chunks: Chunks, at: torch.Tensor, v: torch.Tensor,
+                          seg: torch.Tensor, own: torch.Tensor) -> None:
         """The first word of each own-pool segment the graph reads (a segment released while
         the graph lives is a finding)."""
         import torch
@@ -1391,7 +1395,8 @@ def pool_id(pool: Any) -> tuple[int, int] | None:
         return None
 
 
-def take_census(graph: Any, label: str, pool: Any = None, snapshot: dict[str, Any] | None = None,
+def take_census(graph: torch.cuda.CUDAGraph, label: str, pool: tuple[int, int] | None = None,
+                snapshot: dict[str, Any] | None = None,
                 pool_names: dict[tuple[int, int], str] | None = None,
                 device: int | None = None, traced: bool = True, pools: PoolMap | None = None,
                 since: dict[str, Any] | None = None) -> GraphCensus:
@@ -1461,7 +1466,8 @@ class CensusBook:
         if trace == Tracing.START:
             start_trace(capacity)
 
-    def add(self, graph: Any, label: str, pool: Any = None, since: dict[str, Any] | None = None) -> GraphCensus | None:
+    def add(self, graph: torch.cuda.CUDAGraph, label: str, pool: tuple[int, int] | None = None,
+            since: dict[str, Any] | None = None) -> GraphCensus | None:
         """Census right after capture; a graph that cannot be read is noted, not raised.
         since: clock_marker() at the capture's start (see take_census)."""
         try:

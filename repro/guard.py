@@ -60,6 +60,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, ContextManager, NamedTuple
 
 import torch
@@ -339,7 +340,7 @@ class CaptureGuard:
         if not rec.capturing:
             self.fingerprint(graph)    # a dry run ends here; a real capture after capture_end
 
-    def adopt(self, graph: str, words: Iterable[Any], frame: Any = None) -> list[Any]:
+    def adopt(self, graph: str, words: Iterable[Any], frame: FrameType | None = None) -> list[Any]:
         """Slots for a capture the graph census read, with nothing recorded at the dispatcher.
 
         words: the census's captured words outside the graph's own pool (anything with .addr
@@ -633,7 +634,7 @@ class CaptureGuard:
         if fingerprint.written_args(func):
             fingerprint.mark_written(func, args, kwargs, slots)
 
-    def _new_slot(self, rec: _Recording, func, t: torch.Tensor, storage) -> Slot:
+    def _new_slot(self, rec: _Recording, func, t: torch.Tensor, storage: torch.UntypedStorage) -> Slot:
         key = storage._cdata
         if rec.pool is not None and rec.pool_of is not None and rec.pool_of(storage.data_ptr()) == rec.pool:
             return self._pool_slot(rec, func, t, storage)
@@ -653,7 +654,7 @@ class CaptureGuard:
             slot.name = local_slot_name(key, frame, birth, func, self._plumbing)
         return slot
 
-    def _pool_slot(self, rec: _Recording, func, t: torch.Tensor, storage) -> Slot:
+    def _pool_slot(self, rec: _Recording, func, t: torch.Tensor, storage: torch.UntypedStorage) -> Slot:
         """A storage in the capturing graph's own pool (an earlier piece's output, say)."""
         site = frame_site(user_frame(sys._getframe(2), self._plumbing))
         slot = Slot(
@@ -940,7 +941,7 @@ class LazyExtents:
         return self.made.find(addr)
 
 
-def held_by_locals(frame, plumbing: frozenset[str]) -> Extents:
+def held_by_locals(frame: FrameType | None, plumbing: frozenset[str]) -> Extents:
     """Storages of the tensors bound to locals of the user frames from `frame` outwards, each
     with (tensor, (variable, function)) of the outermost frame holding it (as holder_of)."""
     found: dict[int, tuple[int, int, int, Any]] = {}
@@ -964,7 +965,7 @@ def format_birth(birth: _Birth) -> str:
     return f"{os.path.basename(birth.filename)}:{birth.lineno} in {birth.func} ({birth.op})"
 
 
-def local_slot_name(key: int, frame, birth: _Birth | None, func, plumbing: frozenset[str]) -> str:
+def local_slot_name(key: int, frame: FrameType | None, birth: _Birth | None, func, plumbing: frozenset[str]) -> str:
     holder = holder_of(key, frame, plumbing)
     held = f"{holder[0]} of {holder[1]}" if holder else ""
     if birth is not None:

@@ -39,7 +39,15 @@ import time
 import weakref
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, TypeVar
+from types import FrameType, ModuleType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:       # annotations only: nothing here imports torch until the program does
+    import torch
+
+    from repro.census import CensusBook, GraphCensus, PoolMap
+    from repro.guard import CaptureGuard, DropCount
+    from repro.outcome import Finding
 
 ENV_ON = "REPRO_WATCH"                  # "1": hooks on (the vLLM plugin's switch too)
 ENV_DIR = "REPRO_WATCH_DIR"             # run directory for the per-process records
@@ -225,7 +233,7 @@ class GraphsImportHook(importlib.abc.MetaPathFinder):
 
 # -- the census, behind its small API -----------------------------------------------------------
 
-def load_census() -> Any | None:
+def load_census() -> ModuleType | None:
     """repro.census where it exists (the graph census reads what kernels really touch)."""
     try:
         from repro import census
@@ -243,7 +251,7 @@ class GraphState:
     managed: bool = False         # captured by torch.compile's cudagraph trees: counted only
     recording: Any = None         # the guard's recording context while capturing
     since: dict | None = None     # census clock marker at capture_begin: slots come from the census
-    census: Any = None            # GraphCensus taken at capture end
+    census: GraphCensus | None = None   # taken at capture end
     deep_reason: str | None = "first replay after capture"
     replays: int = 0
     live: tuple[int, ...] | None = None   # storage handles the liveness fast path tests
@@ -271,17 +279,17 @@ class GraphStates:
     def __init__(self):
         self.by_id: dict[int, tuple[Any, GraphState]] = {}
 
-    def get(self, graph) -> GraphState | None:
+    def get(self, graph: torch.cuda.CUDAGraph) -> GraphState | None:
         entry = self.by_id.get(id(graph))
         return entry[1] if entry is not None and entry[0]() is graph else None
 
-    def __getitem__(self, graph) -> GraphState:
+    def __getitem__(self, graph: torch.cuda.CUDAGraph) -> GraphState:
         state = self.get(graph)
         if state is None:
             raise KeyError(graph)
         return state
 
-    def __setitem__(self, graph, state: GraphState) -> None:
+    def __setitem__(self, graph: torch.cuda.CUDAGraph, state: GraphState) -> None:
         key = id(graph)
         try:
             ref = weakref.ref(graph, lambda _, key=key, by_id=self.by_id: by_id.pop(key, None))
@@ -321,13 +329,13 @@ class Watcher:
     def __init__(self, settings: WatchSettings):
         self.settings = settings
         self.recorder: Recorder | None = None
-        self.guard = None
+        self.guard: CaptureGuard | None = None
         self.graphs = GraphStates()
         self.patched: list[type] = []
         self.counters = Counters()
         self.seconds = HookSeconds()
-        self.census_mod: Any = None
-        self.book: Any = None         # repro.census.CensusBook where the census runs
+        self.census_mod: ModuleType | None = None   # repro.census, once asked for (load_census)
+        self.book: CensusBook | None = None   # where the census runs
         self.census_state = "not checked yet (no capture)"
         self.rank: int | None = None
         self.origins = [settings.origin]
@@ -335,8 +343,8 @@ class Watcher:
         # graphs whose cudaGraph_t outlives capture_end (for the census): True where we forced it
         self.kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.expired = None           # torch.UntypedStorage._expired once torch is in use
-        self.drops: Any = None        # the guard's DropCount, once the guard exists
-        self.pools: Any = None        # repro.census.PoolMap: which graph pool an address is in
+        self.drops: DropCount | None = None   # the guard's, once the guard exists
+        self.pools: PoolMap | None = None     # which graph pool an address is in
         # Graphs captured since the census last checked: checked together, against one
         # allocator snapshot, at the first replay after them (not one snapshot per graph).
         self.census_due: list[str] = []
@@ -485,13 +493,13 @@ class Watcher:
         except Exception as e:
             self.internal("loading the guard", e)
 
-    def state_of(self, graph) -> GraphState | None:
+    def state_of(self, graph: torch.cuda.CUDAGraph) -> GraphState | None:
         return self.graphs.get(graph)
 
-    def set_state(self, graph, state: GraphState) -> None:
+    def set_state(self, graph: torch.cuda.CUDAGraph, state: GraphState) -> None:
         self.graphs[graph] = state
 
-    def on_capture_begin(self, graph, frame, pool=None) -> None:
+    def on_capture_begin(self, graph: torch.cuda.CUDAGraph, frame: FrameType | None, pool: Any = None) -> None:
         """pool: what the program passed to capture_begin (a shared pool's id); None means a
         fresh private pool, which holds nothing made before this capture."""
         t0 = time.perf_counter()
@@ -517,7 +525,7 @@ class Watcher:
             self.internal("capture_begin", e)
         self.seconds.capture_begin += time.perf_counter() - t0
 
-    def on_capture_stop(self, graph) -> None:
+    def on_capture_stop(self, graph: torch.cuda.CUDAGraph) -> None:
         state = self.state_of(graph)
         if state is None or state.recording is None:
             return
@@ -531,7 +539,7 @@ class Watcher:
         """Whether this capture's slots come from its census (no per-op recording)."""
         return state.kept is not None and self.book is not None and self.settings.record == Record.GRAPH
 
-    def on_capture_end(self, graph, frame=None) -> None:
+    def on_capture_end(self, graph: torch.cuda.CUDAGraph, frame: FrameType | None = None) -> None:
         """frame: the frame that ended the capture (its locals name what the graph holds)."""
         state = self.state_of(graph)
         if state is None:
@@ -566,7 +574,7 @@ class Watcher:
 
     # -- replay --------------------------------------------------------------------------------
 
-    def before_replay(self, graph) -> None:
+    def before_replay(self, graph: torch.cuda.CUDAGraph) -> None:
         state = self.state_of(graph)
         if state is None or state.managed or not state.captured:
             return
@@ -656,7 +664,7 @@ class Watcher:
         except Exception as e:
             self.internal("assigning graph pools", e)
 
-    def on_replay_error(self, graph, error: RuntimeError) -> None:
+    def on_replay_error(self, graph: torch.cuda.CUDAGraph, error: RuntimeError) -> None:
         """torch's own check_input_liveness (where the program turned it on) raises here."""
         text = str(error)
         if not text.startswith("CUDA graph replay detected"):
@@ -667,7 +675,7 @@ class Watcher:
         except Exception as e:
             self.internal("recording torch's liveness error", e)
 
-    def on_reset(self, graph) -> None:
+    def on_reset(self, graph: torch.cuda.CUDAGraph) -> None:
         try:
             self.counters.resets += 1
             state = self.state_of(graph)
@@ -759,7 +767,7 @@ class Watcher:
             self.write({"kind": "internal", "where": "importing the hooks' modules",
                         "error": failed[0]})
 
-    def ensure_guard(self):
+    def ensure_guard(self) -> CaptureGuard:
         if self.guard is None:
             self.load_modules()
             import torch
@@ -843,7 +851,7 @@ class Watcher:
                 pass
         return self.rank
 
-    def report(self, findings: list) -> None:
+    def report(self, findings: list[Finding]) -> None:
         """Each finding to the record file; to stderr the first of each group only (one dead
         tensor in 2,000 graphs is one line; the exit line counts the repeats)."""
         from repro.report.groups import group_key
@@ -920,7 +928,7 @@ def takes_only_self(fn) -> bool:
         and not code.co_flags & varargs
 
 
-def graph_pool(graph) -> tuple[int, int] | None:
+def graph_pool(graph: torch.cuda.CUDAGraph) -> tuple[int, int] | None:
     """The id of the pool a captured graph allocates from (torch answers once the capture ended)."""
     try:
         return pool_id(graph.pool())
@@ -954,12 +962,12 @@ def owner_name(var: str, value: Any, torch) -> str | None:
     return var if any(isinstance(a, (torch.Tensor, torch.nn.Module)) for a in attrs) else None
 
 
-def finding_dict(finding: Any) -> dict[str, Any]:
+def finding_dict(finding: Finding) -> dict[str, Any]:
     from repro.outcome import to_jsonable
     return to_jsonable(finding)
 
 
-def torch_finding(graph: str, text: str, rank: int | None):
+def torch_finding(graph: str, text: str, rank: int | None) -> Finding:
     from repro.outcome import Finding, Mechanism, Status
     ptr = 0
     for word in text.replace("(", " ").replace(")", " ").replace(":", " ").split():
