@@ -128,7 +128,7 @@ def read_all(driver, pools: C.PoolMap, n_graphs: int) -> list[C.GraphCensus]:
 
 
 def check_together(censuses: list[C.GraphCensus], snapshot: dict) -> float:
-    book = C.CensusBook(rank=0, trace="none")
+    book = C.CensusBook(rank=0, trace=C.Tracing.NONE)
     book.capacity = C.TRACE_ENTRIES
     book.censuses = {c.label: c for c in censuses}
     t0 = time.perf_counter()

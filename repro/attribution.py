@@ -15,26 +15,39 @@ from __future__ import annotations
 import bisect
 import json
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
+
+from repro.outcome import Mechanism, as_member
 
 MARKER = "test"
 OWNER_KEY = "REPRO_WATCH_OWNER"   # repro.watch_hooks.ENV_OWNER, in a process record's "env"
 
 
+class Stage(StrEnum):
+    """A test's phase, as pytest names it (TestReport.when)."""
+    SETUP = "setup"
+    CALL = "call"
+    TEARDOWN = "teardown"
+    NONE = ""                     # outside any test
+
+
 @dataclass(frozen=True)
 class Phase:
     nodeid: str                   # "" outside any test (collection, session start and end)
-    phase: str                    # setup | call | teardown | ""
+    phase: Stage
 
     def text(self) -> str:
         return f"{self.nodeid} ({self.phase})" if self.nodeid else "outside any test"
 
     def as_dict(self) -> dict[str, str]:
-        return {"nodeid": self.nodeid, "phase": self.phase}
+        # Plain strings, no enum members: the dict rides on a TestReport, which pytest-forked
+        # marshals and xdist sends through execnet, and neither takes a str subclass.
+        return {"nodeid": self.nodeid, "phase": str(self.phase)}
 
 
-OUTSIDE = Phase("", "")
+OUTSIDE = Phase("", Stage.NONE)
 
 
 @dataclass
@@ -42,22 +55,23 @@ class PhaseFinding:
     """A finding record with the phase that captured its graph and the one that replayed it."""
     id: str                       # "<record file>:<line>": the same finding read twice is one
     pid: int
-    mechanism: str
+    mechanism: Mechanism
     finding: dict[str, Any]       # repro.outcome.Finding as the hooks wrote it
     captured_in: Phase | None     # None: no capture record for its graph in these records
     replayed_in: Phase
 
     def as_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "pid": self.pid, "mechanism": self.mechanism, "finding": self.finding,
+        # Plain strings, as Phase.as_dict: the finding dict is the one read from JSON already.
+        return {"id": self.id, "pid": self.pid, "mechanism": str(self.mechanism), "finding": self.finding,
                 "captured_in": self.captured_in.as_dict() if self.captured_in else None,
                 "replayed_in": self.replayed_in.as_dict()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PhaseFinding:
         cap = d.get("captured_in")
-        return cls(id=d["id"], pid=d["pid"], mechanism=d.get("mechanism", "guard"),
-                   finding=d.get("finding", {}), captured_in=Phase(**cap) if cap else None,
-                   replayed_in=Phase(**d["replayed_in"]))
+        return cls(id=d["id"], pid=d["pid"], mechanism=as_member(Mechanism, d.get("mechanism", Mechanism.GUARD)),
+                   finding=d.get("finding", {}), captured_in=marker_phase(cap) if cap else None,
+                   replayed_in=marker_phase(d["replayed_in"]))
 
 
 @dataclass
@@ -126,7 +140,8 @@ def graph_key(label: str) -> str:
 
 
 def marker_phase(r: dict[str, Any]) -> Phase:
-    return Phase(r.get("nodeid", ""), r.get("phase", ""))
+    """The phase a marker record (or Phase.as_dict) names."""
+    return Phase(r.get("nodeid", ""), as_member(Stage, r.get("phase", Stage.NONE)))
 
 
 @dataclass
@@ -185,7 +200,7 @@ class Attribution:
     def finding(self, rf: RecordFile, line: int, r: dict[str, Any]) -> PhaseFinding:
         f = r.get("finding", {})
         return PhaseFinding(id=f"{rf.path.name}:{line}", pid=rf.pid or 0,
-                            mechanism=r.get("mechanism", "guard"), finding=f,
+                            mechanism=as_member(Mechanism, r.get("mechanism", Mechanism.GUARD)), finding=f,
                             captured_in=self.capture_phase(rf, graph_key(f.get("graph", ""))),
                             replayed_in=self.context(rf, r))
 

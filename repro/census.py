@@ -71,18 +71,20 @@ import ctypes
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from repro.outcome import Finding
+from repro.outcome import Finding, Mechanism, Status
 from repro.trace_index import (ALLOC_ACTIONS, FREE_ACTIONS, RELEASE_ACTIONS, entries_at_points,
                                entries_over_blocks, first_from, since)
+
+if TYPE_CHECKING:       # annotations only: CUDA work is lazy, importing this module needs no torch
+    import torch
 
 # Allocator trace kept while censuses are live. Without stacks an entry is small, but every
 # snapshot copies the whole ring, so it is bounded to keep a check within milliseconds.
 TRACE_ENTRIES = 8192
 WORD = 8                                   # device addresses are 64-bit, naturally aligned
-FREED, RELEASED, REUSED = "freed", "released", "reused"
-INACTIVE_STATES = ("inactive", "active_pending_free", "active_awaiting_free")
 DEFAULT_POOL = (0, 0)
 # User-space virtual addresses on x86-64/aarch64 Linux: a word outside this range is no pointer.
 MIN_ADDR, MAX_ADDR = 1 << 32, 1 << 48
@@ -92,6 +94,46 @@ SEEN_LIMIT = 1 << 20                       # addresses PoolMap remembers between
 SMALL_GRAPH_WORDS = 8192                   # up to this, a graph's words are sorted one by one
 
 
+class BlockState(StrEnum):
+    """A caching-allocator block's "state" in torch's memory snapshot."""
+    ACTIVE_ALLOCATED = "active_allocated"          # used by a tensor
+    ACTIVE_PENDING_FREE = "active_pending_free"    # freed, waiting for its streams' events
+    ACTIVE_AWAITING_FREE = "active_awaiting_free"  # the same, as torch's memory.py documents it
+    INACTIVE = "inactive"                          # free, cached
+
+
+# States whose memory no tensor holds any more.
+INACTIVE_STATES = frozenset((BlockState.INACTIVE, BlockState.ACTIVE_PENDING_FREE, BlockState.ACTIVE_AWAITING_FREE))
+# torch's word -> member by a dict lookup (a snapshot has thousands of blocks; BlockState(word)
+# costs ten times as much). A state this module does not know stays torch's word, and is live.
+_BLOCK_STATES = {s.value: s for s in BlockState}
+
+
+class NodeKind(StrEnum):
+    """A CUDA graph node's type: CUgraphNodeType (cuda.h), its members in the driver's order (0-13)."""
+    KERNEL = "kernel"
+    MEMCPY = "memcpy"
+    MEMSET = "memset"
+    HOST = "host"
+    GRAPH = "graph"                        # a child graph: walked as part of its parent
+    EMPTY = "empty"
+    WAIT_EVENT = "wait_event"
+    EVENT_RECORD = "event_record"
+    EXT_SEMAS_SIGNAL = "ext_semas_signal"
+    EXT_SEMAS_WAIT = "ext_semas_wait"
+    MEM_ALLOC = "mem_alloc"
+    MEM_FREE = "mem_free"
+    BATCH_MEM_OP = "batch_mem_op"
+    CONDITIONAL = "conditional"
+
+
+class Tracing(StrEnum):
+    """Where a CensusBook's allocator trace comes from."""
+    START = "start"                        # the book starts recording it (start_trace)
+    EXTERNAL = "external"                  # the caller already records memory history (with stacks)
+    NONE = "none"                          # no trace: the checks see state only
+
+
 # -- records ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -99,7 +141,7 @@ class Block:
     """One caching-allocator block, from a snapshot."""
     start: int
     size: int
-    state: str                             # "active_allocated" | "active_awaiting_free" | "inactive"
+    state: BlockState | str                # torch's word; one BlockState does not know stays a str
     pool: tuple[int, int]                  # segment_pool_id; (0, 0) is the default pool
     segment: int                           # start address of its segment
 
@@ -116,7 +158,7 @@ class Block:
 class Reference:
     """One captured word that points into an allocator block."""
     node: int                              # index of the node in the graph (child graphs flattened)
-    kind: str                              # "kernel" | "memcpy" | "memset"
+    kind: NodeKind                         # KERNEL, MEMCPY or MEMSET: the nodes whose words are read
     kernel: str                            # kernel name ("" for memcpy/memset)
     where: str                             # "param 3 +8", "extra +1528", "src", "dst"
     offset: int                            # byte offset in the parameter buffer (0 for memcpy/memset)
@@ -127,9 +169,9 @@ class Reference:
         return describe_site(self.node, self.kind, self.kernel, self.where)
 
 
-def describe_site(node: int, kind: str, kernel: str, where: str) -> str:
+def describe_site(node: int, kind: NodeKind, kernel: str, where: str) -> str:
     """'node 12 kernel gemv param 3 +0': where in a graph a captured word sits."""
-    what = f"kernel {short_name(kernel)}" if kind == "kernel" else kind
+    what = f"kernel {short_name(kernel)}" if kind == NodeKind.KERNEL else kind
     return f"node {node} {what} {where}"
 
 
@@ -137,7 +179,7 @@ class Word(NamedTuple):
     """A captured word that may point into allocator memory; matched to a block later (a
     tuple: a full decoder graph holds thousands)."""
     node: int
-    kind: str
+    kind: NodeKind
     kernel: str
     where: str
     offset: int
@@ -155,7 +197,7 @@ class GraphCensus:
     pool: tuple[int, int] | None
     nodes: int = 0
     kernels: int = 0
-    node_types: dict[str, int] = field(default_factory=dict)
+    node_types: dict[str, int] = field(default_factory=dict)   # NodeKind (or "type N") -> nodes
     words: int = 0                         # 8-byte words read from parameters and pointers
     references: list[Reference] = field(default_factory=list)   # outside the graph's own pool
     own_pool: int = 0                      # references into the graph's own pool (safe)
@@ -164,7 +206,7 @@ class GraphCensus:
     unreadable: list[str] = field(default_factory=list)         # "node 12 kernel foo: why"
     foreign_pools: dict[str, int] = field(default_factory=dict) # "pool (1, 2)" -> references
     marker: dict[str, Any] | None = None   # trace position at census time
-    reported: dict[int, str] = field(default_factory=dict)      # block start -> status said
+    reported: dict[int, Status] = field(default_factory=dict)   # block start -> status said
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     # Words into memory of the default or another pool, not yet matched to allocator blocks:
@@ -213,7 +255,7 @@ class GraphCensus:
 class Fate:
     """What happened to one captured block since the census."""
     block: Block
-    status: str                            # FREED | RELEASED | REUSED
+    status: Status                         # FREED, RELEASED or REUSED
     current: Block | None                  # the block at its address now (None: released)
     how: str                               # "allocator state" | "allocator trace"
 
@@ -234,7 +276,8 @@ def blocks_of(snapshot: dict[str, Any], device: int | None = None) -> list[Block
         addr = seg["address"]
         for b in seg.get("blocks", []):
             start = b.get("address", addr)
-            out.append(Block(start=start, size=b["size"], state=b.get("state", "inactive"),
+            state = b.get("state", BlockState.INACTIVE)
+            out.append(Block(start=start, size=b["size"], state=_BLOCK_STATES.get(state, state),
                              pool=(int(pool[0]), int(pool[1])), segment=seg["address"]))
             addr = start + b["size"]
     out.sort(key=lambda b: b.start)
@@ -347,7 +390,7 @@ def overlaps(entry: dict[str, Any], block: Block) -> bool:
     return addr is not None and addr < block.end and block.start < addr + entry.get("size", 0)
 
 
-def traced_fate(block: Block, events: list[dict[str, Any]]) -> str | None:
+def traced_fate(block: Block, events: list[dict[str, Any]]) -> Status | None:
     """From the events since the census: REUSED (freed, then allocated again), RELEASED or FREED.
 
     Only a free of an allocation overlapping the block starts its fate; an alloc counts only
@@ -357,11 +400,11 @@ def traced_fate(block: Block, events: list[dict[str, Any]]) -> str | None:
     for e in events:
         action = e.get("action")
         if action in FREE_ACTIONS and overlaps(e, block):
-            fate = fate or FREED
+            fate = fate or Status.FREED
         elif fate is not None and action in RELEASE_ACTIONS and overlaps(e, block):
-            fate = RELEASED
+            fate = Status.RELEASED
         elif fate is not None and action in ALLOC_ACTIONS and overlaps(e, block):
-            fate = REUSED
+            fate = Status.REUSED
     return fate
 
 
@@ -374,16 +417,16 @@ def fate_of(block: Block, now: BlockIndex, events: list[dict[str, Any]] | None) 
     """
     current = now.find(block.start)
     if current is None:
-        return Fate(block, RELEASED, None, "allocator state")
+        return Fate(block, Status.RELEASED, None, "allocator state")
     if not current.live:
-        return Fate(block, FREED, current, "allocator state")
+        return Fate(block, Status.FREED, current, "allocator state")
     if events is not None:
         traced = traced_fate(block, events)
         if traced is not None:
-            return Fate(block, REUSED, current, "allocator trace")
+            return Fate(block, Status.REUSED, current, "allocator trace")
         return None
     if (current.start, current.size, current.pool) != (block.start, block.size, block.pool):
-        return Fate(block, REUSED, current, "allocator state")
+        return Fate(block, Status.REUSED, current, "allocator state")
     return None
 
 
@@ -462,7 +505,7 @@ class Matcher:
     pool_names: dict[tuple[int, int], str]
     is_device_address: Any = None          # callable(int) -> bool, or None: count nothing outside
 
-    def add(self, census: GraphCensus, node: int, kind: str, kernel: str, where: str,
+    def add(self, census: GraphCensus, node: int, kind: NodeKind, kernel: str, where: str,
             offset: int, value: int) -> None:
         if not plausible_address(value):
             return
@@ -486,14 +529,14 @@ class Matcher:
         census.references.append(Reference(node=node, kind=kind, kernel=kernel, where=where,
                                            offset=offset, addr=value, block=block))
 
-    def add_words(self, census: GraphCensus, node: int, kind: str, kernel: str,
+    def add_words(self, census: GraphCensus, node: int, kind: NodeKind, kernel: str,
                   words: list[tuple[int, int]], where_of: Any) -> None:
         for offset, value in words:
             self.add(census, node, kind, kernel, where_of(offset), offset, value)
 
     def add_chunks(self, census: GraphCensus, chunks: Chunks) -> None:
         for node, kernel, where_of, words in chunks.each():
-            self.add_words(census, node, "kernel", kernel, words, where_of)
+            self.add_words(census, node, NodeKind.KERNEL, kernel, words, where_of)
 
 
 class PoolMap:
@@ -561,7 +604,7 @@ class PoolMap:
         self._arrays = None
         self.refreshes += 1
 
-    def arrays(self) -> tuple[Any, Any, Any, list[tuple[int, int]]]:
+    def arrays(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
         """(segment starts, ends, pool index of each, the pools) as int64 tensors, sorted by
         start: the segments to sort a graph's words by in one search."""
         if self._arrays is None:
@@ -627,12 +670,12 @@ class Deferred:
     is_device_address: Any = None          # callable(int) -> bool, or None: count nothing outside
     small: int = SMALL_GRAPH_WORDS         # graphs of up to this many words: sorted word by word
 
-    def add(self, census: GraphCensus, node: int, kind: str, kernel: str, where: str,
+    def add(self, census: GraphCensus, node: int, kind: NodeKind, kernel: str, where: str,
             offset: int, value: int) -> None:
         if plausible_address(value):
             self.sort(census, node, kind, kernel, offset, value, lambda _: where)
 
-    def sort(self, census: GraphCensus, node: int, kind: str, kernel: str, offset: int, value: int,
+    def sort(self, census: GraphCensus, node: int, kind: NodeKind, kernel: str, offset: int, value: int,
              where_of: Any) -> None:
         """One plausible word: counted (own pool, outside the allocator) or kept as pending;
         where_of(offset) -> "param 3 +8" is made only for the words kept."""
@@ -644,7 +687,7 @@ class Deferred:
         if self.own_pool is not None and seg[2] == self.own_pool:
             census.own_pool += 1
             if seg[0] not in census.own_segments:
-                block = Block(start=seg[0], size=seg[1] - seg[0], state="active_allocated", pool=seg[2], segment=seg[0])
+                block = Block(start=seg[0], size=seg[1] - seg[0], state=BlockState.ACTIVE_ALLOCATED, pool=seg[2], segment=seg[0])
                 census.own_segments[seg[0]] = Reference(node, kind, kernel, where_of(offset), offset, value, block)
             return
         census.pending.append(Word(node, kind, kernel, where_of(offset), offset, value, seg[2]))
@@ -696,7 +739,7 @@ class Deferred:
         pending = census.pending
         for word, value, s in zip(at[rest].tolist(), v[rest].tolist(), seg_c[rest].tolist()):
             node, kernel, offset, where_of = chunks.locate(word)
-            pending.append(Word(node, "kernel", kernel, where_of(offset), offset, value, pool_of_seg[s][2]))
+            pending.append(Word(node, NodeKind.KERNEL, kernel, where_of(offset), offset, value, pool_of_seg[s][2]))
 
     def sort_each(self, census: GraphCensus, chunks: Chunks, at: list[int], values: list[int]) -> None:
         """sort() each plausible word (at: its index in the graph's words); the common one (own
@@ -712,10 +755,10 @@ class Deferred:
                 own += 1
             else:
                 node, kernel, offset, where_of = chunks.locate(i)
-                self.sort(census, node, "kernel", kernel, offset, value, where_of)
+                self.sort(census, node, NodeKind.KERNEL, kernel, offset, value, where_of)
         census.own_pool += own
 
-    def count_device_addresses(self, values: Any) -> int:
+    def count_device_addresses(self, values: torch.Tensor) -> int:
         """How many of these words the driver knows as device addresses: asked once per 2 MiB
         page (as is_device_address caches), with the page's lowest word, not once per word (a
         decoder graph holds thousands of int pairs that look like addresses)."""
@@ -726,7 +769,8 @@ class Deferred:
         lowest = torch.full(pages.shape, MAX_ADDR, dtype=torch.int64).scatter_reduce_(0, which, values, reduce="amin")
         return sum(n for value, n in zip(lowest.tolist(), counts.tolist()) if self.is_device_address(value))
 
-    def note_own_segments(self, census: GraphCensus, chunks: Chunks, at: Any, v: Any, seg: Any, own: Any) -> None:
+    def note_own_segments(self, census: GraphCensus, chunks: Chunks, at: torch.Tensor, v: torch.Tensor,
+                          seg: torch.Tensor, own: torch.Tensor) -> None:
         """The first word of each own-pool segment the graph reads (a segment released while
         the graph lives is a finding)."""
         import torch
@@ -743,8 +787,8 @@ class Deferred:
             if start in census.own_segments:
                 continue
             node, kernel, offset, where_of = chunks.locate(word)
-            block = Block(start=start, size=end - start, state="active_allocated", pool=pool, segment=start)
-            census.own_segments[start] = Reference(node, "kernel", kernel, where_of(offset), offset, value, block)
+            block = Block(start=start, size=end - start, state=BlockState.ACTIVE_ALLOCATED, pool=pool, segment=start)
+            census.own_segments[start] = Reference(node, NodeKind.KERNEL, kernel, where_of(offset), offset, value, block)
 
 
 def match_pending(census: GraphCensus, now: BlockIndex, first: dict[int, dict[str, Any]] | None,
@@ -820,7 +864,7 @@ def captured_block(w: Word, current: Block | None, first: dict[str, Any] | None,
     Without the trace (traced False) a live block is taken as the captured one.
     """
     if first is not None and first["action"] in FREE_ACTIONS:
-        return Block(start=first["addr"], size=first.get("size", 0), state="active_allocated",
+        return Block(start=first["addr"], size=first.get("size", 0), state=BlockState.ACTIVE_ALLOCATED,
                      pool=w.pool, segment=current.segment if current else first["addr"])
     if first is not None or current is None or not current.live:
         return None
@@ -849,24 +893,24 @@ def census_finding(label: str, fate: Fate, refs: list[Reference], when: str, ran
                          "state": fate.current.state, "pool": list(fate.current.pool)}
     return Finding(slot=name, graph=label, status=fate.status, when=when, rank=rank, shape=[],
                    dtype="", nbytes=block.size, old_ptr=first.addr, new_ptr=None,
-                   message=census_message(label, fate, refs, trace_note), mechanism="census",
+                   message=census_message(label, fate, refs, trace_note), mechanism=Mechanism.CENSUS,
                    census=detail)
 
 
 CENSUS_FIX = {
-    FREED: "The block is cached but free: the next allocation of its size takes it and the replay "
+    Status.FREED: "The block is cached but free: the next allocation of its size takes it and the replay "
            "reads that tensor's data. Keep the owner alive for the graph's lifetime or re-capture.",
-    RELEASED: "Its segment went back to the driver: replaying faults with an illegal memory access "
+    Status.RELEASED: "Its segment went back to the driver: replaying faults with an illegal memory access "
               "(error 700). Keep the owner alive for the graph's lifetime or re-capture.",
-    REUSED: "Another allocation now lives at that address: the replay reads and writes it. Keep the "
+    Status.REUSED: "Another allocation now lives at that address: the replay reads and writes it. Keep the "
             "owner alive for the graph's lifetime or re-capture.",
 }
 
 
 def census_message(label: str, fate: Fate, refs: list[Reference], trace_note: str = "") -> str:
     block = fate.block
-    said = {FREED: "has been freed (cached, inactive)", RELEASED: "has been returned to the driver",
-            REUSED: "was freed and allocated again"}[fate.status]
+    said = {Status.FREED: "has been freed (cached, inactive)", Status.RELEASED: "has been returned to the driver",
+            Status.REUSED: "was freed and allocated again"}[fate.status]
     sites = "; ".join(r.describe() for r in refs[:3]) + (f" and {len(refs) - 3} more" if len(refs) > 3 else "")
     text = (f"graph '{label}' holds {refs[0].addr:#x} in {sites}; the allocator block "
             f"{block.start:#x} ({block.size} bytes, pool {block.pool}) {said} "
@@ -923,10 +967,7 @@ def check_census(census: GraphCensus, when: str, snapshot: dict[str, Any] | None
 
 # -- the CUDA driver, through ctypes ------------------------------------------------------------
 
-CU_GRAPH_NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty",
-                       6: "wait_event", 7: "event_record", 8: "ext_semas_signal",
-                       9: "ext_semas_wait", 10: "mem_alloc", 11: "mem_free", 12: "batch_mem_op",
-                       13: "conditional"}
+CU_GRAPH_NODE_TYPES = dict(enumerate(NodeKind))   # CUgraphNodeType: NodeKind lists them in the driver's order
 CUDA_SUCCESS, CUDA_ERROR_INVALID_VALUE = 0, 1
 CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_UNIFIED = 2, 4
 CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
@@ -1019,7 +1060,8 @@ class Driver:
         self.call("cuGraphGetNodes", self.lib.cuGraphGetNodes, ctypes.c_void_p(graph), arr, ctypes.byref(count))
         return [arr[i] for i in range(count.value)]
 
-    def node_type(self, node: int) -> str:
+    def node_type(self, node: int) -> NodeKind | str:
+        """The node's NodeKind; "type N" for a type this module does not know."""
         t = ctypes.c_int(-1)
         self.call("cuGraphNodeGetType", self.lib.cuGraphNodeGetType, node, ctypes.byref(t))
         return CU_GRAPH_NODE_TYPES.get(t.value, f"type {t.value}")
@@ -1243,19 +1285,19 @@ def read_memcpy(driver: Driver, census: GraphCensus, match: Matcher, index: int,
     p = driver.memcpy_params(node)
     census.words += 2
     if p.srcMemoryType in (CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_UNIFIED):
-        match.add(census, index, "memcpy", "", "src", 0, memcpy_address(
+        match.add(census, index, NodeKind.MEMCPY, "", "src", 0, memcpy_address(
             p.srcDevice, p.srcXInBytes, p.srcY, p.srcZ, p.srcPitch, p.srcHeight))
     if p.dstMemoryType in (CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_UNIFIED):
-        match.add(census, index, "memcpy", "", "dst", 0, memcpy_address(
+        match.add(census, index, NodeKind.MEMCPY, "", "dst", 0, memcpy_address(
             p.dstDevice, p.dstXInBytes, p.dstY, p.dstZ, p.dstPitch, p.dstHeight))
 
 
 def read_memset(driver: Driver, census: GraphCensus, match: Matcher, index: int, node: int) -> None:
     census.words += 1
-    match.add(census, index, "memset", "", "dst", 0, driver.memset_params(node).dst)
+    match.add(census, index, NodeKind.MEMSET, "", "dst", 0, driver.memset_params(node).dst)
 
 
-READERS = {"kernel": read_kernel, "memcpy": read_memcpy, "memset": read_memset}
+READERS = {NodeKind.KERNEL: read_kernel, NodeKind.MEMCPY: read_memcpy, NodeKind.MEMSET: read_memset}
 
 
 def read_graph(driver: Driver, census: GraphCensus, match: Matcher, graph: int, depth: int = 0,
@@ -1272,14 +1314,14 @@ def read_graph(driver: Driver, census: GraphCensus, match: Matcher, graph: int, 
         try:
             p = kernel_node(node) if kernel_node is not None else None
             if p is not None:         # most nodes: a kernel, read with one driver call
-                types["kernel"] = types.get("kernel", 0) + 1
+                types[NodeKind.KERNEL] = types.get(NodeKind.KERNEL, 0) + 1
                 read_kernel_params(driver, census, index, p, chunks)
                 continue
             kind = driver.node_type(node)
             types[kind] = types.get(kind, 0) + 1
-            if kind == "graph" and depth < 8:
+            if kind == NodeKind.GRAPH and depth < 8:
                 read_graph(driver, census, match, driver.child_graph(node), depth + 1, chunks)
-            elif kind == "kernel":
+            elif kind == NodeKind.KERNEL:
                 read_kernel(driver, census, match, index, node, chunks)
             elif kind in READERS:
                 READERS[kind](driver, census, match, index, node)
@@ -1353,7 +1395,8 @@ def pool_id(pool: Any) -> tuple[int, int] | None:
         return None
 
 
-def take_census(graph: Any, label: str, pool: Any = None, snapshot: dict[str, Any] | None = None,
+def take_census(graph: torch.cuda.CUDAGraph, label: str, pool: tuple[int, int] | None = None,
+                snapshot: dict[str, Any] | None = None,
                 pool_names: dict[tuple[int, int], str] | None = None,
                 device: int | None = None, traced: bool = True, pools: PoolMap | None = None,
                 since: dict[str, Any] | None = None) -> GraphCensus:
@@ -1403,27 +1446,28 @@ def take_census(graph: Any, label: str, pool: Any = None, snapshot: dict[str, An
 class CensusBook:
     """The censuses of one process, checked together against one snapshot per check point.
 
-    trace: "start" records the allocator trace here (``start_trace``); "external" means the
-    caller already records memory history (with stacks); "none" checks state only.
+    trace: where the allocator trace comes from (Tracing: START records it here, EXTERNAL is
+    the caller's memory history, NONE checks state only).
     """
 
-    def __init__(self, rank: int = 0, trace: str = "start", capacity: int = TRACE_ENTRIES):
+    def __init__(self, rank: int = 0, trace: Tracing = Tracing.START, capacity: int = TRACE_ENTRIES):
         self.rank = rank
-        self.capacity = capacity if trace == "start" else None
-        self.traced = trace != "none"
+        self.capacity = capacity if trace == Tracing.START else None
+        self.traced = trace != Tracing.NONE
         self.censuses: dict[str, GraphCensus] = {}
         self.checked: set[str] = set()             # labels checked at least once
         self.errors: list[str] = []
-        self.said: dict[int, str] = {}             # block start -> status, across graphs
+        self.said: dict[int, Status] = {}          # block start -> status, across graphs
         self.pools = PoolMap()
         self.pool_names: dict[tuple[int, int], str] = {}   # pool -> "graph 'first label'"
         self.snapshots = 0                         # allocator snapshots the book took
         self.paused = False                        # trace stopped by pause_trace()
         self.waiting: collections.deque[GraphCensus] = collections.deque()   # with pending words, oldest first
-        if trace == "start":
+        if trace == Tracing.START:
             start_trace(capacity)
 
-    def add(self, graph: Any, label: str, pool: Any = None, since: dict[str, Any] | None = None) -> GraphCensus | None:
+    def add(self, graph: torch.cuda.CUDAGraph, label: str, pool: tuple[int, int] | None = None,
+            since: dict[str, Any] | None = None) -> GraphCensus | None:
         """Census right after capture; a graph that cannot be read is noted, not raised.
         since: clock_marker() at the capture's start (see take_census)."""
         try:
@@ -1542,9 +1586,9 @@ class CensusBook:
         present = {seg["address"] for seg in snapshot.get("segments", [])}
         for census in chosen:
             for start, ref in census.own_segments.items():
-                if start not in present and census.reported.get(start) != RELEASED:
-                    census.reported[start] = RELEASED
-                    fate = Fate(ref.block, RELEASED, None, "allocator state")
+                if start not in present and census.reported.get(start) != Status.RELEASED:
+                    census.reported[start] = Status.RELEASED
+                    fate = Fate(ref.block, Status.RELEASED, None, "allocator state")
                     entry = by_block.setdefault(start, (fate, [], "The graph's own pool segment: "
                                                         "its graph still lives."))
                     entry[1].append((census, [ref]))
@@ -1584,7 +1628,7 @@ class CensusBook:
         for census in self.censuses.values():
             for block in census.blocks():
                 current = now.find(block.start)
-                if current is not None and not current.live and census.reported.get(block.start) == FREED:
+                if current is not None and not current.live and census.reported.get(block.start) == Status.FREED:
                     regions[current.start] = current.size
         return findings, sorted(regions.items())
 
@@ -1639,7 +1683,7 @@ def merge_findings(guard: list[Finding], census: list[Finding], slots: list[Any]
         if g is not None:
             used.add(g)
             merged = guard[g]
-            merged.mechanism, merged.census = "both", c.census
+            merged.mechanism, merged.census = Mechanism.BOTH, c.census
             out.append(merged)
             continue
         if guard_on:
@@ -1647,7 +1691,7 @@ def merge_findings(guard: list[Finding], census: list[Finding], slots: list[Any]
             if slot is None:
                 c.disagreement = "the guard did not see this storage (it never passed the dispatcher)"
             elif slot.reported:
-                c.slot, c.mechanism = slot.name, "both"   # the guard said it at an earlier check
+                c.slot, c.mechanism = slot.name, Mechanism.BOTH   # the guard said it at an earlier check
                 c.census["guard_reported"] = sorted(slot.reported)
             else:
                 c.slot = slot.name
@@ -1662,9 +1706,9 @@ def merge_findings(guard: list[Finding], census: list[Finding], slots: list[Any]
                 pass     # the census handed this storage to the guard: one mechanism, no disagreement
             elif not refs:
                 g.disagreement = "the census found no captured address in this storage"
-            elif g.status == "rebound":
+            elif g.status == Status.REBOUND:
                 g.disagreement = "the census sees the captured block still allocated (a rebinding is visible only to the guard)"
-            elif g.status == "contents-changed":
+            elif g.status == Status.CONTENTS_CHANGED:
                 g.disagreement = ("the census sees the captured block still allocated (changed bytes at the same "
                                   "address are visible only to the guard's fingerprint)")
             else:

@@ -14,6 +14,7 @@ import shutil
 import signal
 import sys
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Optional
@@ -23,19 +24,19 @@ from typer.core import TyperGroup
 
 import repro
 from repro import doctor, gpus, noise, report, runs
-from repro.config import (AFTER_FREE, DEVICES, GUARD_MODES, ConfigError, load_preset, override_sources,
+from repro.config import (AFTER_FREE, DEVICES, ConfigError, load_preset, override_sources,
                           preset_names)
 from repro.footprint import needed_bytes
 from repro.interrupts import Interrupts, Terminated, checkpoint
 from repro.launch import RankServer, runs_trials
-from repro.outcome import Outcome, Report, to_jsonable
+from repro.outcome import GuardMode, Outcome, Report, to_jsonable
 from repro.output import MATRIX_EXITS, TRIAL_EXITS, WATCH_EXITS, Exit, Output, exit_codes_help
 from repro.preflight import check_outputs, refuse_ignored
 from repro.protocol import FAULTS
 from repro.ray_runner import RayUnavailable
 from repro.runner import Planned, RunResult, plan, run_planned
 from repro.scenarios import SCENARIOS, CpuCost, RunKeySpec, ScenarioSpec
-from repro.watch_hooks import ON_FINDING, RECORD
+from repro.watch_hooks import OnFinding, Record
 
 EXIT_CODES = exit_codes_help(TRIAL_EXITS)
 MATRIX_EXIT_CODES = exit_codes_help(MATRIX_EXITS)
@@ -155,7 +156,7 @@ def cpu_warnings(planned: list[Planned]) -> list[str]:
     """Options that cannot act on CPU, said before the run rather than silently ignored."""
     on_cpu = [p for p in planned if p.device == "cpu"]
     found = []
-    if any(p.cfg.run.guard == "off" for p in on_cpu):
+    if any(p.cfg.run.guard == GuardMode.OFF for p in on_cpu):
         found.append("--guard off on CPU: no CUDA graph is replayed there, so with the guard off a "
                      "stale capture cannot be detected (use --guard warn, or run on a GPU)")
     if any(p.cfg.run.forensics for p in on_cpu):
@@ -208,9 +209,10 @@ def with_default(text: str, default: str) -> str:
     return f"{text}  [default: {default}]"
 
 
-def choices(values: tuple[str, ...]) -> Any:
-    """A Literal over the values, so --help lists them and a wrong one is a usage error."""
-    return Literal[values]  # type: ignore[valid-type]
+def choices(values: Iterable[str]) -> Any:
+    """A Literal over the values (an enum's: their plain strings), so --help lists them and a
+    wrong one is a usage error."""
+    return Literal[tuple(str(v) for v in values)]  # type: ignore[valid-type]
 
 
 # Options declared once, reused by every scenario command. Choices come from config.py, the
@@ -219,7 +221,7 @@ ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", metavar="PRE
 TpOpt = Annotated[Optional[int], typer.Option("--tp", metavar="N", help=with_default("Tensor-parallel size (one process per rank).", "the preset's run.tp"))]
 ShareGpuOpt = Annotated[Optional[bool], typer.Option("--share-gpu/--no-share-gpu", help=with_default("Let the TP ranks share one GPU, over gloo instead of NCCL (which refuses two ranks on one GPU): real CUDA graphs, slower collectives.", "--no-share-gpu"))]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", help=with_default("Seed of the weights and inputs; the same seed gives the same trial.", "0"))]
-GuardOpt = Annotated[Optional[choices(GUARD_MODES)], typer.Option("--guard", help=with_default("Stale-capture guard: off; warn records findings and keeps going; raise stops at the first.", "warn"))]
+GuardOpt = Annotated[Optional[choices(GuardMode)], typer.Option("--guard", help=with_default("Stale-capture guard: off; warn records findings and keeps going; raise stops at the first.", "warn"))]
 DeviceOpt = Annotated[Optional[choices(DEVICES)], typer.Option("--device", help=with_default("auto: GPU if NVML sees one; cuda; cpu: gloo, no graphs, guard verdicts.", "auto"))]
 DeadlineOpt = Annotated[Optional[float], typer.Option("--deadline", metavar="SECONDS", help=with_default("The whole trial's budget: past it the group is killed; DEADLINE if it was still progressing, HANG if stuck.", "the preset's run.deadline_s"))]
 StallOpt = Annotated[Optional[float], typer.Option("--stall", metavar="SECONDS", help=with_default("Progress watchdog: no record from any rank for this long (or for twice the longest pause the steps have shown, if longer) is a HANG (the stuck rank is blamed).", "the preset's run.stall_s, 60"))]
@@ -585,9 +587,9 @@ WatchHtmlOpt = Annotated[Optional[Path], typer.Option("--html", metavar="PATH", 
                                "allow_interspersed_args": False})
 def watch_cmd(
     ctx: typer.Context,
-    on_finding: Annotated[choices(ON_FINDING), typer.Option("--on-finding", help="warn: record and let the replay run; raise: the replay raises StaleCaptureError naming the tensor, before the launch.")] = "warn",
+    on_finding: Annotated[choices(OnFinding), typer.Option("--on-finding", help="warn: record and let the replay run; raise: the replay raises StaleCaptureError naming the tensor, before the launch.")] = "warn",
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", metavar="DIR", help=with_default("Directory for the per-process records.", "a new folder $XDG_CACHE_HOME/repro/runs/watch-DATE-TIME-XXXXXXXX (else under ~/.cache), its own for each run"))] = None,
-    record: Annotated[choices(RECORD), typer.Option("--record", help="graph: where the graph census runs (CUDA), read what each capture holds from the graph after it, with no per-op hook (capture cost per node); ops: also record every op at the dispatcher (cost per op; names and drop sites for tensors only pointer tables in device memory reach). Without the census every op is recorded either way.")] = "graph",
+    record: Annotated[choices(Record), typer.Option("--record", help="graph: where the graph census runs (CUDA), read what each capture holds from the graph after it, with no per-op hook (capture cost per node); ops: also record every op at the dispatcher (cost per op; names and drop sites for tensors only pointer tables in device memory reach). Without the census every op is recorded either way.")] = "graph",
     json_path: JsonOpt = None, junit: WatchJunitOpt = None, html: WatchHtmlOpt = None,
 ) -> int:
     """Run CMD unchanged with the stale-capture hooks in every Python process it starts: repro watch -- CMD [ARGS...]."""

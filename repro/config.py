@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 # The scenario facts live in the registry; re-exported here for config's readers.
+from repro.outcome import GuardMode, parse_expectation
 from repro.scenarios import SCENARIO_RUN_KEYS, SCENARIOS, ScenarioSpec  # noqa: F401
 
 # The presets ship inside the package (a wheel install has them too); they are plain TOML files
@@ -24,7 +25,6 @@ from repro.scenarios import SCENARIO_RUN_KEYS, SCENARIOS, ScenarioSpec  # noqa: 
 CONFIG_DIR = Path(os.environ.get("REPRO_CONFIGS") or str(importlib.resources.files("repro") / "configs"))
 
 AFTER_FREE = ("keep", "release", "reuse", "poison")
-GUARD_MODES = ("off", "warn", "raise")
 DEVICES = ("auto", "cuda", "cpu")
 # Collective timeouts are set past the deadline (a timedelta, in int milliseconds inside torch);
 # a week is far beyond any trial and far inside what those can hold.
@@ -43,7 +43,7 @@ class CommonRun:
     steps: int = 8
     seed: int = 0
     after_free: str = ""              # "" -> the scenario's default
-    guard: str = "warn"
+    guard: str = "warn"               # a GuardMode's string (a plain str: coerce types values by the default's)
     device: str = "auto"
     deadline_s: float = 180.0         # the whole trial's budget: past it, DEADLINE (or HANG if stuck)
     stall_s: float = 60.0             # no record from any rank this long: HANG (the progress watchdog)
@@ -279,7 +279,7 @@ def validate(cfg: TrialConfig, sources: dict[str, str] | None = None) -> TrialCo
           f"deadline_s = {r.deadline_s} must be > 0 and at most {MAX_DEADLINE_S:g} seconds (one week)")
     check(math.isfinite(r.stall_s) and 0 < r.stall_s <= MAX_DEADLINE_S, at("stall_s"),
           f"stall_s = {r.stall_s} must be > 0 and at most {MAX_DEADLINE_S:g} seconds (one week)")
-    check(r.guard in GUARD_MODES, at("guard"), f"guard = {r.guard!r} is not one of {', '.join(GUARD_MODES)}")
+    check(r.guard in tuple(GuardMode), at("guard"), f"guard = {r.guard!r} is not one of {', '.join(GuardMode)}")
     check(r.device in DEVICES, at("device"), f"device = {r.device!r} is not one of {', '.join(DEVICES)}")
     check(not (r.share_gpu and r.device == "cpu"), at("share_gpu"),
           "share_gpu = true with device = cpu: CPU ranks always share the host over gloo; drop --share-gpu "
@@ -293,7 +293,6 @@ def validate(cfg: TrialConfig, sources: dict[str, str] | None = None) -> TrialCo
     check(m.dtype in ("bfloat16", "float16", "float32"), w, f"model.dtype = {m.dtype!r} is not bfloat16, float16 or float32")
     spec.validate(m, r, lambda ok, key, message: check(ok, at(key) if key else w, message))
     if r.expect:
-        from repro.outcome import parse_expectation
         try:
             parse_expectation(r.expect)
         except ValueError as e:

@@ -50,16 +50,24 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from repro.outcome import Status
 from repro.sites import storage_key
 
-CONTENTS_CHANGED = "contents-changed"
+if TYPE_CHECKING:       # the guard imports this module
+    from collections.abc import Callable
+
+    from repro.guard import Slot
+    from repro.owners import Named
+
+    Resolve = Callable[[Named], Any]   # an owner path -> what it names now (repro.owners.resolve)
+
 FULL_BYTES = 1 << 20      # a region up to 1 MiB is summed whole
 SAMPLES = 4096            # words summed of a larger one (16 KiB), evenly spaced
-_DEAD = frozenset(("freed", "moved", "rebound", CONTENTS_CHANGED))   # said already: not checked
+_DEAD = frozenset((Status.FREED, Status.MOVED, Status.REBOUND, Status.CONTENTS_CHANGED))   # said already: not checked
 
 
 @dataclass(frozen=True)
@@ -108,7 +116,7 @@ def written_keys(func: Any, args: tuple, kwargs: dict) -> list[int]:
     return keys
 
 
-def mark_written(func: Any, args: tuple, kwargs: dict, slots: dict[int, Any]) -> None:
+def mark_written(func: Any, args: tuple, kwargs: dict, slots: dict[int, Slot]) -> None:
     """A captured op wrote these slots: graph-written, never fingerprinted."""
     for key in written_keys(func, args, kwargs):
         slot = slots.get(key)
@@ -118,7 +126,7 @@ def mark_written(func: Any, args: tuple, kwargs: dict, slots: dict[int, Any]) ->
 
 # -- what is checked --------------------------------------------------------------------------
 
-def checkable(slot: Any, graph: str | None) -> bool:
+def checkable(slot: Slot, graph: str | None) -> bool:
     """A live storage from outside every graph pool that no captured op writes, not said dead."""
     return (not slot.written and slot.pool is None and slot.checked_in(graph)
             and slot.ref is not None and not slot.ref.expired() and not (slot.reported & _DEAD))
@@ -133,7 +141,7 @@ def version_if_same(t: Any, key: int) -> int | None:
         return None
 
 
-def versions(slot: Any, resolve: Any) -> tuple[int | None, int | None]:
+def versions(slot: Slot, resolve: Resolve) -> tuple[int | None, int | None]:
     """Version counters of the tensor the capture saw and of the owner's tensor, where either
     still holds the storage (resolve: the owner path -> its tensor now)."""
     held = slot.handle() if slot.handle is not None else None
@@ -152,7 +160,7 @@ def countable(old: tuple, new: tuple) -> bool:
 
 # -- the fingerprint ---------------------------------------------------------------------------
 
-def revive(slot: Any) -> Any:
+def revive(slot: Slot) -> torch.UntypedStorage | None:
     """The slot's storage if it lives where it was captured, else None (freed or moved: the
     liveness check's business)."""
     storage = torch.UntypedStorage._new_with_weak_ptr(slot.ref.cdata)
@@ -161,14 +169,14 @@ def revive(slot: Any) -> Any:
     return storage
 
 
-def region_of(slot: Any, storage: Any) -> tuple[int, int]:
+def region_of(slot: Slot, storage: torch.UntypedStorage) -> tuple[int, int]:
     """(offset, nbytes) of the bytes the graph reads: its largest view, clamped to the storage
     (an expanded view's nbytes exceeds its storage)."""
     offset = slot.data_ptr - slot.storage_ptr
     return offset, max(0, min(slot.nbytes, storage.nbytes() - offset))
 
 
-def words_of(storage: Any, offset: int, nbytes: int) -> torch.Tensor:
+def words_of(storage: torch.UntypedStorage, offset: int, nbytes: int) -> torch.Tensor:
     """[n] view of the region as the widest words its alignment allows (int64, int32, uint8);
     no copy."""
     raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
@@ -191,7 +199,7 @@ def digest_of(words: torch.Tensor) -> torch.Tensor:
     return torch.stack([words.sum(dtype=torch.int64), words[::2].sum(dtype=torch.int64)])
 
 
-def measure(slots: list[Any]) -> list[tuple[int, int, tuple[int, int]] | None]:
+def measure(slots: list[Slot]) -> list[tuple[int, int, tuple[int, int]] | None]:
     """(offset, nbytes, digest) per slot (None: freed or moved). The digests of one device are
     stacked and read back at once: one sync per device."""
     found: list[tuple[int, int, Any] | None] = []
@@ -214,7 +222,7 @@ def measure(slots: list[Any]) -> list[tuple[int, int, tuple[int, int]] | None]:
     return out
 
 
-def take(slots: list[Any], when: str, resolve: Any) -> None:
+def take(slots: list[Slot], when: str, resolve: Resolve) -> None:
     """Reference fingerprints for slots without one (or whose graph now reads a wider view)."""
     todo = [s for s in slots if s.contents is None or s.contents.nbytes != s.nbytes
             or s.contents.offset != s.data_ptr - s.storage_ptr]
@@ -223,7 +231,7 @@ def take(slots: list[Any], when: str, resolve: Any) -> None:
             slot.contents = Print(m[0], m[1], m[2], versions(slot, resolve), when)
 
 
-def compare(slots: list[Any], when: str, resolve: Any) -> list[tuple[Any, Print]]:
+def compare(slots: list[Slot], when: str, resolve: Resolve) -> list[tuple[Slot, Print]]:
     """(slot, its reference) for each slot whose bytes changed while no counter moved. Every
     compared slot's reference becomes what it holds now: the next check judges what happens
     after this one."""
@@ -241,12 +249,12 @@ def compare(slots: list[Any], when: str, resolve: Any) -> list[tuple[Any, Print]
     return changed
 
 
-def changed_since(slots: list[Any], before: list) -> list[Any]:
+def changed_since(slots: list[Slot], before: list) -> list[Slot]:
     """The slots whose bytes differ from `before` (measure() of the same list, earlier)."""
     return [s for s, b, a in zip(slots, before, measure(slots)) if b is not None and a is not None and b != a]
 
 
-def forget(slot: Any) -> None:
+def forget(slot: Slot) -> None:
     """The program wrote the slot in a way no counter saw: the next check takes a new reference."""
     if slot.contents is not None:
         slot.contents = Print(slot.contents.offset, slot.contents.nbytes, None, slot.contents.versions,

@@ -19,7 +19,10 @@ import re
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from repro.outcome import Finding
 
 TOP_FRAMES = 8
 # torch's own Python files (site-packages/torch/...) and native frames are noise in a stack
@@ -218,7 +221,7 @@ class MemoryHistory:
             return None
         return describe(events, self.plumbing)
 
-    def annotate(self, findings: list) -> int:
+    def annotate(self, findings: list[Finding]) -> int:
         """Fill alloc_stack / free_stack of guard findings in place; returns how many were found."""
         if not findings:
             return 0

@@ -27,9 +27,13 @@ from __future__ import annotations
 import contextlib
 import gc
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
+
+if TYPE_CHECKING:       # the guard and the census are the caller's; this module needs neither to run
+    from repro.census import CensusBook
+    from repro.guard import CaptureGuard
 
 # How many same-size allocations to try before giving up on landing on a freed address.
 LAND_TRIES = 64
@@ -80,11 +84,11 @@ class Captured:
     """One captured region. On CPU there is no graph: `replay()` returns None and the
     scenario runs its eager path instead."""
     label: str
-    graph: Any                        # torch.cuda.CUDAGraph | None
+    graph: torch.cuda.CUDAGraph | None
     inputs: tuple[torch.Tensor, ...]  # static inputs, written before each replay
     output: Any                       # static outputs (tensor or tuple), read after replay
     on_replay: Callable[[str], None] | None = None   # told before each real replay starts
-    guard: Any = None                 # repro.guard.CaptureGuard: brackets the first replay
+    guard: CaptureGuard | None = None   # brackets the first replay
     replays: int = 0
 
     def replay(self) -> Any:
@@ -101,9 +105,9 @@ class Captured:
         return self.output
 
 
-def capture(fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...], label: str, guard: Any,
-            pool: Any = None, warmup: int = 2, on_replay: Callable[[str], None] | None = None,
-            census: Any = None) -> Captured:
+def capture(fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...], label: str, guard: CaptureGuard,
+            pool: tuple[int, int] | None = None, warmup: int = 2, on_replay: Callable[[str], None] | None = None,
+            census: CensusBook | None = None) -> Captured:
     """Warm up on a side stream, then capture fn(*inputs) under the guard's recording.
 
     census: a repro.census.CensusBook. The graph is then made with keep_graph=True, read right

@@ -60,6 +60,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, ContextManager, NamedTuple
 
 import torch
@@ -67,12 +68,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from repro import fingerprint, owners, sites
-from repro.outcome import Finding, Manifest
+from repro.outcome import Finding, GuardMode, Manifest, Status
 from repro.owners import Named, Owner, bind_owners, build_index, exposed_name, hold, resolve, storage_of
 from repro.sites import frame_site, holder_of, storage_key, user_frame
 from repro.units import format_bytes
 
-MODES = ("off", "warn", "raise")
 MECHANISM = "repro dispatch-mode guard"
 MECHANISM_WITH_TORCH = "torch check_input_liveness + repro dispatch-mode guard"
 FIX_FREED = ("Replaying will read freed memory: keep the tensor alive for the graph's lifetime "
@@ -123,7 +123,7 @@ class Slot:
     ref: StorageWeakRef | None = field(default=None, repr=False, compare=False)
     key: int = field(default=0, repr=False)  # storage identity; unique while `ref` lives
     named: Named | None = field(default=None, repr=False, compare=False)
-    reported: set[str] = field(default_factory=set, repr=False, compare=False)
+    reported: set[Status] = field(default_factory=set, repr=False, compare=False)   # each said once
     drop_ref: weakref.ref | None = field(default=None, repr=False, compare=False)
     # The graph pool the storage's memory belongs to, where the caller told (assign_pools), and
     # the graphs that allocate from that very pool: for them the storage is pool-managed.
@@ -173,13 +173,13 @@ class _Recording:
 
 class _Status(NamedTuple):
     """A tuple, not a dataclass: check() builds one per slot per replay."""
-    status: str                   # "freed" | "moved" | "rebound" | "unchanged" | "contents-changed"
+    status: Status                # freed, moved, rebound, contents-changed or unchanged
     new_ptr: int | None = None
     detail: str = ""              # for rebound: "rebound" (a new tensor) | "dropped" (none);
                                   # for contents-changed: since when the bytes were as captured
 
 
-_UNCHANGED = _Status("unchanged")
+_UNCHANGED = _Status(Status.UNCHANGED)
 
 
 class _OpObserver(TorchDispatchMode):
@@ -221,8 +221,9 @@ class _HiddenOpObserver(_OpObserver):
 class CaptureGuard:
     """Records tensors a capture baked in and checks, before replay, that they are still there.
 
-    mode: "off" records nothing; "warn" returns findings and lets the run go on (so the real
-    symptom still shows); "raise" makes check() raise StaleCaptureError on the first finding.
+    mode: a GuardMode (or its string): off records nothing; warn returns findings and lets the
+    run go on (so the real symptom still shows); raise makes check() raise StaleCaptureError on
+    the first finding.
     plumbing: source files of the caller's own helpers (capture wrappers, collectives) whose
     frames must not be named as the site: a site names the line that asked for the tensor.
     compiles: whether the process may run torch.compile (the default, as for any program);
@@ -230,11 +231,11 @@ class CaptureGuard:
     """
     _not_an_owner = True          # naming never walks into a guard
 
-    def __init__(self, mode: str = "warn", rank: int = 0, plumbing: Iterable[str] = (), compiles: bool = True,
-                 scratch: Callable[[], ContextManager] | None = None):
-        if mode not in MODES:
-            raise ValueError(f"guard mode {mode!r} is not one of {', '.join(MODES)}")
-        self.mode = mode
+    def __init__(self, mode: GuardMode | str = GuardMode.WARN, rank: int = 0, plumbing: Iterable[str] = (),
+                 compiles: bool = True, scratch: Callable[[], ContextManager] | None = None):
+        if mode not in tuple(GuardMode):
+            raise ValueError(f"guard mode {mode!r} is not one of {', '.join(GuardMode)}")
+        self.mode = GuardMode(mode)
         self.rank = rank
         # compiles=False: the process never runs torch.compile, so the recording need not be
         # hidden from it (and its first use need not import torch._dynamo).
@@ -300,7 +301,7 @@ class CaptureGuard:
 
     def watch(self, name: str, obj: Any) -> None:
         """Register an owner (module, kernel or config object, dataclass, dict, tensor)."""
-        if self.mode == "off":
+        if self.mode is GuardMode.OFF:
             return
         owners = [o for o in self._owners if o.name != name]
         owners.append(Owner(name, hold(obj)))
@@ -311,7 +312,7 @@ class CaptureGuard:
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:
         """Remember the op and user-code site that created each storage made in the block."""
-        if self.mode == "off":
+        if self.mode is GuardMode.OFF:
             yield
             return
         with self._observer(self._note_births):
@@ -326,7 +327,7 @@ class CaptureGuard:
         pool / pool_of: the capturing graph's pool and a cheap address -> pool lookup; a
         storage already known to be in that pool is recorded as pool-managed at once, without
         naming it (it is never a finding, and naming walks the caller's frames)."""
-        if self.mode == "off":
+        if self.mode is GuardMode.OFF:
             yield
             return
         rec = _Recording(label=graph, capturing=cuda_capturing(), pool=pool, pool_of=pool_of)
@@ -339,7 +340,7 @@ class CaptureGuard:
         if not rec.capturing:
             self.fingerprint(graph)    # a dry run ends here; a real capture after capture_end
 
-    def adopt(self, graph: str, words: Iterable[Any], frame: Any = None) -> list[Any]:
+    def adopt(self, graph: str, words: Iterable[Any], frame: FrameType | None = None) -> list[Any]:
         """Slots for a capture the graph census read, with nothing recorded at the dispatcher.
 
         words: the census's captured words outside the graph's own pool (anything with .addr
@@ -354,7 +355,7 @@ class CaptureGuard:
         """
         self._by_graph.setdefault(graph, [])
         words = list(words)
-        if self.mode == "off" or not words:
+        if self.mode is GuardMode.OFF or not words:
             return words
         frame = user_frame(frame, self._plumbing)
         site = frame_site(frame)
@@ -382,7 +383,7 @@ class CaptureGuard:
         """Build the owner index again: an owner may have gained a tensor since (a reload, a
         lazily made buffer). The watch hooks call it once per check, not per capture (an
         engine captures thousands of graphs, and building it walks every owner)."""
-        if self.mode != "off":
+        if self.mode is not GuardMode.OFF:
             self._index = self._build_index()
 
     def _owned_extents(self) -> Extents:
@@ -461,34 +462,35 @@ class CaptureGuard:
                tensor before an illegal memory access): run it before every replay, and a
                deep check after anything that may rebind (a weight reload).
         """
-        if self.mode == "off" or (not deep and self._all_alive(graph)):
+        if self.mode is GuardMode.OFF or (not deep and self._all_alive(graph)):
             return []
         findings = []
         for slot in self._every_slot() if graph is None else self._by_graph.get(graph, ()):
-            if "freed" in slot.reported or not slot.checked_in(graph):
+            if Status.FREED in slot.reported or not slot.checked_in(graph):
                 continue  # freed is final; a pool-managed storage is its pool's business
             status = self._classify(slot) if deep else self._liveness(slot)
-            if status.status == "unchanged" or status.status in slot.reported:
+            if status.status is Status.UNCHANGED or status.status in slot.reported:
                 continue
             slot.reported.add(status.status)
             findings.append(self._finding(slot, status, when))
             self._live_refs.clear()
         if deep:
             findings += self._check_contents(when, graph)
-        if findings and self.mode == "raise":
+        if findings and self.mode is GuardMode.RAISE:
             raise StaleCaptureError(findings[0].message, findings)
         return findings
 
     def manifest(self, when: str) -> Manifest:
         """Counts of captured storages by state (the pointer census of vLLM RFC #48312)."""
-        counts = {"freed": 0, "moved": 0, "rebound": 0, "unchanged": 0}
-        if self.mode != "off":
+        counts = dict.fromkeys((Status.FREED, Status.MOVED, Status.REBOUND, Status.UNCHANGED), 0)
+        if self.mode is not GuardMode.OFF:
             for slot in self._every_slot():
                 if not slot.checked_in(None):
                     continue
-                status = "freed" if "freed" in slot.reported else self._classify(slot).status
+                status = Status.FREED if Status.FREED in slot.reported else self._classify(slot).status
                 counts[status] += 1
-        return Manifest(when=when, rank=self.rank, **counts)
+        return Manifest(when=when, rank=self.rank, freed=counts[Status.FREED], rebound=counts[Status.REBOUND],
+                        unchanged=counts[Status.UNCHANGED], moved=counts[Status.MOVED])
 
     def freed_blocks(self) -> list[tuple[int, int, str]]:
         """(storage data_ptr, storage nbytes, dtype) of every captured storage now freed."""
@@ -540,7 +542,7 @@ class CaptureGuard:
         """After a capture ended (outside it): fingerprint the storages it reads and no captured
         op writes, outside every graph pool. One sync per device; recording() and capture() call
         it, graphs.capture after its census."""
-        if self.mode == "off":
+        if self.mode is GuardMode.OFF:
             return
         slots = [s for s in self._by_graph.get(graph, ()) if fingerprint.checkable(s, graph)]
         with self._scratch():
@@ -556,8 +558,8 @@ class CaptureGuard:
             changed = fingerprint.compare(slots, f"the check '{when}'", resolve)
         findings = []
         for slot, old in changed:
-            slot.reported.add(fingerprint.CONTENTS_CHANGED)
-            status = _Status(fingerprint.CONTENTS_CHANGED, None, fingerprint.since_text(old))
+            slot.reported.add(Status.CONTENTS_CHANGED)
+            status = _Status(Status.CONTENTS_CHANGED, None, fingerprint.since_text(old))
             findings.append(self._finding(slot, status, when))
         return findings
 
@@ -584,7 +586,7 @@ class CaptureGuard:
         counts (``param.data.copy_(...)``): the captured storages they wrote get a new
         reference fingerprint at the next deep check instead of a finding. Costs one dispatch
         per op inside the block (ops are seen, not their memory: numpy or a raw kernel is not)."""
-        if self.mode == "off":
+        if self.mode is GuardMode.OFF:
             yield
             return
         keys: set[int] = set()
@@ -632,7 +634,7 @@ class CaptureGuard:
         if fingerprint.written_args(func):
             fingerprint.mark_written(func, args, kwargs, slots)
 
-    def _new_slot(self, rec: _Recording, func, t: torch.Tensor, storage) -> Slot:
+    def _new_slot(self, rec: _Recording, func, t: torch.Tensor, storage: torch.UntypedStorage) -> Slot:
         key = storage._cdata
         if rec.pool is not None and rec.pool_of is not None and rec.pool_of(storage.data_ptr()) == rec.pool:
             return self._pool_slot(rec, func, t, storage)
@@ -652,7 +654,7 @@ class CaptureGuard:
             slot.name = local_slot_name(key, frame, birth, func, self._plumbing)
         return slot
 
-    def _pool_slot(self, rec: _Recording, func, t: torch.Tensor, storage) -> Slot:
+    def _pool_slot(self, rec: _Recording, func, t: torch.Tensor, storage: torch.UntypedStorage) -> Slot:
         """A storage in the capturing graph's own pool (an earlier piece's output, say)."""
         site = frame_site(user_frame(sys._getframe(2), self._plumbing))
         slot = Slot(
@@ -720,7 +722,7 @@ class CaptureGuard:
         if refs is None:
             slots = self._every_slot() if graph is None else self._by_graph.get(graph, ())
             refs = self._live_refs[graph] = tuple(
-                s.ref for s in slots if "freed" not in s.reported and s.checked_in(graph))
+                s.ref for s in slots if Status.FREED not in s.reported and s.checked_in(graph))
         for ref in refs:
             if ref is None or ref.expired():
                 return False
@@ -728,35 +730,35 @@ class CaptureGuard:
 
     def _liveness(self, slot: Slot) -> _Status:
         if slot.ref is None or slot.ref.expired():
-            return _Status("freed", current_ptr(slot))
+            return _Status(Status.FREED, current_ptr(slot))
         return _UNCHANGED
 
     def _classify(self, slot: Slot) -> _Status:
         if slot.ref is None or slot.ref.expired():
-            return _Status("freed", current_ptr(slot))
+            return _Status(Status.FREED, current_ptr(slot))
         current = resolve(slot.named) if slot.named is not None else None
         held = isinstance(current, torch.Tensor) and storage_key(current) == slot.key
         # While the owner still holds it, its tensor gives the storage; otherwise revive the weak ref.
         storage = current.untyped_storage() if held else \
             torch.UntypedStorage._new_with_weak_ptr(slot.ref.cdata)
         if storage is None:
-            return _Status("freed", current_ptr(slot))
+            return _Status(Status.FREED, current_ptr(slot))
         ptr = storage.data_ptr()
         del storage
         if ptr != slot.storage_ptr:
-            return _Status("moved", ptr + (slot.data_ptr - slot.storage_ptr))
+            return _Status(Status.MOVED, ptr + (slot.data_ptr - slot.storage_ptr))
         if held or slot.named is None:
             return _UNCHANGED
         if not isinstance(current, torch.Tensor):
-            return _Status("rebound", None, "dropped")
-        return _Status("rebound", current.data_ptr() + view_offset(slot), "rebound")
+            return _Status(Status.REBOUND, None, "dropped")
+        return _Status(Status.REBOUND, current.data_ptr() + view_offset(slot), "rebound")
 
     def _finding(self, slot: Slot, status: _Status, when: str) -> Finding:
         return Finding(
             slot=slot.name, graph=graph_label(slot), status=status.status, when=when,
             rank=self.rank, shape=list(slot.shape), dtype=slot.dtype, nbytes=slot.nbytes,
             old_ptr=slot.data_ptr, new_ptr=status.new_ptr, created_at=slot.created_at,
-            freed_at=slot.freed_at if status.status == "freed" else None,
+            freed_at=slot.freed_at if status.status is Status.FREED else None,
             message=finding_message(slot, status))
 
 
@@ -939,7 +941,7 @@ class LazyExtents:
         return self.made.find(addr)
 
 
-def held_by_locals(frame, plumbing: frozenset[str]) -> Extents:
+def held_by_locals(frame: FrameType | None, plumbing: frozenset[str]) -> Extents:
     """Storages of the tensors bound to locals of the user frames from `frame` outwards, each
     with (tensor, (variable, function)) of the outermost frame holding it (as holder_of)."""
     found: dict[int, tuple[int, int, int, Any]] = {}
@@ -963,7 +965,7 @@ def format_birth(birth: _Birth) -> str:
     return f"{os.path.basename(birth.filename)}:{birth.lineno} in {birth.func} ({birth.op})"
 
 
-def local_slot_name(key: int, frame, birth: _Birth | None, func, plumbing: frozenset[str]) -> str:
+def local_slot_name(key: int, frame: FrameType | None, birth: _Birth | None, func, plumbing: frozenset[str]) -> str:
     holder = holder_of(key, frame, plumbing)
     held = f"{holder[0]} of {holder[1]}" if holder else ""
     if birth is not None:
@@ -995,15 +997,15 @@ def finding_message(slot: Slot, status: _Status) -> str:
         what += f", in graph pool {slot.pool}: not this graph's own, a cross-pool dependency"
     head = f"{graphs} {what}) at {slot.data_ptr:#x}"
     owner = slot.named.name if slot.named is not None else ""
-    if status.status == "freed":
+    if status.status is Status.FREED:
         dropped = f" (last reference dropped at {slot.freed_at})" if slot.freed_at else ""
         now = f"; {owner} now names a different tensor at {status.new_ptr:#x}" \
             if owner and status.new_ptr is not None else ""
         return f"{head}, and that storage has been freed{dropped}{now}. {FIX_FREED}"
-    if status.status == "moved":
+    if status.status is Status.MOVED:
         return (f"{head}, but that storage now lives at {status.new_ptr:#x} (it was resized or "
                 f"re-pointed). {FIX_MOVED}")
-    if status.status == fingerprint.CONTENTS_CHANGED:
+    if status.status is Status.CONTENTS_CHANGED:
         return (f"{head}, and its bytes changed {status.detail} while no torch write reached it: the "
                 f"storage is alive at the same address, so no pointer check can see this. {FIX_CONTENTS}")
     if status.detail == "dropped":

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, ClassVar
+from enum import Enum, StrEnum
+from typing import Any, ClassVar, TypeVar
 
 SCHEMA = "repro.report/1"
+E = TypeVar("E", bound=Enum)
 
 
 class Outcome(str, Enum):
@@ -104,7 +105,47 @@ class StepRecord:
         return int(self.extra.get("rank_disagreements") or 0)
 
 
-MECHANISMS = ("guard", "census", "both", "torch")
+class GuardMode(StrEnum):
+    """The stale-capture guard's mode: [run] guard, --guard, CaptureGuard(mode=...). Here, with
+    the findings it governs, so the config (parent side) and the guard (rank side) share it."""
+    OFF = "off"                   # records nothing
+    WARN = "warn"                 # findings are recorded and the run goes on (the real symptom still shows)
+    RAISE = "raise"               # check() raises StaleCaptureError at the first finding
+
+
+class Status(StrEnum):
+    """What became of a captured storage (guard) or block (census): a Finding's status.
+
+    One set for both mechanisms and the reports; a word means the same whoever says it.
+    """
+    FREED = "freed"                        # dead: its memory is free (guard), cached but inactive (census)
+    MOVED = "moved"                        # guard: the same storage now lives elsewhere (resized / re-pointed)
+    REBOUND = "rebound"                    # guard: the owner's name points at another tensor, the old one lives
+    CONTENTS_CHANGED = "contents-changed"  # guard: same address, new bytes, no torch write (repro/fingerprint.py)
+    RELEASED = "released"                  # census: the block's segment went back to the driver
+    REUSED = "reused"                      # census: freed, then allocated again
+    # The guard's verdict for a storage none of the above happened to; counted in a Manifest,
+    # never a finding's status.
+    UNCHANGED = "unchanged"
+
+
+class Mechanism(StrEnum):
+    """Which mechanism saw a finding."""
+    GUARD = "guard"                        # the dispatch-mode guard (repro/guard.py)
+    CENSUS = "census"                      # the graph's own parameters (repro/census.py)
+    BOTH = "both"
+    # Findings taken from torch's own check_input_liveness (torch >= 2.13): the watch hooks
+    # turn its error into one.
+    TORCH = "torch"
+
+
+def as_member(kind: type[E], value: str) -> E | str:
+    """value as a member of the enum `kind`; a value it does not know (a record written by
+    another version) stays the plain string, so reading old or new JSON never fails on it."""
+    try:
+        return kind(value)
+    except ValueError:
+        return value
 
 
 @dataclass
@@ -116,9 +157,8 @@ class Finding:
     """
     slot: str                       # readable name, e.g. "drafter.<local lm_head_weight>"
     graph: str                      # label of the capture that recorded it
-    status: str                     # guard: "freed" | "moved" (resized / re-pointed) | "rebound" |
-                                    # "contents-changed" (same address, new bytes, no torch write:
-                                    # repro/fingerprint.py); census: "freed" | "released" | "reused"
+    status: Status                  # guard: freed, moved, rebound, contents-changed;
+                                    # census: freed, released, reused
     when: str                       # e.g. "before replay, step 0"
     rank: int
     shape: list[int]
@@ -131,10 +171,7 @@ class Finding:
     message: str = ""
     alloc_stack: list[str] = field(default_factory=list)  # from memory history (CUDA)
     free_stack: list[str] = field(default_factory=list)
-    # Which mechanism saw it: "guard" (dispatcher), "census" (the graph's own parameters) or
-    # "both". "torch" is kept for findings taken from torch's own check_input_liveness
-    # (torch >= 2.13); nothing produces it yet.
-    mechanism: str = "guard"
+    mechanism: Mechanism = Mechanism.GUARD
     census: dict[str, Any] | None = None   # block, kernel, node, param offset, references
     disagreement: str = ""          # what the other mechanism said, when it differs
 
@@ -263,7 +300,10 @@ def step_from_dict(d: dict[str, Any]) -> StepRecord:
 
 
 def finding_from_dict(d: dict[str, Any]) -> Finding:
-    return _build(Finding, d)
+    finding = _build(Finding, d)
+    finding.status = as_member(Status, finding.status)
+    finding.mechanism = as_member(Mechanism, finding.mechanism)
+    return finding
 
 
 def manifest_from_dict(d: dict[str, Any]) -> Manifest:

@@ -19,12 +19,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+from enum import StrEnum
 
 import pytest
 
 ENTRY_POINT = "repro"             # the name `-p no:repro` blocks
 SESSION_PLUGIN = "repro-watch-session"
-MODES = ("fail", "warn")
+
+
+class WatchMode(StrEnum):
+    """What a finding does to the test that replayed the graph."""
+    FAIL = "fail"                 # fails it (the finding is the failure text)
+    WARN = "warn"                 # nothing: findings are listed at the end
+
+
 ENV_ON = "REPRO_WATCH"            # repro.watch_hooks.ENV_ON (not imported: this module stays bare)
 MARKER_HELP = ("repro_watch(off=False, expect=None): off=True: findings in this test do not fail "
                "it; expect='glob' or a list of globs (matched against the tensor name or the "
@@ -37,13 +45,13 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
     if pluginmanager.get_plugin(ENTRY_POINT) is None and not pluginmanager.is_blocked(ENTRY_POINT):
         pluginmanager.set_blocked(ENTRY_POINT)
     group = parser.getgroup("repro", "repro: CUDA-graph capture checks")
-    group.addoption("--repro-watch", action="store_const", const="fail", dest="repro_watch",
+    group.addoption("--repro-watch", action="store_const", const=WatchMode.FAIL, dest="repro_watch",
                     default=None,
                     help="check every CUDA graph the tests capture, in the test process and the "
                          "processes tests start; a finding fails the test that replayed the graph "
                          "(--repro-watch=fail, the default) or is listed at the end "
                          "(--repro-watch=warn)")
-    for mode in MODES:      # exact option strings: `--repro-watch PATH` must leave PATH alone
+    for mode in WatchMode:  # exact option strings: `--repro-watch PATH` must leave PATH alone
         group.addoption(f"--repro-watch={mode}", action="store_const", const=mode,
                         dest="repro_watch", help=f"--repro-watch in {mode} mode")
     group.addoption("--repro-watch-dir", dest="repro_watch_dir", default=None, metavar="DIR",
@@ -51,15 +59,15 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
                          "temporary directory, printed in the header)")
 
 
-def watch_mode(config: pytest.Config) -> str | None:
-    """fail | warn | None (off), from the option, else from REPRO_WATCH."""
+def watch_mode(config: pytest.Config) -> WatchMode | None:
+    """The mode, None when off: from the option, else from REPRO_WATCH."""
     mode = config.getoption("repro_watch", None)
     if mode is not None:
         return mode
     env = os.environ.get(ENV_ON, "").strip().lower()
     if env in ("", "0"):
         return None
-    return "warn" if env == "warn" else "fail"
+    return WatchMode.WARN if env == WatchMode.WARN else WatchMode.FAIL
 
 
 def pytest_configure(config: pytest.Config) -> None:

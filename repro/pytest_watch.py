@@ -27,7 +27,8 @@ from typing import Any
 import pytest
 
 from repro import watch_hooks
-from repro.attribution import OUTSIDE, Attribution, Phase, PhaseFinding, RunStats, all_findings, run_stats
+from repro.pytest import WatchMode
+from repro.attribution import OUTSIDE, Attribution, Phase, PhaseFinding, RunStats, Stage, all_findings, run_stats
 from repro.watch import watch_env
 
 REPORT_ATTR = "repro_watch"       # on TestReport: list of PhaseFinding dicts
@@ -96,7 +97,7 @@ def restore_env(saved: dict[str, str | None]) -> None:
 @dataclass(eq=False)      # a plugin object: hashed by identity
 class WatchSession:
     config: pytest.Config
-    mode: str                     # fail | warn
+    mode: WatchMode
     run_dir: Path
     watcher: Any
     saved_env: dict[str, str | None]
@@ -110,20 +111,20 @@ class WatchSession:
     stats: RunStats | None = None
 
     @classmethod
-    def start(cls, config: pytest.Config, mode: str) -> WatchSession:
+    def start(cls, config: pytest.Config, mode: WatchMode) -> WatchSession:
         run_dir = Path(config.getoption("repro_watch_dir", None)
                        or os.environ.get(watch_hooks.ENV_DIR)
                        or tempfile.mkdtemp(prefix="repro-watch-pytest-")).resolve()
         saved = {k: os.environ.get(k) for k in (*watch_hooks.ENV_VARS, watch_hooks.ENV_OWNER, "PYTHONPATH")}
-        record = os.environ.get(watch_hooks.ENV_RECORD) or "graph"
-        record = record if record in watch_hooks.RECORD else "graph"
-        env = watch_env(dict(os.environ), run_dir, os.environ.get(watch_hooks.ENV_ON_FINDING) or "warn", record)
+        record = watch_hooks.choice_from_env(os.environ, watch_hooks.ENV_RECORD, watch_hooks.Record.GRAPH)
+        env = watch_env(dict(os.environ), run_dir, os.environ.get(watch_hooks.ENV_ON_FINDING) or watch_hooks.OnFinding.WARN,
+                        record)
         if saved[watch_hooks.ENV_SITE] == env[watch_hooks.ENV_SITE]:
             env["PYTHONPATH"] = saved["PYTHONPATH"] or ""     # started under `repro watch`: on the path already
         for key in (*watch_hooks.ENV_VARS, "PYTHONPATH"):
             os.environ[key] = env[key]
         watcher = watch_hooks.activate(watch_hooks.WatchSettings(
-            run_dir=str(run_dir), on_finding="warn", origin="pytest", record=record))
+            run_dir=str(run_dir), on_finding=watch_hooks.OnFinding.WARN, origin=watch_hooks.Origin.PYTEST, record=record))
         run_dir = Path(watcher.settings.run_dir)     # an earlier start (repro watch) decides
         me = Path(watcher.recorder.path).stem
         os.environ[watch_hooks.ENV_OWNER] = me        # processes tests start say whose they are
@@ -152,17 +153,17 @@ class WatchSession:
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item):
         self.per_item[item.nodeid] = []
-        self.mark(Phase(item.nodeid, "setup"))
+        self.mark(Phase(item.nodeid, Stage.SETUP))
         return (yield)
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_call(self, item: pytest.Item):
-        self.mark(Phase(item.nodeid, "call"))
+        self.mark(Phase(item.nodeid, Stage.CALL))
         return (yield)
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_teardown(self, item: pytest.Item, nextitem):
-        self.mark(Phase(item.nodeid, "teardown"))
+        self.mark(Phase(item.nodeid, Stage.TEARDOWN))
         try:
             return (yield)
         finally:
@@ -184,7 +185,7 @@ class WatchSession:
         expectation = Expectation.of(item)
         failing = [tf for tf in found if not expectation.allowed(tf)]
         problems = [finding_text(tf) for tf in failing]
-        if when == "call" and expectation.expect and not expectation.off:
+        if when == Stage.CALL and expectation.expect and not expectation.off:
             for pattern in expectation.expect:
                 if not any(expectation.matches(pattern, tf) for tf in seen):
                     problems.append(f"repro watch: expected a finding matching {pattern!r} in this "
@@ -196,15 +197,15 @@ class WatchSession:
             for tf in found:
                 prop = (PROPERTY, finding_line(tf) + ("" if tf in failing else " [allowed]"))
                 item.user_properties.append(prop)
-                if when == "teardown":   # the teardown report is made from a copy already taken
+                if when == Stage.TEARDOWN:   # the teardown report is made from a copy already taken
                     report.user_properties.append(prop)
-        if when == "teardown":
+        if when == Stage.TEARDOWN:
             self.per_item.pop(item.nodeid, None)
         if not problems:
             return
         text = "\n\n".join(problems)
         # A skip does not hide a replay of dead memory; an xfail keeps its own verdict.
-        if self.mode == "fail" and not report.failed and not hasattr(report, "wasxfail"):
+        if self.mode == WatchMode.FAIL and not report.failed and not hasattr(report, "wasxfail"):
             report.outcome = "failed"
             report.longrepr = text
         else:
@@ -225,7 +226,7 @@ class WatchSession:
             self.stats = run_stats(self.run_dir, self.root)
         except OSError:
             self.unclaimed = []
-        if self.unclaimed and self.mode == "fail" and session.exitstatus == 0:
+        if self.unclaimed and self.mode == WatchMode.FAIL and session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter, exitstatus, config) -> None:

@@ -6,10 +6,10 @@ could create a CUDA context.
 """
 from __future__ import annotations
 
-from typing import Any
+from types import ModuleType
 
 
-def nccl_version(torch: Any) -> str | None:
+def nccl_version(torch: ModuleType) -> str | None:
     """NCCL torch was built with, e.g. '2.27.7'; None for builds without NCCL.
 
     torch.cuda.nccl.version() only calls ncclGetVersion(), which returns a compile-time

@@ -24,6 +24,7 @@ import contextlib
 import fnmatch
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -35,8 +36,18 @@ from repro.units import format_bytes
 MAX_DEPTH = 12           # model.layers[3].mlp.experts.quant_method.moe_kernel.launch.<cell ws>
 MAX_NODES = 500_000      # objects expanded per census
 MAX_ITEMS = 100_000      # per list / dict: a census must see every layer
-STATUSES = ("freed", "rebound", "dropped", "moved", "reshaped", "added")
 VIEW_FIELDS = ("data_ptr", "shape", "stride", "dtype", "storage_offset")
+
+
+class Change(StrEnum):
+    """What became of one tensor slot across the block, in the order a summary counts them.
+    freed, rebound and moved mean what they mean for a finding (repro.outcome.Status)."""
+    FREED = "freed"               # the old storage is dead
+    REBOUND = "rebound"           # the path holds a new storage; the old one is still alive
+    DROPPED = "dropped"           # the path holds no tensor now; the old storage is still alive
+    MOVED = "moved"               # the same storage at a new address (resized or re-pointed)
+    RESHAPED = "reshaped"         # the same storage through a different view
+    ADDED = "added"               # a tensor where there was none, in a storage not seen before
 
 
 class ReloadUnstable(AssertionError):
@@ -87,7 +98,7 @@ class ReloadCensus:
 @dataclass
 class SlotChange:
     path: str
-    status: str                   # one of STATUSES
+    status: Change
     changed: list[str]            # storage, data_ptr, shape, stride, dtype, storage_offset
     before: SlotState | None
     after: SlotState | None
@@ -129,7 +140,7 @@ def compare(before: ReloadCensus, after: ReloadCensus) -> list[SlotChange]:
         new = after.slots.get(path)
         change = classify(old, new)
         if change is not None:
-            if change.status in ("rebound", "dropped") and old.storage_key is not None:
+            if change.status in (Change.REBOUND, Change.DROPPED) and old.storage_key is not None:
                 change.also_at = [p for p in now_at.get(old.storage_key, []) if p != path]
             changes.append(change)
     known = before.by_storage()
@@ -137,21 +148,21 @@ def compare(before: ReloadCensus, after: ReloadCensus) -> list[SlotChange]:
         # A storage the census already saw at another path is no new memory: the walk only
         # reached it another way (its first path now holds something else).
         if path not in before.slots and new.storage_key not in known:
-            changes.append(SlotChange(path, "added", ["storage"], None, new))
+            changes.append(SlotChange(path, Change.ADDED, ["storage"], None, new))
     return changes
 
 
 def classify(old: SlotState, new: SlotState | None) -> SlotChange | None:
     if old.storage_key is not None and not old.alive():
-        return SlotChange(old.path, "freed", ["storage"], old, new)
+        return SlotChange(old.path, Change.FREED, ["storage"], old, new)
     if new is None:
-        return SlotChange(old.path, "dropped", ["storage"], old, None)
+        return SlotChange(old.path, Change.DROPPED, ["storage"], old, None)
     if new.storage_key != old.storage_key:
-        return SlotChange(old.path, "rebound", ["storage"], old, new)
+        return SlotChange(old.path, Change.REBOUND, ["storage"], old, new)
     if new.storage_ptr != old.storage_ptr:
-        return SlotChange(old.path, "moved", ["storage_ptr"] + view_changes(old, new), old, new)
+        return SlotChange(old.path, Change.MOVED, ["storage_ptr"] + view_changes(old, new), old, new)
     changed = view_changes(old, new)
-    return SlotChange(old.path, "reshaped", changed, old, new) if changed else None
+    return SlotChange(old.path, Change.RESHAPED, changed, old, new) if changed else None
 
 
 def view_changes(old: SlotState, new: SlotState) -> list[str]:
@@ -166,21 +177,21 @@ def describe(s: SlotState) -> str:
 
 def change_message(c: SlotChange) -> str:
     old, new = c.before, c.after
-    if c.status == "added":
+    if c.status == Change.ADDED:
         return f"{c.path}  added: {describe(new)} (no tensor here before the reload)"
     head = f"{c.path}  {c.status}: was {describe(old)}"
-    if c.status == "freed":
+    if c.status == Change.FREED:
         now = f", now {describe(new)} in a new storage" if new is not None else \
             ", and the path holds no tensor now"
         return f"{head}{now}; the old storage has been freed (a graph captured before reads freed memory)"
     where = f" (still reachable at {', '.join(c.also_at[:3])})" if c.also_at else \
         " (held outside what the census walks)"
-    if c.status == "rebound":
+    if c.status == Change.REBOUND:
         return (f"{head}, now {describe(new)} in a new storage; the old storage is still alive"
                 f"{where}, so a graph captured before silently keeps using the old values")
-    if c.status == "dropped":
+    if c.status == Change.DROPPED:
         return f"{head}; the path holds no tensor now and the old storage is still alive{where}"
-    if c.status == "moved":
+    if c.status == Change.MOVED:
         return (f"{head}, now {describe(new)}: the same storage now lives at {new.storage_ptr:#x} "
                 f"(resized or re-pointed)")
     fields = ", ".join(f"{f} {old.view()[f]} -> {new.view()[f]}" for f in c.changed)
@@ -188,7 +199,7 @@ def change_message(c: SlotChange) -> str:
 
 
 def summary(changes: list[SlotChange], census: ReloadCensus) -> str:
-    counts = {s: sum(1 for c in changes if c.status == s) for s in STATUSES}
+    counts = {s: sum(1 for c in changes if c.status == s) for s in Change}
     parts = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     return (f"{len(changes)} of {len(census.slots)} tensor slots under {census.root} changed "
             f"across the reload ({parts})")

@@ -17,7 +17,7 @@ def register() -> None:
         return
     try:
         from repro import watch_hooks
-        watch_hooks.activate_from_env("vllm-plugin")
+        watch_hooks.activate_from_env(watch_hooks.Origin.VLLM_PLUGIN)
     except Exception as e:  # a diagnostic must never stop the engine
         sys.stderr.write(f"repro watch: vLLM plugin could not start the hooks in pid {os.getpid()}: "
                          f"{type(e).__name__}: {e}\n")

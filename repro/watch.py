@@ -8,7 +8,7 @@ environment). What the command sees added to its environment, and nothing else:
                            sitecustomize it shadows, then removes itself from sys.path)
   REPRO_WATCH=1            the switch (also the vLLM plugin's)
   REPRO_WATCH_DIR          the run directory: one <host>-<pid>.jsonl per process
-  REPRO_WATCH_ON_FINDING   warn | raise
+  REPRO_WATCH_ON_FINDING   warn | raise (watch_hooks.OnFinding)
   REPRO_WATCH_SITE         the directory prepended to PYTHONPATH
   RAY_RUNTIME_ENV_HOOK     repro.watch_ray.runtime_env_hook: a `ray.init()` in any of them gets the
                            hooks into every Ray worker on every node (repro/watch_ray.py); a hook
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from repro.output import Exit
-from repro.watch_hooks import ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_RECORD, ENV_SITE, ON_FINDING, RECORD
+from repro.watch_hooks import ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_RECORD, ENV_SITE, OnFinding, Record
 from repro.watch_ray import node_dirs, node_notes, ray_env
 from repro.watch_report import WatchReport, load_report, record_files
 
@@ -51,7 +51,8 @@ def site_dir() -> str:
 
 
 def watch_env(environ: dict[str, str], run_dir: Path, on_finding: str, record: str | None = None) -> dict[str, str]:
-    """record: RECORD's choice for every process (None: the environment's, else graph)."""
+    """on_finding, record: an OnFinding and a Record for every process (record None: the
+    environment's, else graph)."""
     env = dict(environ)
     site = site_dir()
     old = env.get("PYTHONPATH", "")
@@ -76,14 +77,13 @@ def default_run_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix=time.strftime("watch-%Y%m%d-%H%M%S-", time.localtime()), dir=root))
 
 
-def check_args(command: list[str], on_finding: str, run_dir: Path | None, record: str = "graph") -> None:
+def check_args(command: list[str], on_finding: str, run_dir: Path | None, record: str = Record.GRAPH) -> None:
     """run_dir: the --run-dir the user gave, or None (a new folder of its own)."""
     if not command:
         raise WatchUsageError("no command given: repro watch [OPTIONS] -- CMD [ARGS...]")
-    if on_finding not in ON_FINDING:
-        raise WatchUsageError(f"--on-finding {on_finding!r} is not one of {', '.join(ON_FINDING)}")
-    if record not in RECORD:
-        raise WatchUsageError(f"--record {record!r} is not one of {', '.join(RECORD)}")
+    for flag, value, kind in (("--on-finding", on_finding, OnFinding), ("--record", record, Record)):
+        if value not in tuple(kind):
+            raise WatchUsageError(f"{flag} {value!r} is not one of {', '.join(kind)}")
     if run_dir is None:
         return
     if run_dir.exists() and not run_dir.is_dir():
@@ -144,7 +144,7 @@ def finish(rep: WatchReport, command: list[str], result: CommandResult, on_findi
     rep.command = command
     rep.command_exit = result.returncode
     rep.interrupted = result.interrupted
-    rep.on_finding = on_finding
+    rep.on_finding = OnFinding(on_finding)
     if not rep.processes:
         rep.notes.append("No Python process started the hooks (CMD started no Python, or its "
                          "environment was replaced before Python started).")
@@ -176,7 +176,7 @@ def sight_notes(rep: WatchReport, gpu_count: int | None = None) -> list[str]:
     return notes
 
 
-def watch(command: list[str], run_dir: Path | None, on_finding: str, record: str = "graph") -> WatchReport:
+def watch(command: list[str], run_dir: Path | None, on_finding: str, record: str = Record.GRAPH) -> WatchReport:
     """run_dir None: a new folder of its own under the cache (default_run_dir)."""
     check_args(command, on_finding, run_dir, record)
     if run_dir is None:

@@ -38,23 +38,53 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from enum import StrEnum
+from types import FrameType, ModuleType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:       # annotations only: nothing here imports torch until the program does
+    import torch
+
+    from repro.census import CensusBook, GraphCensus, PoolMap
+    from repro.guard import CaptureGuard, DropCount
+    from repro.outcome import Finding
 
 ENV_ON = "REPRO_WATCH"                  # "1": hooks on (the vLLM plugin's switch too)
 ENV_DIR = "REPRO_WATCH_DIR"             # run directory for the per-process records
-ENV_ON_FINDING = "REPRO_WATCH_ON_FINDING"   # warn | raise
+ENV_ON_FINDING = "REPRO_WATCH_ON_FINDING"   # an OnFinding
 ENV_SITE = "REPRO_WATCH_SITE"           # the sitecustomize directory `repro watch` prepended
-ENV_RECORD = "REPRO_WATCH_RECORD"       # graph | ops (see RECORD)
+ENV_RECORD = "REPRO_WATCH_RECORD"       # a Record
 ENV_VARS = (ENV_ON, ENV_DIR, ENV_ON_FINDING, ENV_SITE, ENV_RECORD)
 ENV_OWNER = "REPRO_WATCH_OWNER"         # set by the pytest plugin: the record file (stem) of the
                                         # test process whose test started this process
 DEFAULT_DIR = "repro-watch"
-ON_FINDING = ("warn", "raise")
-# graph: where the census runs, what a capture holds is read from the graph after it (cost per
-#   node); elsewhere every op is recorded at the dispatcher. ops: every op is recorded at the
-#   dispatcher as well (cost per op: tensors behind pointer tables in device memory, which no
-#   node holds, get names and drop sites too).
-RECORD = ("graph", "ops")
+
+
+class OnFinding(StrEnum):
+    """What a finding does to the replay that would read the dead memory."""
+    WARN = "warn"                 # recorded; the replay runs
+    RAISE = "raise"               # recorded; the replay raises StaleCaptureError before the launch
+
+
+class Record(StrEnum):
+    """How the hooks learn what a capture holds."""
+    # Where the census runs, read from the graph after it (cost per node); elsewhere every op
+    # is recorded at the dispatcher.
+    GRAPH = "graph"
+    # Every op is recorded at the dispatcher as well (cost per op: tensors behind pointer
+    # tables in device memory, which no node holds, get names and drop sites too).
+    OPS = "ops"
+
+
+class Origin(StrEnum):
+    """What started the hooks in a process."""
+    SITECUSTOMIZE = "sitecustomize"   # `repro watch` (every Python process of the command)
+    VLLM_PLUGIN = "vllm-plugin"       # vLLM's plugin entry point, with REPRO_WATCH set
+    PYTEST = "pytest"                 # the pytest plugin (repro.pytest_watch)
+    RAY = "ray"                       # a Ray worker (repro.watch_ray)
+    API = "api"                       # the program itself (activate)
+
+
 TARGET = "torch.cuda.graphs"
 RECORD_SCHEMA = "repro.watch.record/1"
 HOOKED = ("capture_begin", "capture_end", "replay", "reset")
@@ -68,31 +98,38 @@ _RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK
              "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
 
 _ACTIVE: Watcher | None = None
+E = TypeVar("E", bound=StrEnum)
 
 
 @dataclass(frozen=True)
 class WatchSettings:
     run_dir: str
-    on_finding: str               # "warn" | "raise"
-    origin: str                   # "sitecustomize" | "vllm-plugin" | "api"
-    record: str = "graph"         # RECORD
+    on_finding: OnFinding
+    origin: Origin
+    record: Record = Record.GRAPH
 
 
-def settings_from_env(environ: dict[str, str], origin: str) -> WatchSettings | None:
+def settings_from_env(environ: dict[str, str], origin: Origin) -> WatchSettings | None:
     """None unless REPRO_WATCH is set to something other than 0/empty."""
     if environ.get(ENV_ON, "").strip() in ("", "0"):
         return None
-    on_finding = environ.get(ENV_ON_FINDING, "warn").strip() or "warn"
-    if on_finding not in ON_FINDING:
-        sys.stderr.write(f"repro watch: {ENV_ON_FINDING}={on_finding!r} is not one of "
-                         f"{', '.join(ON_FINDING)}; using warn\n")
-        on_finding = "warn"
-    record = environ.get(ENV_RECORD, "graph").strip() or "graph"
-    if record not in RECORD:
-        sys.stderr.write(f"repro watch: {ENV_RECORD}={record!r} is not one of {', '.join(RECORD)}; using graph\n")
-        record = "graph"
     return WatchSettings(run_dir=os.path.abspath(environ.get(ENV_DIR) or DEFAULT_DIR),
-                         on_finding=on_finding, origin=origin, record=record)
+                         on_finding=choice_from_env(environ, ENV_ON_FINDING, OnFinding.WARN), origin=origin,
+                         record=choice_from_env(environ, ENV_RECORD, Record.GRAPH))
+
+
+def choice_from_env(environ: dict[str, str], key: str, default: E) -> E:
+    """The member of default's enum that environ[key] names; default (said on stderr) for
+    any other value, default (silently) when unset or empty."""
+    text = environ.get(key, "").strip()
+    if not text:
+        return default
+    kind = type(default)
+    try:
+        return kind(text)
+    except ValueError:
+        sys.stderr.write(f"repro watch: {key}={text!r} is not one of {', '.join(kind)}; using {default}\n")
+        return default
 
 
 def active() -> Watcher | None:
@@ -111,7 +148,7 @@ def activate(settings: WatchSettings) -> Watcher:
     return watcher
 
 
-def activate_from_env(origin: str) -> Watcher | None:
+def activate_from_env(origin: Origin) -> Watcher | None:
     settings = settings_from_env(os.environ, origin)
     return activate(settings) if settings is not None else None
 
@@ -196,7 +233,7 @@ class GraphsImportHook(importlib.abc.MetaPathFinder):
 
 # -- the census, behind its small API -----------------------------------------------------------
 
-def load_census() -> Any | None:
+def load_census() -> ModuleType | None:
     """repro.census where it exists (the graph census reads what kernels really touch)."""
     try:
         from repro import census
@@ -214,7 +251,7 @@ class GraphState:
     managed: bool = False         # captured by torch.compile's cudagraph trees: counted only
     recording: Any = None         # the guard's recording context while capturing
     since: dict | None = None     # census clock marker at capture_begin: slots come from the census
-    census: Any = None            # GraphCensus taken at capture end
+    census: GraphCensus | None = None   # taken at capture end
     deep_reason: str | None = "first replay after capture"
     replays: int = 0
     live: tuple[int, ...] | None = None   # storage handles the liveness fast path tests
@@ -242,17 +279,17 @@ class GraphStates:
     def __init__(self):
         self.by_id: dict[int, tuple[Any, GraphState]] = {}
 
-    def get(self, graph) -> GraphState | None:
+    def get(self, graph: torch.cuda.CUDAGraph) -> GraphState | None:
         entry = self.by_id.get(id(graph))
         return entry[1] if entry is not None and entry[0]() is graph else None
 
-    def __getitem__(self, graph) -> GraphState:
+    def __getitem__(self, graph: torch.cuda.CUDAGraph) -> GraphState:
         state = self.get(graph)
         if state is None:
             raise KeyError(graph)
         return state
 
-    def __setitem__(self, graph, state: GraphState) -> None:
+    def __setitem__(self, graph: torch.cuda.CUDAGraph, state: GraphState) -> None:
         key = id(graph)
         try:
             ref = weakref.ref(graph, lambda _, key=key, by_id=self.by_id: by_id.pop(key, None))
@@ -292,13 +329,13 @@ class Watcher:
     def __init__(self, settings: WatchSettings):
         self.settings = settings
         self.recorder: Recorder | None = None
-        self.guard = None
+        self.guard: CaptureGuard | None = None
         self.graphs = GraphStates()
         self.patched: list[type] = []
         self.counters = Counters()
         self.seconds = HookSeconds()
-        self.census_mod: Any = None
-        self.book: Any = None         # repro.census.CensusBook where the census runs
+        self.census_mod: ModuleType | None = None   # repro.census, once asked for (load_census)
+        self.book: CensusBook | None = None   # where the census runs
         self.census_state = "not checked yet (no capture)"
         self.rank: int | None = None
         self.origins = [settings.origin]
@@ -306,8 +343,8 @@ class Watcher:
         # graphs whose cudaGraph_t outlives capture_end (for the census): True where we forced it
         self.kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.expired = None           # torch.UntypedStorage._expired once torch is in use
-        self.drops: Any = None        # the guard's DropCount, once the guard exists
-        self.pools: Any = None        # repro.census.PoolMap: which graph pool an address is in
+        self.drops: DropCount | None = None   # the guard's, once the guard exists
+        self.pools: PoolMap | None = None     # which graph pool an address is in
         # Graphs captured since the census last checked: checked together, against one
         # allocator snapshot, at the first replay after them (not one snapshot per graph).
         self.census_due: list[str] = []
@@ -330,7 +367,7 @@ class Watcher:
         atexit.register(self.on_exit)
         os.register_at_fork(after_in_child=self.on_fork_child)
 
-    def note_origin(self, origin: str) -> None:
+    def note_origin(self, origin: Origin) -> None:
         if origin not in self.origins:
             self.origins.append(origin)
             self.write({"kind": "origin", "origin": origin})
@@ -456,13 +493,13 @@ class Watcher:
         except Exception as e:
             self.internal("loading the guard", e)
 
-    def state_of(self, graph) -> GraphState | None:
+    def state_of(self, graph: torch.cuda.CUDAGraph) -> GraphState | None:
         return self.graphs.get(graph)
 
-    def set_state(self, graph, state: GraphState) -> None:
+    def set_state(self, graph: torch.cuda.CUDAGraph, state: GraphState) -> None:
         self.graphs[graph] = state
 
-    def on_capture_begin(self, graph, frame, pool=None) -> None:
+    def on_capture_begin(self, graph: torch.cuda.CUDAGraph, frame: FrameType | None, pool: Any = None) -> None:
         """pool: what the program passed to capture_begin (a shared pool's id); None means a
         fresh private pool, which holds nothing made before this capture."""
         t0 = time.perf_counter()
@@ -488,7 +525,7 @@ class Watcher:
             self.internal("capture_begin", e)
         self.seconds.capture_begin += time.perf_counter() - t0
 
-    def on_capture_stop(self, graph) -> None:
+    def on_capture_stop(self, graph: torch.cuda.CUDAGraph) -> None:
         state = self.state_of(graph)
         if state is None or state.recording is None:
             return
@@ -500,9 +537,9 @@ class Watcher:
 
     def by_census(self, state: GraphState) -> bool:
         """Whether this capture's slots come from its census (no per-op recording)."""
-        return state.kept is not None and self.book is not None and self.settings.record == "graph"
+        return state.kept is not None and self.book is not None and self.settings.record == Record.GRAPH
 
-    def on_capture_end(self, graph, frame=None) -> None:
+    def on_capture_end(self, graph: torch.cuda.CUDAGraph, frame: FrameType | None = None) -> None:
         """frame: the frame that ended the capture (its locals name what the graph holds)."""
         state = self.state_of(graph)
         if state is None:
@@ -537,7 +574,7 @@ class Watcher:
 
     # -- replay --------------------------------------------------------------------------------
 
-    def before_replay(self, graph) -> None:
+    def before_replay(self, graph: torch.cuda.CUDAGraph) -> None:
         state = self.state_of(graph)
         if state is None or state.managed or not state.captured:
             return
@@ -562,7 +599,7 @@ class Watcher:
             self.seconds.checks += time.perf_counter() - t0
         if findings:
             self.report(findings)
-            if self.settings.on_finding == "raise":
+            if self.settings.on_finding == OnFinding.RAISE:
                 from repro.guard import StaleCaptureError
                 raise StaleCaptureError(findings[0].message, findings)
 
@@ -588,7 +625,7 @@ class Watcher:
         what it names."""
         censuses = [self.book.censuses[label] for label in labels
                     if label in self.book.censuses and self.book.censuses[label].references]
-        if not censuses or self.settings.record != "graph":
+        if not censuses or self.settings.record != Record.GRAPH:
             return
         self.guard.refresh_index()
         for census in censuses:
@@ -627,7 +664,7 @@ class Watcher:
         except Exception as e:
             self.internal("assigning graph pools", e)
 
-    def on_replay_error(self, graph, error: RuntimeError) -> None:
+    def on_replay_error(self, graph: torch.cuda.CUDAGraph, error: RuntimeError) -> None:
         """torch's own check_input_liveness (where the program turned it on) raises here."""
         text = str(error)
         if not text.startswith("CUDA graph replay detected"):
@@ -638,7 +675,7 @@ class Watcher:
         except Exception as e:
             self.internal("recording torch's liveness error", e)
 
-    def on_reset(self, graph) -> None:
+    def on_reset(self, graph: torch.cuda.CUDAGraph) -> None:
         try:
             self.counters.resets += 1
             state = self.state_of(graph)
@@ -679,9 +716,10 @@ class Watcher:
         """Handles of the graph's storages not yet reported freed; None: use the guard's path."""
         if self.expired is None:
             return None
+        from repro.outcome import Status      # loaded with the guard already
         handles = []
         for slot in self.guard.slots_of(label):
-            if "freed" not in slot.reported and slot.checked_in(label):
+            if Status.FREED not in slot.reported and slot.checked_in(label):
                 if slot.ref is None:
                     return None
                 handles.append(slot.ref.cdata)
@@ -713,7 +751,7 @@ class Watcher:
                 # Only the dispatch-mode recording needs the warm-up (its first dispatch imports
                 # torch._dynamo: seconds on an image without bytecode); where the census makes
                 # the slots, no capture records at the dispatcher.
-                if self.settings.record == "ops" or census is None or not census.census_supported()[0]:
+                if self.settings.record == Record.OPS or census is None or not census.census_supported()[0]:
                     repro.guard.warm_up()
             except Exception as e:
                 failed.append(f"{type(e).__name__}: {e}")
@@ -729,22 +767,23 @@ class Watcher:
             self.write({"kind": "internal", "where": "importing the hooks' modules",
                         "error": failed[0]})
 
-    def ensure_guard(self):
+    def ensure_guard(self) -> CaptureGuard:
         if self.guard is None:
             self.load_modules()
             import torch
             from repro.guard import CaptureGuard
+            from repro.outcome import GuardMode
             # StorageWeakRef.expired() goes through two Python calls; the C function is ~20x faster.
             self.expired = getattr(torch.UntypedStorage, "_expired", None)
             # raise mode: we raise ourselves, after writing the record. This file's frames
             # (the CUDAGraph wrappers) are plumbing, never the user's site.
-            self.guard = CaptureGuard(mode="warn", plumbing=[__file__])
+            self.guard = CaptureGuard(mode=GuardMode.WARN, plumbing=[__file__])
             self.drops = self.guard.drops
             if self.census_ready():
                 # Starts the allocator's alloc/free trace (no stacks), so reuse at the same
                 # address is seen; before the first capture, never inside one.
                 try:
-                    self.book = self.census_mod.CensusBook(rank=0, trace="start")
+                    self.book = self.census_mod.CensusBook(rank=0, trace=self.census_mod.Tracing.START)
                 except Exception as e:
                     self.census_state = f"unavailable: {type(e).__name__}: {e}"
             self.write({"kind": "census", "state": self.census_state})
@@ -812,7 +851,7 @@ class Watcher:
                 pass
         return self.rank
 
-    def report(self, findings: list) -> None:
+    def report(self, findings: list[Finding]) -> None:
         """Each finding to the record file; to stderr the first of each group only (one dead
         tensor in 2,000 graphs is one line; the exit line counts the repeats)."""
         from repro.report.groups import group_key
@@ -889,7 +928,7 @@ def takes_only_self(fn) -> bool:
         and not code.co_flags & varargs
 
 
-def graph_pool(graph) -> tuple[int, int] | None:
+def graph_pool(graph: torch.cuda.CUDAGraph) -> tuple[int, int] | None:
     """The id of the pool a captured graph allocates from (torch answers once the capture ended)."""
     try:
         return pool_id(graph.pool())
@@ -923,20 +962,20 @@ def owner_name(var: str, value: Any, torch) -> str | None:
     return var if any(isinstance(a, (torch.Tensor, torch.nn.Module)) for a in attrs) else None
 
 
-def finding_dict(finding: Any) -> dict[str, Any]:
+def finding_dict(finding: Finding) -> dict[str, Any]:
     from repro.outcome import to_jsonable
     return to_jsonable(finding)
 
 
-def torch_finding(graph: str, text: str, rank: int | None):
-    from repro.outcome import Finding
+def torch_finding(graph: str, text: str, rank: int | None) -> Finding:
+    from repro.outcome import Finding, Mechanism, Status
     ptr = 0
     for word in text.replace("(", " ").replace(")", " ").replace(":", " ").split():
         if word.startswith("data_ptr=0x"):
             ptr = int(word.removeprefix("data_ptr="), 16)
             break
     finding = Finding(slot="<tensor named by torch check_input_liveness>", graph=graph,
-                      status="freed", when="replay (torch's own check)", rank=rank or 0,
+                      status=Status.FREED, when="replay (torch's own check)", rank=rank or 0,
                       shape=[], dtype="", nbytes=0, old_ptr=ptr, message=text.splitlines()[0],
-                      mechanism="torch")
+                      mechanism=Mechanism.TORCH)
     return finding

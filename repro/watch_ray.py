@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from repro.watch_hooks import (ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_SITE, ON_FINDING, WatchSettings, activate,
-                               settings_from_env)
+from repro.watch_hooks import (ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_SITE, OnFinding, Origin, WatchSettings, activate,
+                               choice_from_env, settings_from_env)
 
 ENV_HOOK = "RAY_RUNTIME_ENV_HOOK"
 HOOK = "repro.watch_ray.runtime_env_hook"
@@ -125,9 +125,8 @@ def setup_worker() -> None:
     old = os.environ.get("PYTHONPATH", "")
     os.environ.update({ENV_ON: "1", ENV_DIR: run_dir, ENV_SITE: site,
                        "PYTHONPATH": site + (os.pathsep + old if old else "")})
-    on_finding = os.environ.get(ENV_ON_FINDING, "warn")
-    activate(WatchSettings(run_dir=run_dir, on_finding=on_finding if on_finding in ON_FINDING else "warn",
-                           origin="ray"))
+    activate(WatchSettings(run_dir=run_dir, on_finding=choice_from_env(os.environ, ENV_ON_FINDING, OnFinding.WARN),
+                           origin=Origin.RAY))
 
 
 def read_new(folder: Path, offsets: dict[str, int]) -> dict[str, tuple[int, bytes]]:

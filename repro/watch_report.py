@@ -19,13 +19,14 @@ from typing import Any
 from rich.console import Console
 
 from repro.files import write_text_atomic
-from repro.outcome import Finding, finding_from_dict, to_jsonable
+from repro.outcome import Finding, Mechanism, Status, as_member, finding_from_dict, to_jsonable
 from repro.report.console import render_watch
 from repro.report.fmt import fmt_bytes, fmt_ptr, fmt_ranges, plain
 from repro.report.groups import FindingGroup, group_findings
 from repro.report.jsonfile import json_text, write_document
 from repro.report.junit import junit_document, watch_suite
 from repro.report.view import BAD, OK, WARN, Cell, Column, Fact, TableView, table_rows
+from repro.watch_hooks import OnFinding, Origin
 
 SCHEMA = "repro.watch/1"
 MAX_GROUPS_SHOWN = 10         # groups shown in full; the rest are counted (all are in --json)
@@ -43,8 +44,8 @@ class WatchedProcess:
     argv: list[str] = field(default_factory=list)
     rank: int | None = None        # torch.distributed rank once initialised, else from RANK
     env: dict[str, str] = field(default_factory=dict)   # RANK, LOCAL_RANK, WORLD_SIZE, ...
-    origins: list[str] = field(default_factory=list)    # sitecustomize | vllm-plugin | api
-    on_finding: str = "warn"
+    origins: list[Origin] = field(default_factory=list)
+    on_finding: OnFinding = OnFinding.WARN
     torch_hooked: bool = False     # torch.cuda.graphs was imported and CUDAGraph wrapped
     torch: str | None = None
     census: str = "not checked (no capture)"
@@ -65,7 +66,7 @@ class WatchFinding:
     pid: int
     host: str
     rank: int | None
-    mechanism: str                 # guard | census | both | torch
+    mechanism: Mechanism
     finding: Finding
 
 
@@ -78,7 +79,7 @@ class WatchReport:
     command_exit: int | None = None   # CMD's own exit status (None: merged report, or not run)
     exit: int | None = None           # what `repro watch` exits with
     interrupted: bool = False
-    on_finding: str = "warn"
+    on_finding: OnFinding = OnFinding.WARN
     created: str = ""
     notes: list[str] = field(default_factory=list)
     schema: str = SCHEMA
@@ -108,7 +109,8 @@ def process_from_records(path: Path, records: list[dict[str, Any]]) -> WatchedPr
     proc = WatchedProcess(pid=head["pid"], host=head.get("host", ""), ppid=head.get("ppid"),
                           started=head.get("started", 0.0),
                           argv=head.get("argv", []), env=head.get("env", {}),
-                          origins=[head.get("origin", "")], on_finding=head.get("on_finding", "warn"),
+                          origins=[as_member(Origin, head.get("origin", ""))],
+                          on_finding=as_member(OnFinding, head.get("on_finding", OnFinding.WARN)),
                           forked=bool(head.get("forked")), record_file=str(path))
     rank_env = proc.env.get("RANK")
     proc.rank = int(rank_env) if rank_env is not None and rank_env.isdigit() else None
@@ -123,7 +125,7 @@ def apply_record(proc: WatchedProcess, r: dict[str, Any]) -> None:
         proc.torch_hooked = True
         proc.torch = r.get("torch") or proc.torch
     elif kind == "origin":
-        proc.origins.append(r.get("origin", ""))
+        proc.origins.append(as_member(Origin, r.get("origin", "")))
     elif kind == "census":
         proc.census = r.get("state", proc.census)
     elif kind == "rank" and r.get("rank") is not None:
@@ -153,7 +155,7 @@ def findings_from_records(proc: WatchedProcess, records: list[dict[str, Any]]) -
         finding = finding_from_dict(r.get("finding", {}))
         rank = r.get("rank", proc.rank)
         out.append(WatchFinding(pid=proc.pid, host=proc.host, rank=rank,
-                                mechanism=r.get("mechanism", "guard"), finding=finding))
+                                mechanism=as_member(Mechanism, r.get("mechanism", Mechanism.GUARD)), finding=finding))
     return out
 
 
@@ -267,7 +269,7 @@ class ProblemView:
 
 def problem_view(g: FindingGroup) -> ProblemView:
     return ProblemView(status=plain(g.status), pattern=plain(g.pattern), headline=plain(group_headline(g)),
-                       tone=BAD if g.status == "freed" else WARN,
+                       tone=BAD if g.status == Status.FREED else WARN,
                        facts=[Fact(label, plain(str(value))) for label, value in group_facts(g)])
 
 

@@ -17,13 +17,22 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from repro.config import TrialConfig
 from repro.noise import silence_known_warnings
-from repro.outcome import Finding, StepRecord
+from repro.outcome import Finding, GuardMode, StepRecord
 from repro.protocol import (STACKS_SIGNAL, Event, RecordSink, TrialSpec, records_path, rendezvous_path,
                             stacks_path)
+
+if TYPE_CHECKING:       # annotations only: torch is imported in run_rank, where its import is timed
+    import torch
+
+    from repro.census import CensusBook
+    from repro.dist import TP
+    from repro.forensics import MemoryHistory
+    from repro.graphs import AfterFree, HarnessMemory
+    from repro.guard import CaptureGuard
 
 
 def inject_fault(kind: str) -> None:
@@ -53,13 +62,13 @@ class WorkerContext:
     spec: TrialSpec
     cfg: TrialConfig
     rank: int
-    device: Any                        # torch.device
-    tp: Any                            # repro.dist.TP
+    device: torch.device
+    tp: TP
     sink: RecordSink
-    guard: Any                         # repro.guard.CaptureGuard
-    history: Any                       # repro.forensics.MemoryHistory
-    memory: Any                        # repro.graphs.HarnessMemory
-    census: Any = None                 # repro.census.CensusBook | None (CPU, or unsupported)
+    guard: CaptureGuard
+    history: MemoryHistory
+    memory: HarnessMemory
+    census: CensusBook | None = None   # None: CPU, or no census here
     timings: dict[str, float] = field(default_factory=dict)
     replayed: set[str] = field(default_factory=set)    # graphs whose first replay is recorded
 
@@ -112,14 +121,14 @@ class WorkerContext:
     def emit_findings(self, guard_findings: list[Finding], census_findings: list[Finding]) -> list[Finding]:
         from repro.census import merge_findings
         findings = merge_findings(guard_findings, census_findings, self.guard.slots if census_findings else [],
-                                  self.guard.mode != "off", self.census)
+                                  self.guard.mode != GuardMode.OFF, self.census)
         if findings:
             self.history.annotate(findings)
             for f in findings:
                 self.sink.emit(Event.FINDING, **dataclasses.asdict(f))
         return findings
 
-    def after_free(self, when: str) -> Any:
+    def after_free(self, when: str) -> AfterFree:
         """Deep check at `when`, then the after-free knob on the freed captured blocks the
         census found (never the guard's: the knob must act the same with the guard off)."""
         from repro.graphs import apply_after_free
@@ -159,7 +168,7 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def pick_device(spec: TrialSpec, rank: int):
+def pick_device(spec: TrialSpec, rank: int) -> torch.device:
     """One GPU per rank; every rank on GPU 0 when the ranks share it (run.share_gpu)."""
     import torch
     if spec.device == "cuda":
@@ -203,7 +212,7 @@ def build_context(spec: TrialSpec, rank: int, sink: RecordSink) -> WorkerContext
     return ctx
 
 
-def open_census(device: Any, rank: int, history: Any, sink: RecordSink) -> Any:
+def open_census(device: torch.device, rank: int, history: MemoryHistory, sink: RecordSink) -> CensusBook | None:
     """The graph census on CUDA where the driver and torch allow it; its reason when not.
 
     With --forensics the memory history (with stacks) already records the allocator trace the
@@ -216,7 +225,7 @@ def open_census(device: Any, rank: int, history: Any, sink: RecordSink) -> Any:
     if not ok:
         sink.emit(Event.NOTE, text=f"graph census unavailable: {reason}")
         return None
-    return census.CensusBook(rank=rank, trace="external" if history.active else "start")
+    return census.CensusBook(rank=rank, trace=census.Tracing.EXTERNAL if history.active else census.Tracing.START)
 
 
 def dump_forensics(ctx: WorkerContext) -> None:

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from repro import census as C
-from repro.outcome import Finding, finding_from_dict
+from repro.outcome import Finding, Status, finding_from_dict
 
 MiB = 1 << 20
 
@@ -142,11 +142,11 @@ def test_events_since_finds_the_marker_or_says_the_ring_wrapped():
 def test_traced_fate_needs_a_free_before_an_alloc_counts_as_reuse():
     block = C.Block(LOCAL, MiB, "active_allocated", (0, 0), SEG)
     assert C.traced_fate(block, [ev("alloc", LOCAL, MiB, 3)]) is None          # ours, not reuse
-    assert C.traced_fate(block, [ev("free_requested", LOCAL, MiB, 3)]) == C.FREED
+    assert C.traced_fate(block, [ev("free_requested", LOCAL, MiB, 3)]) == Status.FREED
     assert C.traced_fate(block, [ev("free_completed", LOCAL, MiB, 3),
-                                 ev("alloc", LOCAL + 512, 512, 4)]) == C.REUSED  # part of it taken
+                                 ev("alloc", LOCAL + 512, 512, 4)]) == Status.REUSED  # part of it taken
     assert C.traced_fate(block, [ev("free_completed", LOCAL, MiB, 3),
-                                 ev("segment_free", SEG, 4 * MiB, 4)]) == C.RELEASED
+                                 ev("segment_free", SEG, 4 * MiB, 4)]) == Status.RELEASED
     assert C.traced_fate(block, [ev("free_completed", SEG, 2 * MiB, 3),
                                  ev("alloc", SEG, 2 * MiB, 4)]) is None         # the neighbour's life
 
@@ -159,15 +159,15 @@ def test_fate_reads_state_first_and_the_trace_for_reuse_at_the_same_address():
     reuse = [ev("free_completed", LOCAL, MiB, 3), ev("alloc", LOCAL, MiB, 4)]
     assert C.fate_of(block, now, []) is None
     fate = C.fate_of(block, now, reuse)
-    assert (fate.status, fate.how) == (C.REUSED, "allocator trace")
+    assert (fate.status, fate.how) == (Status.REUSED, "allocator trace")
     assert C.fate_of(block, now, None) is None                      # trace lost, layout unchanged
     freed = C.BlockIndex.of(snapshot([segment(SEG, [(2 * MiB, "active_allocated"), (2 * MiB, "inactive")])]))
-    assert C.fate_of(block, freed, []).status == C.FREED            # merged with its free neighbour
+    assert C.fate_of(block, freed, []).status == Status.FREED            # merged with its free neighbour
     released = C.BlockIndex.of(snapshot([segment(SEG + 64 * MiB, [(MiB, "active_allocated")])]))
     fate = C.fate_of(block, released, [])
-    assert (fate.status, fate.current) == (C.RELEASED, None)
+    assert (fate.status, fate.current) == (Status.RELEASED, None)
     moved = C.BlockIndex.of(snapshot([segment(SEG, [(2 * MiB + 512, "active_allocated"), (2 * MiB - 512, "active_allocated")])]))
-    assert C.fate_of(block, moved, None).status == C.REUSED         # layout changed: proof without trace
+    assert C.fate_of(block, moved, None).status == Status.REUSED         # layout changed: proof without trace
 
 
 # ------------------------------------------------------------------ check_census
@@ -220,7 +220,7 @@ def test_own_pool_blocks_are_never_findings():
 # ------------------------------------------------------------------ CensusBook and merge
 
 def book_with(*labels):
-    book = C.CensusBook(rank=0, trace="none")
+    book = C.CensusBook(rank=0, trace=C.Tracing.NONE)
     for label in labels:
         book.censuses[label] = census_of_local(label)
     return book
@@ -525,7 +525,7 @@ def test_events_after_places_the_census_by_the_clock():
 
 
 def test_own_pool_segment_returned_to_the_driver_is_a_finding(monkeypatch):
-    book = C.CensusBook(rank=0, trace="none")
+    book = C.CensusBook(rank=0, trace=C.Tracing.NONE)
     book.censuses["g"] = deferred_census(AT_CAPTURE, [POOL_SEG + 16])
     gone = snapshot([segment(SEG, [(4 * MiB, "inactive")])])
     monkeypatch.setattr(C, "take_snapshot", lambda: (gone, 0))
@@ -629,7 +629,7 @@ def test_plausible_words_keep_only_what_may_be_an_address_and_count_every_word()
 # ------------------------------------------------------------------ words the guard takes
 
 def test_words_handed_to_the_guard_leave_the_census_and_are_counted_held():
-    book = C.CensusBook(trace="none")
+    book = C.CensusBook(trace=C.Tracing.NONE)
     census = deferred_census(AT_CAPTURE, [LOCAL + 64, LOCAL + 72, POOL_SEG + 16])
     book.censuses["g"] = census
     taken, left = census.pending

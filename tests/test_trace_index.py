@@ -80,7 +80,7 @@ def test_one_check_of_many_graphs_finds_what_checking_each_alone_finds():
                 out.append(c)
             return out
         together = censuses()
-        book = C.CensusBook(rank=0, trace="none")
+        book = C.CensusBook(rank=0, trace=C.Tracing.NONE)
         book.capacity = 10_000
         book.censuses = {c.label: c for c in together}
         book.findings_from(together, snap, 0, "x")

@@ -249,7 +249,7 @@ import torch
 from repro import watch_hooks
 w = watch_hooks.active()
 wrapped = hasattr(torch.cuda.CUDAGraph.replay, "__wrapped__")
-print(sorted(plugins), w is not None, wrapped, w.origins if w else None)
+print(sorted(plugins), w is not None, wrapped, [str(o) for o in w.origins] if w else None)
 """
 
 
@@ -587,8 +587,9 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
     def merge_findings(guard, census, slots, guard_on, book):
         return guard + census
 
+    from repro.census import Tracing
     fake = type(sys)("fake_census")
-    fake.census_supported = lambda: (True, "")
+    fake.census_supported, fake.Tracing = (lambda: (True, "")), Tracing
     fake.CensusBook, fake.merge_findings = Book, merge_findings
     marks = iter(range(100))
     fake.clock_marker = lambda: {"time_us": next(marks)}

@@ -22,7 +22,7 @@ def _start_hooks() -> None:
         sys.path.insert(0, root)   # this copy of repro, not another one the path may hold
     try:
         from repro import watch_hooks
-        watch_hooks.activate_from_env("sitecustomize")
+        watch_hooks.activate_from_env(watch_hooks.Origin.SITECUSTOMIZE)
     finally:
         if added and root in sys.path:
             sys.path.remove(root)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from repro.outcome import TrialRecord
@@ -16,6 +17,11 @@ from repro.scenarios import SCENARIOS
 
 WIDTH, HEIGHT = 640, 240
 LEFT, RIGHT, TOP, BOTTOM = 64, 16, 16, 44
+
+
+class ChartKind(StrEnum):
+    LINE = "line"                 # one polyline per series, a mark per point
+    BAR = "bar"                   # one bar per x value
 
 
 @dataclass
@@ -28,7 +34,7 @@ class Series:
 class ChartData:
     title: str
     caption: str
-    kind: str                                   # "line" | "bar"
+    kind: ChartKind
     x_label: str
     y_label: str
     series: list[Series]
@@ -133,14 +139,14 @@ def layout(chart: ChartData) -> Svg:
             svg.legend.append((s.name, css))
         for x, y in s.points:
             tip = f"{s.name + ' ' if s.name else ''}{chart.x_label} {x}: {'not finite' if y is None else fmt_float(y)}"
-            if chart.kind == "bar":
+            if chart.kind == ChartKind.BAR:
                 h = (bottom - y_at(y)) if y is not None else bottom - top
                 svg.bars.append(Mark(x_at(x) - slot * 0.3, bottom - h, slot * 0.6, h, tip,
                                      "bad" if y is None else css, "NaN" if y is None else ""))
             else:
                 svg.marks.append(Mark(x_at(x), top if y is None else y_at(y), tip=tip,
                                       css="bad" if y is None else css, label="NaN" if y is None else ""))
-        if chart.kind == "line":
+        if chart.kind == ChartKind.LINE:
             finite = [(x_at(x), y_at(y)) for x, y in s.points if y is not None]
             if len(finite) > 1:
                 svg.lines.append((" ".join(f"{px:.1f},{py:.1f}" for px, py in finite), css))

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from repro.outcome import Finding
+from repro.outcome import Finding, Mechanism, Status
 
 # Parts of a slot name that differ between members of one repeated problem.
 _HEX = re.compile(r"0x[0-9a-fA-F]+")
@@ -36,8 +36,8 @@ def slot_pattern(name: str) -> str:
 class FindingGroup:
     """Findings that are one problem: same name pattern, status, mechanism and drop site."""
     pattern: str
-    status: str
-    mechanism: str
+    status: Status
+    mechanism: Mechanism
     freed_at: str | None
     members: list[Any] = field(default_factory=list)     # Finding, or what finding_of unwraps
     findings: list[Finding] = field(default_factory=list)

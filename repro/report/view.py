@@ -19,7 +19,7 @@ from typing import Any, Callable
 from urllib.parse import quote
 
 from repro.scenarios import SCENARIO_RUN_KEYS, SCENARIOS, RecordField, StepColumn, record_fields, step_columns
-from repro.outcome import Finding, FirstFailure, Outcome, RankExit, Report, StepRecord, TrialRecord
+from repro.outcome import Finding, FirstFailure, GuardMode, Outcome, RankExit, Report, Status, StepRecord, TrialRecord
 from repro.report.groups import FindingGroup, group_findings
 from repro.report.fmt import (
     fmt_bytes, fmt_expected, fmt_float, fmt_ptr, fmt_ranges, fmt_seconds, fmt_value, plain, tail,
@@ -215,7 +215,7 @@ def verdict_basis(trial: TrialRecord) -> list[str]:
     if trial_device(trial) != "cpu" or trial.graph_replayed:
         return []
     captured = "capture" in trial.timings      # a dry-run capture ran (selftest has none)
-    guard_on = run_config(trial).get("guard", "warn") != "off"
+    guard_on = run_config(trial).get("guard", GuardMode.WARN) != GuardMode.OFF
     if trial.outcome is Outcome.STALE_CAPTURE:
         return [CPU_NOTE]
     if trial.outcome in (Outcome.MISMATCH, Outcome.NONFINITE):
@@ -309,7 +309,7 @@ def stack_text(frames: list[str], n: int = STACK_FRAMES) -> str:
 
 # Trial-level facts shown under the verdict; a value of None leaves the line out.
 def guard_fact(trial: TrialRecord) -> str | None:
-    if run_config(trial).get("guard") != "off":
+    if run_config(trial).get("guard") != GuardMode.OFF:
         return None
     if trial.details.get("census"):
         return ("off: captured tensors were not checked at the dispatcher; the graph census still "
@@ -465,7 +465,7 @@ def finding_view(group: FindingGroup) -> FindingView:
         facts.append(Fact("message", plain(f.message)))
     slot = f.slot if len(group.names()) == 1 else group.pattern
     return FindingView(status=f.status, slot=plain(slot), rank=f.rank,
-                       tone=BAD if f.status in ("freed", "contents-changed") else WARN, facts=facts,
+                       tone=BAD if f.status in (Status.FREED, Status.CONTENTS_CHANGED) else WARN, facts=facts,
                        ranks=ranks_text(group.ranks() or [f.rank]), count=group.count)
 
 
@@ -699,7 +699,7 @@ def artifact_href(path: str, link_base: Path | None) -> str:
 def manifest_note(trial: TrialRecord) -> str:
     """A finding may say a name now points at another tensor while `rebound` reads 0: each
     storage is counted once, and freed outranks rebound. Said where that happens."""
-    renamed = {(f.rank, f.slot) for f in trial.guard_findings if f.status == "freed" and f.new_ptr is not None}
+    renamed = {(f.rank, f.slot) for f in trial.guard_findings if f.status == Status.FREED and f.new_ptr is not None}
     if not renamed:
         return ""
     return (f"each storage is counted once, freed before rebound: the {len(renamed)} freed storage(s) whose "

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -41,6 +41,9 @@ from repro.outcome import StepRecord
 from repro.scenarios.gemma4_mtp_spec import SPEC, Gemma4Dims
 from repro.scenarios.gemma4_target import TargetStandIn, padded_vocab
 from repro.specdec import SpecStats, accepted_lengths, emitted_tokens, first_divergence
+
+if TYPE_CHECKING:
+    from repro.worker import WorkerContext
 
 SHARED_GPU = "TP over gloo, ranks share one GPU (not NCCL)"
 
@@ -354,7 +357,7 @@ class Loop:
     dtype: torch.dtype
 
 
-def speculative_step(ctx, loop: Loop, sample, step: int, b: int, size: int, label: str = "",
+def speculative_step(ctx: WorkerContext, loop: Loop, sample, step: int, b: int, size: int, label: str = "",
                      extra: dict | None = None) -> torch.Tensor:
     """One decode step for sequences [0, b), checked and recorded: propose through `sample` (the
     draft graph of batch size `size`), verify, accept; the drafts against the oracle, the emitted
@@ -388,7 +391,7 @@ def speculative_step(ctx, loop: Loop, sample, step: int, b: int, size: int, labe
     return accepted
 
 
-def run(ctx) -> None:
+def run(ctx: WorkerContext) -> None:
     dims: Gemma4Dims = ctx.cfg.model
     run_cfg = ctx.cfg.run
     k = run_cfg.num_speculative_tokens

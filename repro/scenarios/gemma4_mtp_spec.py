@@ -136,7 +136,7 @@ def graph_mismatch_chart(steps: list[StepRecord]) -> Any:
     ChartData), or why there is no chart (a str)."""
     # Imported here: the report layer brings rich along, and the registry (which imports this
     # module) is read by every process, ranks included.
-    from repro.report.charts import ChartData, Series
+    from repro.report.charts import ChartData, ChartKind, Series
     totals: dict[str, list[int]] = {}
     order: dict[str, int] = {}
     for s in steps:
@@ -153,7 +153,7 @@ def graph_mismatch_chart(steps: list[StepRecord]) -> Any:
     return ChartData(
         title="Draft tokens that differ from the reference, per batch size (one captured graph each)",
         caption="mismatched / compared tokens over all steps and ranks that used the graph",
-        kind="bar", x_label="graph", y_label="mismatched share", series=[Series("", points)])
+        kind=ChartKind.BAR, x_label="graph", y_label="mismatched share", series=[Series("", points)])
 
 
 SPEC = ScenarioSpec(

@@ -36,7 +36,7 @@ import dataclasses
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +44,13 @@ from torch import Tensor, nn
 
 from repro import nvfp4
 from repro.compare import Comparison, compare
-from repro.graphs import capture
+from repro.graphs import AfterFree, Captured, capture
 from repro.outcome import StepRecord
 from repro.scenarios.nvfp4_moe_spec import SPEC
+
+if TYPE_CHECKING:
+    from repro.guard import CaptureGuard
+    from repro.worker import WorkerContext
 
 # Mismatch tolerance, per element: |y - y_ref| > TOLERANCE * (|y_ref| + rms(y_ref)); the rms
 # term keeps near-zero outputs from counting on rounding alone. Why 0.05:
@@ -390,7 +394,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def watch_layer(guard: Any, layer: NvFp4MoE) -> None:
+def watch_layer(guard: CaptureGuard, layer: NvFp4MoE) -> None:
     """Readable names for everything the capture reads: params and the kernel/config tensors."""
     method = layer.quant_method
     guard.watch("moe", layer)
@@ -415,9 +419,9 @@ def dims_detail(dims: Any) -> dict[str, Any]:
 class Trial:
     """What lives across the steps of one trial."""
     layer: NvFp4MoE
-    captured: Any                     # repro.graphs.Captured: the graph (None on CPU) + static I/O
+    captured: Captured                # the graph (None on CPU) + static I/O
     static_x: Tensor                  # [T, D], allocated before capture; tokens written per step
-    after_free: Any = None            # repro.graphs.AfterFree; its holders keep the fills alive
+    after_free: AfterFree | None = None   # its holders keep the fills alive
     reloads: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
@@ -431,7 +435,7 @@ class Reloaded:
 
 
 @torch.no_grad()
-def run(ctx: Any) -> None:
+def run(ctx: WorkerContext) -> None:
     r = ctx.cfg.run
     ctx.note(HOPPER_NOTE if ctx.on_gpu else CPU_NOTE)
     trial = build_and_capture(ctx)
@@ -448,7 +452,7 @@ def run(ctx: Any) -> None:
                              {"replay_s": replay_s, "oracle_s": oracle_s}))
 
 
-def build_and_capture(ctx: Any) -> Trial:
+def build_and_capture(ctx: WorkerContext) -> Trial:
     dims, r = ctx.cfg.model, ctx.cfg.run
     dtype, device = getattr(torch, dims.dtype), ctx.device
     with ctx.phase("build"):
@@ -470,7 +474,7 @@ def build_and_capture(ctx: Any) -> Trial:
     return Trial(layer=layer, captured=captured, static_x=static_x)
 
 
-def reload_step(ctx: Any, trial: Trial, k: int) -> Reloaded:
+def reload_step(ctx: WorkerContext, trial: Trial, k: int) -> Reloaded:
     """Reload to B_k (or A again under identity_reload) and take the storage manifest."""
     dims, r, layer = ctx.cfg.model, ctx.cfg.run, trial.layer
     with ctx.memory.use():
@@ -493,7 +497,7 @@ def reload_step(ctx: Any, trial: Trial, k: int) -> Reloaded:
                     scale_change=change, live_staleness=staleness, seconds=seconds)
 
 
-def apply_after_free_once(ctx: Any, trial: Trial) -> None:
+def apply_after_free_once(ctx: WorkerContext, trial: Trial) -> None:
     """Decide what the dead captured blocks hold before the first replay.
 
     They die at the first reload (unfixed) and none revives, so the knob acts once and its
@@ -507,7 +511,7 @@ def apply_after_free_once(ctx: Any, trial: Trial) -> None:
     ctx.detail(after_free=trial.after_free.summary())
 
 
-def replay(ctx: Any, trial: Trial, k: int) -> tuple[Tensor, bool, float]:
+def replay(ctx: WorkerContext, trial: Trial, k: int) -> tuple[Tensor, bool, float]:
     """Seeded tokens into the static input, replay; on CPU the live kernel runs eagerly instead."""
     dims, r = ctx.cfg.model, ctx.cfg.run
     with ctx.memory.use():
@@ -521,7 +525,7 @@ def replay(ctx: Any, trial: Trial, k: int) -> tuple[Tensor, bool, float]:
     return out, replayed, time.perf_counter() - start
 
 
-def compare_with_cold(ctx: Any, trial: Trial, weights: dict[str, Tensor],
+def compare_with_cold(ctx: WorkerContext, trial: Trial, weights: dict[str, Tensor],
                       out: Tensor) -> tuple[Comparison, float]:
     """RFC #48312's oracle: a cold layer built directly on the same weights, run eagerly."""
     dims, layer = ctx.cfg.model, trial.layer
@@ -533,7 +537,7 @@ def compare_with_cold(ctx: Any, trial: Trial, weights: dict[str, Tensor],
     return cmp, time.perf_counter() - start
 
 
-def step_record(ctx: Any, k: int, reloaded: Reloaded, cmp: Comparison, replayed: bool,
+def step_record(ctx: WorkerContext, k: int, reloaded: Reloaded, cmp: Comparison, replayed: bool,
                 seconds: float, timings: dict[str, float]) -> StepRecord:
     kind = "identity" if ctx.cfg.run.identity_reload else "changed"
     return StepRecord(

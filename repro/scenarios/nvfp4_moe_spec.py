@@ -57,7 +57,7 @@ def reload_error_chart(steps: list[StepRecord]) -> Any:
     table's "scaled err" column): a ChartData, or why there is no chart (a str)."""
     # Imported here: the report layer brings rich along, and the registry (which imports this
     # module) is read by every process, ranks included.
-    from repro.report.charts import ChartData, Series, number
+    from repro.report.charts import ChartData, ChartKind, Series, number
     from repro.report.fmt import fmt_float
     if len({s.step for s in steps}) < 2:
         return "a single reload: the steps table says it all"
@@ -76,7 +76,7 @@ def reload_error_chart(steps: list[StepRecord]) -> Any:
         title="Error per reload: warm layer (reloaded in place) against cold (built fresh on the same weights)",
         caption=("max scaled error |y - y_cold| / (|y_cold| + rms(y_cold)); above the tolerance line an "
                  "element counts as a mismatch" if scaled else "relative error against the cold reference"),
-        kind="line", x_label="reload", y_label="scaled err" if scaled else "rel err",
+        kind=ChartKind.LINE, x_label="reload", y_label="scaled err" if scaled else "rel err",
         series=list(series.values()) if len(series) > 1 else [Series("", next(iter(series.values())).points)],
         threshold=tolerance if scaled else None, threshold_label=f"tolerance {fmt_float(tolerance)}")
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,10 @@ from repro.compare import Comparison, compare
 from repro.graphs import Captured, capture
 from repro.outcome import StepRecord
 from repro.scenarios.piecewise_split_spec import SPEC, DecoderDims
+
+if TYPE_CHECKING:
+    from repro.guard import CaptureGuard
+    from repro.worker import WorkerContext
 
 # Mismatch tolerance, per element of the last piece's output (the final-normed hidden state):
 # |y - y_ref| > TOLERANCE * (|y_ref| + rms(y_ref)) (repro/compare.py). A replay runs the kernels
@@ -249,7 +253,7 @@ class Engine:
     split: SplitAttention
     input_ids: Tensor                 # [max T] int64: pieces of size T read [:T]
     positions: Tensor                 # [max T] int64
-    pool: Any                         # one graph pool handle for every piece (None on CPU)
+    pool: tuple[int, int] | None      # one graph pool handle for every piece (None on CPU)
     pieces: dict[int, list[Captured]] = field(default_factory=dict)      # size -> pieces 0..L
     # size -> the address each piece j+1 read layer j's split output at, during capture (the
     # addresses vLLM's DEBUG check compares; ints, so they keep nothing alive)
@@ -276,7 +280,7 @@ def decode_position(dims: DecoderDims, step: int) -> int:
     return p + step % (dims.context_len - p)
 
 
-def capture_size(ctx: Any, engine: Engine, size: int) -> None:
+def capture_size(ctx: WorkerContext, engine: Engine, size: int) -> None:
     """Capture pieces 0..L of one batch size, the split op running eagerly between them (vLLM's
     capture forward: each piece captured into the shared pool as the forward reaches it)."""
     model, ids, positions = engine.model, engine.input_ids[:size], engine.positions[:size]
@@ -350,7 +354,7 @@ def make_tokens(dims: DecoderDims, seed: int, step: int, size: int, device: torc
 
 # ------------------------------------------------------------------------ the trial
 
-def watch_engine(guard: Any, engine: Engine) -> None:
+def watch_engine(guard: CaptureGuard, engine: Engine) -> None:
     """Readable names for what the pieces read (weights, input buffers) and the static outputs."""
     guard.watch("model", engine.model)
     guard.watch("split_op", engine.split)
@@ -365,7 +369,7 @@ def dims_detail(dims: DecoderDims) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def run(ctx: Any) -> None:
+def run(ctx: WorkerContext) -> None:
     dims, r = ctx.cfg.model, ctx.cfg.run
     with ctx.phase("build"):
         engine = build_engine(dims, MODES[r.mode], r.seed, ctx.device)
@@ -396,7 +400,7 @@ def run(ctx: Any) -> None:
     del after_free
 
 
-def decode_step(ctx: Any, engine: Engine, step: int, size: int, pos: int) -> StepRecord:
+def decode_step(ctx: WorkerContext, engine: Engine, step: int, size: int, pos: int) -> StepRecord:
     dims, r = ctx.cfg.model, ctx.cfg.run
     with ctx.memory.use():
         engine.input_ids[:size].copy_(make_tokens(dims, r.seed, step, size, ctx.device))

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from repro.dist import all_gather_dim0
 from repro.outcome import StepRecord
 from repro.scenarios.selftest_spec import SPEC
+
+if TYPE_CHECKING:
+    from repro.worker import WorkerContext
 
 
 @dataclass(frozen=True)
@@ -24,7 +28,7 @@ class Fixes:
 MODES = {m.name: Fixes(**m.fixes) for m in SPEC.modes}
 
 
-def run(ctx) -> None:
+def run(ctx: WorkerContext) -> None:
     for step in range(ctx.cfg.run.steps):
         ctx.begin_step(step)
         start = time.perf_counter()

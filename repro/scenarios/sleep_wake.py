@@ -70,15 +70,19 @@ from __future__ import annotations
 import ctypes
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from repro.dist import all_gather_dim0
-from repro.graphs import Captured, capture
+from repro.graphs import AfterFree, Captured, capture
 from repro.scenarios.gemma4_mtp import (SCHEDULE, SHARED_GPU, Gemma4Drafter, Loop, MaskedEmbedding, Oracle,
                                         Sequences, bucket, full_lm_head, speculative_step)
 from repro.scenarios.gemma4_target import TargetStandIn
 from repro.scenarios.sleep_wake_spec import NUM_SPECULATIVE_TOKENS, SPEC
+
+if TYPE_CHECKING:
+    from repro.worker import WorkerContext
 
 # vLLM's default KV-cache block size on CUDA; max_model_len of #53508's reproduction (16 blocks).
 BLOCK_SIZE = 16
@@ -295,7 +299,8 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def sleep_and_wake(ctx, engine: Engine, checkpoint: Checkpoint, level: int, before_step: int):
+def sleep_and_wake(ctx: WorkerContext, engine: Engine, checkpoint: Checkpoint, level: int,
+                   before_step: int) -> AfterFree:
     """Sleep, wake, then the deep check (before any replay reads what the wake left) and the
     after-free knob on what the wake freed. Returns the knob's record (it holds its fills)."""
     # Sizes only: a list of the pools' tensors held here would keep a rebuilt layout's old tensors alive.
@@ -320,7 +325,7 @@ def sleep_and_wake(ctx, engine: Engine, checkpoint: Checkpoint, level: int, befo
     return ctx.after_free("after wake")
 
 
-def run(ctx) -> None:
+def run(ctx: WorkerContext) -> None:
     dims = ctx.cfg.model
     run_cfg = ctx.cfg.run
     level, k = run_cfg.sleep_level, NUM_SPECULATIVE_TOKENS

@@ -78,7 +78,7 @@ def acceptance_chart(steps: list[StepRecord]) -> Any:
     why there is no chart (a str)."""
     # Imported here: the report layer brings rich along, and the registry (which imports this
     # module) is read by every process, ranks included.
-    from repro.report.charts import ChartData, Series
+    from repro.report.charts import ChartData, ChartKind, Series
     mine = [s for s in steps if s.rank == 0 and "acceptance_rate" in s.extra]
     if len(mine) < 2:
         return "a single decode step: the steps table says it all"
@@ -87,7 +87,7 @@ def acceptance_chart(steps: list[StepRecord]) -> Any:
     return ChartData(
         title="Draft acceptance per decode step, before the sleep and after the wake",
         caption="accepted / proposed drafts of each step (rank 0: the ranks verify the same drafts)",
-        kind="line", x_label="decode step", y_label="acceptance", series=series)
+        kind=ChartKind.LINE, x_label="decode step", y_label="acceptance", series=series)
 
 
 SPEC = ScenarioSpec(

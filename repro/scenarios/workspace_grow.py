@@ -51,16 +51,19 @@ import weakref
 from dataclasses import dataclass, field
 from itertools import accumulate
 from math import prod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from repro.graphs import Captured, capture
+from repro.graphs import AfterFree, Captured, capture
 from repro.outcome import StepRecord
 from repro.units import format_bytes
-from repro.scenarios.workspace_grow_spec import (ALIGN, MIB, SPEC, WorkspaceDims, decode_workspace_views,
+from repro.scenarios.workspace_grow_spec import (ALIGN, MIB, SPEC, GrowthKind, WorkspaceDims, decode_workspace_views,
                                                  round_up, workspace_bytes)
+
+if TYPE_CHECKING:
+    from repro.worker import WorkerContext
 
 # Mismatch tolerance, per element: |y - y_ref| > TOLERANCE * (|y_ref| + rms(y_ref)). The graph and
 # the reference compute in fp32 from the same bf16 inputs; they differ by the order of the sums
@@ -94,7 +97,7 @@ class Growth:
     """One growth of the arena, as the report tells it."""
     old_bytes: int
     new_bytes: int
-    how: str                       # "allocate" (the first) | "replace" | "resize_"
+    how: GrowthKind
 
 
 def empty_cache(device: torch.device) -> None:
@@ -158,16 +161,16 @@ class WorkspaceManager:
         current = self.arena
         old = self.size_bytes()
         if current is None:
-            self.growths.append(Growth(0, required, "allocate"))     # the first request: nothing to free
+            self.growths.append(Growth(0, required, GrowthKind.ALLOCATE))
             self._current_workspaces[0] = torch.empty(required, dtype=torch.uint8, device=self.device)
             return
         if self.resize_in_place:
-            self.growths.append(Growth(old, required, "resize_"))
+            self.growths.append(Growth(old, required, GrowthKind.RESIZE))
             # FlashInfer #4398: grown in place. The storage object stays, its memory moves: a new
             # block is allocated, the bytes copied, the old block freed under the captured graphs.
             current.resize_(required)
             return
-        self.growths.append(Growth(old, required, "replace"))
+        self.growths.append(Growth(old, required, GrowthKind.REPLACE))
         # vLLM #55336: replaced. The old arena is freed and its cached segment returned to the
         # driver before the new one is made, so graphs captured on it read unmapped memory.
         self._current_workspaces[0] = None
@@ -285,7 +288,7 @@ def graph_label(size: int) -> str:
 @dataclass
 class CapturedArena:
     """The arena a graph was captured on: which tensor, and where its memory was then."""
-    ref: Any                       # weakref.ref to the arena tensor (the graph must not keep it alive)
+    ref: weakref.ref[Tensor]       # the arena tensor, weakly: the graph must not keep it alive
     data_ptr: int
 
 
@@ -304,12 +307,12 @@ class DecodeGraphs:
                 if live is None or a.ref() is not live or a.data_ptr != live.data_ptr()]
 
 
-def graph_pool(device: torch.device) -> Any:
+def graph_pool(device: torch.device) -> tuple[int, int] | None:
     """One memory pool for every size's graph, as vLLM shares one (None on CPU: no graphs)."""
     return torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
 
-def capture_decode_graphs(ctx: Any, state: DecodeState, workspace: WorkspaceManager, fixes: Fixes) -> DecodeGraphs:
+def capture_decode_graphs(ctx: WorkerContext, state: DecodeState, workspace: WorkspaceManager, fixes: Fixes) -> DecodeGraphs:
     """Capture one decode graph per size, ascending, as vLLM does (#46067)."""
     dims = ctx.cfg.model
     sizes, pool = dims.capture_sizes, graph_pool(ctx.device)
@@ -380,7 +383,7 @@ class Fills:
         return sum(int((h != w).sum()) for h, w in zip(self.holders, self.written))
 
 
-def keep_fills(ctx: Any, after_free: Any) -> Fills:
+def keep_fills(ctx: WorkerContext, after_free: AfterFree) -> Fills:
     with ctx.memory.use():
         return Fills(holders=list(after_free.holders), written=[h.clone() for h in after_free.holders])
 
@@ -393,12 +396,12 @@ class Trial:
     state: DecodeState
     workspace: WorkspaceManager
     decode: DecodeGraphs
-    after_free: Any                # repro.graphs.AfterFree; its holders keep the fills alive
+    after_free: AfterFree          # its holders keep the fills alive
     fills: Fills
 
 
 @torch.no_grad()
-def run(ctx: Any) -> None:
+def run(ctx: WorkerContext) -> None:
     if not ctx.on_gpu:
         ctx.note(CPU_NOTE)
     trial = build_and_capture(ctx)
@@ -416,7 +419,7 @@ def run(ctx: Any) -> None:
     ctx.sync()
 
 
-def build_and_capture(ctx: Any) -> Trial:
+def build_and_capture(ctx: WorkerContext) -> Trial:
     dims, r = ctx.cfg.model, ctx.cfg.run
     dtype, device, fixes = getattr(torch, dims.dtype), ctx.device, MODES[r.mode]
     with ctx.phase("build"):
@@ -446,7 +449,7 @@ def build_and_capture(ctx: Any) -> Trial:
     return Trial(state=state, workspace=workspace, decode=decode, after_free=after_free, fills=fills)
 
 
-def write_step_inputs(ctx: Any, state: DecodeState, k: int) -> None:
+def write_step_inputs(ctx: WorkerContext, state: DecodeState, k: int) -> None:
     """Seeded queries and sequence lengths for step k into the static inputs every graph reads."""
     dims, seed = ctx.cfg.model, ctx.cfg.run.seed
     with ctx.memory.use():
@@ -466,7 +469,7 @@ class GraphResult:
     cmp: Comparison
 
 
-def replay_and_compare(ctx: Any, trial: Trial, size: int) -> GraphResult:
+def replay_and_compare(ctx: WorkerContext, trial: Trial, size: int) -> GraphResult:
     """Replay one size's graph (on CPU its decode runs eagerly instead) and check its output."""
     s = trial.state
     with ctx.phase("replays"):
@@ -480,7 +483,7 @@ def replay_and_compare(ctx: Any, trial: Trial, size: int) -> GraphResult:
     return GraphResult(size=size, replayed=replayed, cmp=cmp)
 
 
-def step_record(ctx: Any, k: int, results: list[GraphResult], seconds: float, stale: int) -> StepRecord:
+def step_record(ctx: WorkerContext, k: int, results: list[GraphResult], seconds: float, stale: int) -> StepRecord:
     """One record for the step: every graph's output against the reference, summed."""
     worst = max(results, key=lambda g: (g.cmp.nonfinite, g.cmp.mismatches, g.cmp.max_scaled_err or 0.0))
     errs = [g.cmp.max_scaled_err for g in results if g.cmp.max_scaled_err is not None]
@@ -498,7 +501,7 @@ def step_record(ctx: Any, k: int, results: list[GraphResult], seconds: float, st
                "stale_graphs": stale})
 
 
-def fills_record(ctx: Any, k: int, fills: Fills) -> StepRecord:
+def fills_record(ctx: WorkerContext, k: int, fills: Fills) -> StepRecord:
     """The other tensors' bytes after the step's replays: a stale graph writes its scratch over them."""
     with ctx.memory.use():
         changed = fills.overwritten_bytes()

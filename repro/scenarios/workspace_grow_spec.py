@@ -6,6 +6,7 @@ Torch-free (the parent imports it); the ranks' code is repro/scenarios/workspace
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from repro.outcome import Outcome, TrialRecord
@@ -14,6 +15,13 @@ from repro.units import format_bytes
 
 ALIGN = 256                     # vLLM's WorkspaceManager.get_simultaneous aligns every view to 256 bytes
 MIB = 1 << 20
+
+
+class GrowthKind(StrEnum):
+    """How the workspace's arena grew (workspace_grow.Growth.how), as the trial's details say."""
+    ALLOCATE = "allocate"         # the first request: nothing to free
+    REPLACE = "replace"           # del, empty_cache(), torch.empty (vLLM #55336)
+    RESIZE = "resize_"            # resize_() in place: the storage stays, its memory moves (FlashInfer #4398)
 
 
 def vllm_capture_sizes(largest: int) -> list[int]:
@@ -127,7 +135,7 @@ def report_lines(trial: TrialRecord) -> list[str]:
     ws = trial.details.get("workspace")
     if not ws:
         return []
-    grows = sum(1 for g in ws["grows"] if g["how"] != "allocate")
+    grows = sum(1 for g in ws["grows"] if g["how"] != GrowthKind.ALLOCATE)
     graphs, stale = ws["graphs"], ws["stale_graphs"]
     if ws["reserved_before_capture"]:
         how = (f"Workspace: reserved {format_bytes(ws['reserved_bytes'])} for the largest capture before "

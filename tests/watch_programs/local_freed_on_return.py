@@ -76,7 +76,9 @@ class Book:
 
 
 def stand_in_census():
+    from repro.census import Tracing
     fake = type(sys)("stand_in_census")
+    fake.Tracing = Tracing
     fake.census_supported = lambda: (True, "")
     fake.clock_marker = lambda: {"time_us": 0}
     fake.CensusBook = Book
