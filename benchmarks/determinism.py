@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from common import emit
-from repro import gpus
+from repro.env import gpus
 from repro.outcome import REPRODUCED, Outcome
 from repro.runner import plan, run_planned
 

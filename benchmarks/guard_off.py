@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from common import emit
-from repro import gpus
+from repro.env import gpus
 from repro.config import AFTER_FREE
 from repro.runner import plan, run_planned
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 t_process = time.perf_counter()
 
-from repro import gpus                       # noqa: E402  (the clock above starts first)
+from repro.env import gpus                       # noqa: E402  (the clock above starts first)
 from repro.runner import plan                # noqa: E402
 from repro.protocol import TrialSpec  # noqa: E402
 from repro.worker import run_rank  # noqa: E402

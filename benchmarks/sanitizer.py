@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from common import emit
-from repro import gpus
+from repro.env import gpus
 from repro.isolate import Interrupted, run_trial
 from repro.protocol import Event, log_path, read_records
 from repro.runner import plan

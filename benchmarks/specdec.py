@@ -31,7 +31,7 @@ from repro.graphs import apply_after_free
 from repro.guard import CaptureGuard
 from repro.scenarios import gemma4_mtp as g
 from repro.scenarios.gemma4_target import TargetStandIn
-from repro.specdec import SpecStats
+from repro.scenarios.specdec import SpecStats
 
 
 def build_variants(dims, tp, dev, seed: int) -> dict:

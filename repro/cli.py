@@ -22,7 +22,8 @@ import typer
 from typer.core import TyperGroup
 
 import repro
-from repro import doctor, gpus, noise, report, runs
+from repro import noise, report, runs
+from repro.env import doctor, gpus
 from repro.config import (AFTER_FREE, DEVICES, GUARD_MODES, ConfigError, load_preset, override_sources,
                           preset_names)
 from repro.footprint import needed_bytes
@@ -552,7 +553,7 @@ def vllm_audit(
     json_path: JsonOpt = None,
 ) -> int:
     """Does a vLLM (installed, a directory or an archive) carry the upstream fixes? Never imports vLLM."""
-    from repro import audit
+    from repro.audit import scan as audit
     out = Output(json_path)
     if path and wheel:
         return out.error("give --path or --wheel, not both")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from repro import gpus
+from repro.env import gpus
 from repro.config import SCENARIOS, TrialConfig
 
 

@@ -10,7 +10,7 @@ A trial alone on its GPUs is never held back (the footprint check refuses what c
 all), and claims are served in the order they were made, so a large trial is not starved by
 small ones behind it.
 
-Torch-free (the parent's): the totals come from NVML (repro/gpus.py).
+Torch-free (the parent's): the totals come from NVML (repro/env/gpus.py).
 """
 from __future__ import annotations
 

@@ -46,7 +46,8 @@ def preload() -> None:
     """Import everything a rank imports, touching no device."""
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
-    from repro import census, dist, forensics, graphs, guard, runtime, worker  # noqa: F401
+    from repro import census, dist, forensics, graphs, guard, worker  # noqa: F401
+    from repro.env import runtime  # noqa: F401
     from repro.scenarios import SCENARIOS, load_scenario
     for name in SCENARIOS:
         load_scenario(name)

@@ -1,6 +1,6 @@
 """Parent-side orchestration: resolve device and preset, run trials in isolation, build the report.
 
-Never touches CUDA and never imports torch: GPU facts come from NVML (repro.gpus), torch's
+Never touches CUDA and never imports torch: GPU facts come from NVML (repro.env.gpus), torch's
 from rank 0 of a trial; trials run in worker processes.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from repro import doctor, gpus
+from repro.env import doctor, gpus
 from repro.config import SCENARIOS, TrialConfig, apply_overrides, bare_config, load_preset, validate
 from repro.footprint import expected_peak_bytes, fit_reason, gib
 from repro.interrupts import Interrupts, Terminated, checkpoint

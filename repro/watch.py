@@ -148,7 +148,7 @@ def finish(rep: WatchReport, command: list[str], result: CommandResult, on_findi
     if not rep.processes:
         rep.notes.append("No Python process started the hooks (CMD started no Python, or its "
                          "environment was replaced before Python started).")
-    from repro.gpus import gpu_count
+    from repro.env.gpus import gpu_count
     rep.notes += sight_notes(rep, gpu_count())
     rep.exit = Exit.INTERRUPTED if result.interrupted else \
         Exit.FINDINGS if rep.findings else result.returncode

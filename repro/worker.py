@@ -253,7 +253,7 @@ def run_rank(spec: TrialSpec, rank: int) -> int:
         sink.emit(Event.PHASE, name="import", seconds=time.perf_counter() - start)
         if rank == 0:
             # The report's torch/CUDA/NCCL facts come from here, so the parent never imports torch.
-            from repro.runtime import describe_torch
+            from repro.env.runtime import describe_torch
             sink.emit(Event.RUNTIME, **describe_torch())
         ctx = build_context(spec, rank, sink)
         with torch.no_grad():           # inference engines never build autograd graphs

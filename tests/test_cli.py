@@ -8,7 +8,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-import repro.gpus
+import repro.env.gpus
 from conftest import REPO
 from repro.cli import app
 
@@ -73,7 +73,7 @@ def test_bad_input_one_line_exit_2(args, needle):
 
 
 def test_tp_larger_than_gpus_is_environment_exit_3(monkeypatch, tmp_path):
-    monkeypatch.setattr(repro.gpus, "gpu_count", lambda *a, **k: 1)
+    monkeypatch.setattr(repro.env.gpus, "gpu_count", lambda *a, **k: 1)
     result = invoke("gemma4-mtp", "--tp", "2", "--device", "cuda", "--artifacts", str(tmp_path), "--json", "-")
     assert result.exit_code == 3
     doc = json.loads(result.stdout)
@@ -82,7 +82,7 @@ def test_tp_larger_than_gpus_is_environment_exit_3(monkeypatch, tmp_path):
 
 
 def test_tp_larger_than_gpus_says_how_to_share_one(monkeypatch, tmp_path):
-    monkeypatch.setattr(repro.gpus, "gpu_count", lambda *a, **k: 1)
+    monkeypatch.setattr(repro.env.gpus, "gpu_count", lambda *a, **k: 1)
     result = invoke("gemma4-mtp", "--tp", "2", "--device", "cuda", "--artifacts", str(tmp_path), "--json", "-")
     assert "--share-gpu" in json.loads(result.stdout)["trials"][0]["first_failure"]["detail"]
 
@@ -94,8 +94,8 @@ def test_tp_larger_than_gpus_says_how_to_share_one(monkeypatch, tmp_path):
     (0, ["--share-gpu"], "cpu"),               # auto on a CPU-only machine: gloo on the host
 ])
 def test_share_gpu_planning(monkeypatch, gpus, extra, device):
-    monkeypatch.setattr(repro.gpus, "gpu_count", lambda *a, **k: gpus)
-    monkeypatch.setattr(repro.gpus, "visible_memory", lambda *a, **k: [140 << 30] * gpus)
+    monkeypatch.setattr(repro.env.gpus, "gpu_count", lambda *a, **k: gpus)
+    monkeypatch.setattr(repro.env.gpus, "visible_memory", lambda *a, **k: [140 << 30] * gpus)
     cfg = json.loads(invoke("gemma4-mtp", "--tp", "2", "--config", "gemma4-e2b", *extra, "--print-config").stdout)
     assert cfg["device"].split(":")[0] == device
     assert cfg["run"]["share_gpu"] is bool(extra) and cfg["run"]["num_speculative_tokens"] == 3
@@ -106,9 +106,9 @@ def test_shared_gpu_must_hold_every_rank(monkeypatch):
     from repro.footprint import fit_reason, needed_bytes
     cfg = validate(apply_overrides(load_preset("gemma4-e2b"), {"tp": 2, "share_gpu": True}, []))
     per_rank = needed_bytes(cfg)
-    monkeypatch.setattr(repro.gpus, "visible_memory", lambda *a, **k: [int(per_rank * 1.5)])
+    monkeypatch.setattr(repro.env.gpus, "visible_memory", lambda *a, **k: [int(per_rank * 1.5)])
     assert "needs at least" in fit_reason(cfg, "cuda")          # two ranks do not fit on the one GPU
-    monkeypatch.setattr(repro.gpus, "visible_memory", lambda *a, **k: [per_rank * 2])
+    monkeypatch.setattr(repro.env.gpus, "visible_memory", lambda *a, **k: [per_rank * 2])
     assert fit_reason(cfg, "cuda") == ""
 
 
@@ -290,8 +290,8 @@ def test_sizes_that_cannot_fit_are_refused_up_front(tmp_path, no_gpu, monkeypatc
     assert trial["outcome"] == "UNSUPPORTED"
     assert "needs at least 28,839.1 GiB of host memory (lower bound)" in trial["first_failure"]["detail"]
     # GPU: the real preset at 100000 experts against an 80 GiB GPU (NVML's numbers).
-    monkeypatch.setattr(repro.gpus, "gpu_count", lambda *a, **k: 1)
-    monkeypatch.setattr(repro.gpus, "visible_memory", lambda *a, **k: [80 << 30])
+    monkeypatch.setattr(repro.env.gpus, "gpu_count", lambda *a, **k: 1)
+    monkeypatch.setattr(repro.env.gpus, "visible_memory", lambda *a, **k: [80 << 30])
     result = invoke("nvfp4-reload", "--device", "cuda", "--set", "model.num_experts=100000",
                     "--artifacts", str(tmp_path), "--json", "-")
     assert result.exit_code == 3, result.stderr

@@ -10,7 +10,7 @@ from repro.runner import plan, run_planned
 from repro.scenarios.gemma4_mtp import (Gemma4Drafter, Oracle, Proposer, Sequences, decode_step, full_lm_head,
                                         make_lm_head_shard, padded_vocab, target_only)
 from repro.scenarios.gemma4_target import TargetStandIn
-from repro.specdec import emitted_tokens, first_divergence
+from repro.scenarios.specdec import emitted_tokens, first_divergence
 
 DIMS = load_preset("gemma4-tiny").model          # vocab 4000, 50 centroids, top-4, hidden 64
 CPU = torch.device("cpu")

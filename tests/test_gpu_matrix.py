@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from repro import report
-from repro.gpus import gpu_count
+from repro.env.gpus import gpu_count
 from repro.matrix import load_matrix
 from repro.outcome import REPRODUCED, Outcome
 from repro.runner import run_planned

@@ -6,7 +6,7 @@ error is raised; `release` kills the worker.
 """
 import pytest
 
-from repro import gpus
+from repro.env import gpus
 from repro.outcome import Outcome
 from repro.runner import plan, run_planned
 

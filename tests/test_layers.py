@@ -16,8 +16,8 @@ from conftest import REPO
 
 # Rank-side and diagnosis modules: they run where the graphs are (a rank, a watched process).
 TORCH_SIDE = {
-    "repro.compare", "repro.dist", "repro.fingerprint", "repro.graphs", "repro.guard", "repro.nvfp4", "repro.owners",
-    "repro.sites", "repro.specdec", "repro.stability",
+    "repro.scenarios.compare", "repro.dist", "repro.fingerprint", "repro.graphs", "repro.guard", "repro.scenarios.nvfp4", "repro.owners",
+    "repro.sites", "repro.scenarios.specdec", "repro.stability",
     "repro.scenarios.gemma4_mtp", "repro.scenarios.gemma4_target", "repro.scenarios.nvfp4_moe",
     "repro.scenarios.piecewise_split", "repro.scenarios.selftest", "repro.scenarios.sleep_wake",
     "repro.scenarios.workspace_grow",

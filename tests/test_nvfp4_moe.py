@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from scenario_run import Records, run_in_process
-from repro import nvfp4
+from repro.scenarios import nvfp4
 from repro.config import load_preset, validate
 from repro.outcome import Outcome
 from repro.scenarios import nvfp4_moe as moe

@@ -12,7 +12,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-import repro.audit
+import repro.audit.scan
 import repro.output
 from conftest import REPO
 from repro.cli import app, scenario_command
@@ -111,7 +111,7 @@ def test_a_trial_that_misses_its_expectation_exits_failed(tmp_path, no_gpu):
 
 def test_vllm_missing_is_an_environment_exit(monkeypatch):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(repro.audit.importlib.util, "find_spec",
+    monkeypatch.setattr(repro.audit.scan.importlib.util, "find_spec",
                         lambda name, *a: None if name == "vllm" else find_spec(name, *a))
     assert invoke("vllm-audit").exit_code is Exit.ENV
 

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from scenario_run import Records, run_in_process
 from repro.cli import app
-from repro.compare import compare
+from repro.scenarios.compare import compare
 from repro.config import load_preset, validate
 from repro.guard import CaptureGuard
 from repro.outcome import Outcome
@@ -300,7 +300,7 @@ GPU_STEPS = 16
 
 @pytest.fixture(scope="module")
 def gpu_trials(tmp_path_factory):
-    from repro.gpus import gpu_count
+    from repro.env.gpus import gpu_count
     from repro.runner import plan, run_planned
     if gpu_count() < 1 or not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

@@ -332,7 +332,7 @@ GPU_TABLE = {   # (mode, level, after_free) -> outcome on one GPU at E2B dims, T
 
 @pytest.mark.gpu
 def test_gpu_outcomes_at_e2b_dims(tmp_path):
-    from repro import gpus
+    from repro.env import gpus
     if gpus.gpu_count() < 1:
         pytest.skip("needs a CUDA GPU")
     planned = [plan("sleep-wake", "sleep-wake-e2b", {"mode": m, "sleep_level": level, "after_free": af}, [],

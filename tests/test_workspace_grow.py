@@ -20,7 +20,7 @@ import torch
 from typer.testing import CliRunner
 
 from scenario_run import Records, run_in_process
-from repro import gpus
+from repro.env import gpus
 from repro.cli import app
 from repro.config import load_preset, validate
 from repro.matrix import load_matrix

@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from repro import nvfp4
-from repro.compare import Comparison, compare
+from repro.scenarios import nvfp4
+from repro.scenarios.compare import Comparison, compare
 from repro.graphs import capture
 from repro.outcome import StepRecord
 from repro.scenarios.nvfp4_moe_spec import SPEC

@@ -5,7 +5,7 @@ Each fix is judged by a rule that looks inside the body of one named function (p
 factored into a helper still counts, and for the functions of the other files the fix names
 (``Fix.also``: the worker that calls the runner, the class a method delegates to). Knowledge of
 fixes lives in ``FIXES`` only: adding a fix is adding one ``Fix`` entry with its rule. Where the
-text comes from (a directory, a wheel, an sdist, the installed package) is repro.audit's
+text comes from (a directory, a wheel, an sdist, the installed package) is repro.audit.scan's
 concern, not this module's.
 
 A rule says ``unknown`` when the source has a shape it cannot judge (a call into code it cannot

@@ -5,7 +5,7 @@ must also work on wheels for other Python versions and on machines without a GPU
 reads the source as text -- from the installed package (located with
 ``importlib.util.find_spec``, which for a top-level name only consults the path finders and
 executes nothing), from a directory, or member by member from a .whl/.zip/sdist archive --
-and hands each file to repro.audit_rules, which knows the fixes and judges them.
+and hands each file to repro.audit.rules, which knows the fixes and judges them.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from email.parser import HeaderParser
 from pathlib import Path
 from typing import Any, Literal
 
-from repro.audit_rules import (  # noqa: F401  (FIXES, FixCheck, find_fix: the audit's public API)
+from repro.audit.rules import (  # noqa: F401  (FIXES, FixCheck, find_fix: the audit's public API)
     ABSENT, FIXES, NOT_APPLICABLE, PRESENT, UNKNOWN, UNPARSABLE, AuditError, FixCheck, find_fix,
     judge_all, normalize_fix_id,
 )

@@ -10,8 +10,8 @@ Every function that touches NVML takes an ``nvml`` argument (default: the real
 A query the device does not support (or that we may not make) yields ``None`` for that one
 field; it never aborts the inventory.
 
-The NVML plumbing and CUDA_VISIBLE_DEVICES parsing live in repro.gpus (the trial parent
-uses them too); torch's facts come from repro.runtime (imported lazily, only when the
+The NVML plumbing and CUDA_VISIBLE_DEVICES parsing live in repro.env.gpus (the trial parent
+uses them too); torch's facts come from repro.env.runtime (imported lazily, only when the
 inventory includes torch); ``vllm`` is never imported (it is heavy and pins its own torch):
 its presence is read from package metadata.
 """
@@ -27,7 +27,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from repro.gpus import as_text, error_text, load_nvml, nvml_const, query, shutdown, visible_indices
+from repro.env.gpus import as_text, error_text, load_nvml, nvml_const, query, shutdown, visible_indices
 
 # Variables that change how the repro behaves: the first three switch NVLink multicast
 # (NVLS) off, which the multi-GPU scenarios need on machines where multicast is unusable.
@@ -378,7 +378,7 @@ def collect(include_vllm: bool = False, nvml: Any = None, include_torch: bool = 
     nvml = load_nvml() if nvml is None else nvml
     env = {"host": describe_host(), **describe_gpus(nvml)}
     if include_torch:
-        from repro.runtime import describe_torch
+        from repro.env.runtime import describe_torch
         env["torch"] = describe_torch()
     return {**env, "vllm": describe_vllm(include_location=include_vllm), "env": describe_env()}
 
