@@ -2,7 +2,7 @@
 
 The parent never imports torch or touches CUDA: it starts one process per rank (forked by the
 run's rank server, which imported torch once and never initialises CUDA, or a fresh
-`python -m repro.worker`), watches exit codes and a deadline, kills the whole group as soon
+`python -m repro.rank.worker`), watches exit codes and a deadline, kills the whole group as soon
 as one rank dies (a peer blocked in a collective after its neighbour's illegal memory access
 must never hang the harness), then reads the ranks' JSONL records back.
 """
@@ -144,7 +144,7 @@ def spawn_ranks(spec: TrialSpec, spec_file: Path, wrapper: list[str],
                 extra_env: dict[str, str] | None = None, server: RankServer | None = None,
                 stop: threading.Event | None = None) -> list[Rank]:
     """One process per rank: forked by the run's rank server where it serves this trial,
-    else a fresh `python -m repro.worker` (always under a wrapper program). Once `stop` is
+    else a fresh `python -m repro.rank.worker` (always under a wrapper program). Once `stop` is
     set (an interrupt) no further rank is started: the ranks so far are returned."""
     ranks: list[Rank] = []
     env = child_env(extra_env)
@@ -169,7 +169,7 @@ def spawn_ranks(spec: TrialSpec, spec_file: Path, wrapper: list[str],
                 except ServerUnavailable:
                     use_server = False           # this rank and the rest the old way
             log = open(log_file, "wb")
-            cmd = [*wrapper, sys.executable, "-m", "repro.worker", str(spec_file), str(r)]
+            cmd = [*wrapper, sys.executable, "-m", "repro.rank.worker", str(spec_file), str(r)]
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, cwd=os.getcwd(), process_group=pgid)
             ranks.append(Rank(rank=r, proc=proc, log=log, pgid=pgid or proc.pid))
@@ -553,7 +553,7 @@ def run_trial(cfg: TrialConfig, device: str, out_root: Path, trial_id: str,
               stop: threading.Event | None = None, server: RankServer | None = None) -> TrialRecord:
     """Spawn, watch, kill, classify. Raises Interrupted (with the partial record) on Ctrl-C
     or once `stop` is set. env: extra variables for the ranks (the runner's GPU lanes).
-    server: the run's rank server, which forks the ranks where it can (repro/rankserver.py)."""
+    server: the run's rank server, which forks the ranks where it can (repro/rank/server.py)."""
     out_dir = out_root / trial_id
     out_dir.mkdir(parents=True, exist_ok=True)
     world = cfg.run.tp

@@ -1,14 +1,14 @@
 """How the parent starts rank processes: their environment, and the rank server.
 
 The parent stays torch-free and CUDA-free. Ranks are forked by the run's rank server
-(repro/rankserver.py: one process that imported torch once); the parent only writes requests
+(repro/rank/server.py: one process that imported torch once); the parent only writes requests
 and reads replies. A rank so started is a RemoteRank, which answers poll()/wait() like the
 subprocess.Popen of a spawned rank (the server reports each rank's exit status), so
 repro/isolate.py watches, kills and classifies both alike.
 
 The server is an optimisation, never a requirement: whenever it is unavailable (its preload
 failed, it died, a request needs an interpreter of its own) the parent spawns the rank as
-`python -m repro.worker`, as it always did.
+`python -m repro.rank.worker`, as it always did.
 
 `prestart(argv)` starts the server before the CLI imports its own modules, for the commands
 that run trials: the server's torch import then overlaps the parent's start-up and planning.
@@ -169,7 +169,7 @@ class RankServer:
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "repro.rankserver", str(req_r), str(rep_w)],
+            proc = subprocess.Popen([sys.executable, "-m", "repro.rank.server", str(req_r), str(rep_w)],
                                     pass_fds=(req_r, rep_w), stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, env=env, cwd=os.getcwd(), process_group=0)
         finally:

@@ -118,7 +118,7 @@ class Finding:
     graph: str                      # label of the capture that recorded it
     status: str                     # guard: "freed" | "moved" (resized / re-pointed) | "rebound" |
                                     # "contents-changed" (same address, new bytes, no torch write:
-                                    # repro/fingerprint.py); census: "freed" | "released" | "reused"
+                                    # repro/diagnose/fingerprint.py); census: "freed" | "released" | "reused"
     when: str                       # e.g. "before replay, step 0"
     rank: int
     shape: list[int]

@@ -1,7 +1,7 @@
 """What the parent (isolate.py) and a rank (worker.py) say to each other, in one place.
 
 The parent writes the trial's TrialSpec to spec.json and starts one rank process per rank
-(`repro.worker.main`, forked by the rank server or spawned as `python -m repro.worker`); each rank appends one JSON object per line to rank<R>.jsonl, flushed as soon as it
+(`repro.rank.worker.main`, forked by the rank server or spawned as `python -m repro.rank.worker`); each rank appends one JSON object per line to rank<R>.jsonl, flushed as soon as it
 has it, so a crash loses nothing already produced. Every line carries "event" (an Event), the
 rank and a wall-clock "t"; the other fields depend on the event. Neither side imports the
 other: both import this module (plain data, no torch).

@@ -7,13 +7,13 @@ Registered through the ``pytest11`` entry point (``-p repro.pytest`` loads it fr
     pytest --repro-watch=warn       # findings listed at the end, tests unaffected
     REPRO_WATCH=1 pytest            # the same switch as `repro watch` (REPRO_WATCH=warn: warn)
 
-When off, this module is all that is imported (no torch, no repro.guard) and its hooks return
+When off, this module is all that is imported (no torch, no repro.diagnose.guard) and its hooks return
 at once. When on, repro.pytest_watch starts the watch hooks in the test process and, through
 the environment, in every process a test starts; each finding is attributed to the test phase
 that captured the graph and the one that replayed it.
 
 Also here, on or off: the marker ``repro_watch(off=True | expect=...)`` and the fixture
-``repro_stable`` (the reload-stability check, repro.stability.expect_stable).
+``repro_stable`` (the reload-stability check, repro.diagnose.stability.expect_stable).
 """
 from __future__ import annotations
 
@@ -74,8 +74,8 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture
 def repro_stable(request: pytest.FixtureRequest):
     """``with repro_stable(model, name="model"): reload(model)``: the test fails naming every
-    tensor slot the block freed, rebound, moved or reshaped (repro.stability.expect_stable)."""
-    from repro.stability import expect_stable
+    tensor slot the block freed, rebound, moved or reshaped (repro.diagnose.stability.expect_stable)."""
+    from repro.diagnose.stability import expect_stable
 
     @contextlib.contextmanager
     def check(root, name: str = "model", ignore=()):

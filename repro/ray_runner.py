@@ -11,7 +11,7 @@ of the trial folder. The report is a local run's plus each trial's `node`.
 A node (or the actor's worker) lost mid-trial: that trial is CRASH naming the node, or run
 again elsewhere with `--retries N`. Ctrl-C / SIGTERM: every actor is asked to stop its trial
 (its ranks are killed, the partial record comes back as INTERRUPTED); an actor that does not
-answer in time is killed, and its ranks die with it (PR_SET_PDEATHSIG in repro/worker.py).
+answer in time is killed, and its ranks die with it (PR_SET_PDEATHSIG in repro/rank/worker.py).
 
 The code runs on the nodes from the driver's own copy of the package (runtime_env py_modules),
 so a node needs Python, torch and repro's dependencies, not repro itself. Ray is imported only

@@ -129,7 +129,7 @@ def run_planned(planned: list[Planned], out_root: Path, on_start: Callable[[str,
                 interrupts: Interrupts | None = None) -> RunResult:
     """Run every planned trial, `jobs` at a time; the report keeps the plan's order.
 
-    Ranks are forked from one rank server per run (torch imported once; repro/rankserver.py):
+    Ranks are forked from one rank server per run (torch imported once; repro/rank/server.py):
     `server` when the caller started it (and closes it), else one started here. Under a
     wrapper program every rank is a fresh interpreter (the wrapper must exec it).
     interrupts: the CLI's signal flag (repro/interrupts.py), polled here; without it a

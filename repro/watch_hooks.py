@@ -8,7 +8,7 @@ this module imports no torch: a meta-path hook waits until the program itself im
 through them:
 
   capture_begin  where the census runs, note the time only; elsewhere record what the
-                 capture touches (repro.guard's dispatch-mode recording)
+                 capture touches (repro.diagnose.guard's dispatch-mode recording)
   capture_end    take the graph census, and make the guard's slots from what it read (the
                  storages owners and the capturing frames' locals hold); or stop recording
   replay         liveness check before every replay; deep check (+ census check) at the first
@@ -197,9 +197,9 @@ class GraphsImportHook(importlib.abc.MetaPathFinder):
 # -- the census, behind its small API -----------------------------------------------------------
 
 def load_census() -> Any | None:
-    """repro.census where it exists (the graph census reads what kernels really touch)."""
+    """repro.diagnose.census where it exists (the graph census reads what kernels really touch)."""
     try:
-        from repro import census
+        from repro.diagnose import census
     except ImportError:
         return None
     return census
@@ -298,7 +298,7 @@ class Watcher:
         self.counters = Counters()
         self.seconds = HookSeconds()
         self.census_mod: Any = None
-        self.book: Any = None         # repro.census.CensusBook where the census runs
+        self.book: Any = None         # repro.diagnose.census.CensusBook where the census runs
         self.census_state = "not checked yet (no capture)"
         self.rank: int | None = None
         self.origins = [settings.origin]
@@ -307,7 +307,7 @@ class Watcher:
         self.kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.expired = None           # torch.UntypedStorage._expired once torch is in use
         self.drops: Any = None        # the guard's DropCount, once the guard exists
-        self.pools: Any = None        # repro.census.PoolMap: which graph pool an address is in
+        self.pools: Any = None        # repro.diagnose.census.PoolMap: which graph pool an address is in
         # Graphs captured since the census last checked: checked together, against one
         # allocator snapshot, at the first replay after them (not one snapshot per graph).
         self.census_due: list[str] = []
@@ -563,7 +563,7 @@ class Watcher:
         if findings:
             self.report(findings)
             if self.settings.on_finding == "raise":
-                from repro.guard import StaleCaptureError
+                from repro.diagnose.guard import StaleCaptureError
                 raise StaleCaptureError(findings[0].message, findings)
 
     def deep_check(self, state: GraphState) -> list:
@@ -614,7 +614,7 @@ class Watcher:
             return
         try:
             if self.pools is None:
-                from repro.census import PoolMap
+                from repro.diagnose.census import PoolMap
                 self.pools = self.book.pools if self.book is not None else PoolMap()
             if not checked:
                 self.pools.check()
@@ -709,12 +709,12 @@ class Watcher:
         def load() -> None:
             try:
                 census = load_census()
-                import repro.guard
+                import repro.diagnose.guard
                 # Only the dispatch-mode recording needs the warm-up (its first dispatch imports
                 # torch._dynamo: seconds on an image without bytecode); where the census makes
                 # the slots, no capture records at the dispatcher.
                 if self.settings.record == "ops" or census is None or not census.census_supported()[0]:
-                    repro.guard.warm_up()
+                    repro.diagnose.guard.warm_up()
             except Exception as e:
                 failed.append(f"{type(e).__name__}: {e}")
 
@@ -733,7 +733,7 @@ class Watcher:
         if self.guard is None:
             self.load_modules()
             import torch
-            from repro.guard import CaptureGuard
+            from repro.diagnose.guard import CaptureGuard
             # StorageWeakRef.expired() goes through two Python calls; the C function is ~20x faster.
             self.expired = getattr(torch.UntypedStorage, "_expired", None)
             # raise mode: we raise ourselves, after writing the record. This file's frames
@@ -756,7 +756,7 @@ class Watcher:
             self.load_modules()
             census = load_census()
             if census is None:
-                self.census_state = "unavailable: repro.census is not in this install"
+                self.census_state = "unavailable: repro.diagnose.census is not in this install"
                 self.census_mod = False
             else:
                 ok, why = census.census_supported()
@@ -766,7 +766,7 @@ class Watcher:
 
     def watch_owners(self, frame) -> None:
         """Name what the capturing code holds: modules, tensors and `self` in its frames."""
-        from repro.sites import frame_locals, user_frame
+        from repro.diagnose.sites import frame_locals, user_frame
         import torch
         plumbing = self.guard.plumbing
         frame = user_frame(frame, plumbing)
@@ -793,7 +793,7 @@ class Watcher:
         object reached under two names (a runner's `self.model` and the caller's `model`)
         keeps both, instead of each capture re-watching the one the last capture replaced,
         which threw the owner index away at every capture (2,211 rebuilds, piecewise)."""
-        from repro.owners import hold
+        from repro.diagnose.owners import hold
         held = self._watched.get(name)
         if held is not None and held() is value:
             return False
@@ -877,7 +877,7 @@ def capture_site(frame, plumbing: frozenset[str] = frozenset()) -> tuple[str, bo
     if frame is None:
         return "<unknown>", False
     managed = frame.f_code.co_filename.endswith(MANAGED_CALLERS)
-    from repro.sites import frame_site, user_frame
+    from repro.diagnose.sites import frame_site, user_frame
     return frame_site(user_frame(frame, plumbing) or frame), managed
 
 

@@ -17,9 +17,9 @@ import os
 import pytest
 import torch
 
-from repro.census import CensusBook, GraphCensus
-from repro.graphs import capture
-from repro.guard import CaptureGuard
+from repro.diagnose.census import CensusBook, GraphCensus
+from repro.rank.graphs import capture
+from repro.diagnose.guard import CaptureGuard
 
 pytestmark = pytest.mark.gpu
 

@@ -114,8 +114,8 @@ def test_shared_gpu_must_hold_every_rank(monkeypatch):
 
 def test_share_gpu_ranks_use_gloo_on_gpu_0(monkeypatch):
     import torch
-    from repro.dist import backend_for
-    from repro.worker import TrialSpec, pick_device
+    from repro.rank.dist import backend_for
+    from repro.rank.worker import TrialSpec, pick_device
     assert backend_for(torch.device("cuda", 0), share_gpu=True) == "gloo"
     assert backend_for(torch.device("cuda", 1)) == "nccl"
     assert backend_for(torch.device("cpu")) == "gloo"
@@ -192,7 +192,7 @@ def test_parent_never_imports_torch_before_spawning():
     code = ("import sys, repro.__main__, repro.cli, repro.runner, repro.isolate, repro.launch, repro.matrix\n"
             "from repro.runner import plan\n"
             "plan('gemma4-mtp', None, {'device': 'cpu', 'tp': 2}, [], 0)\n"
-            "print(sorted(m for m in sys.modules if m in ('torch', 'repro.worker', 'repro.rankserver')"
+            "print(sorted(m for m in sys.modules if m in ('torch', 'repro.rank.worker', 'repro.rank.server')"
             " or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)})

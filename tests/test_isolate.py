@@ -320,7 +320,7 @@ def test_real_cuda_messages_classify():
     assert classify_error(IMA_2_11) == Outcome.ILLEGAL_ADDRESS
     assert classify_error(ASSERT_2_11) == Outcome.DEVICE_ASSERT
     assert classify_error("RuntimeError: shapes do not match") == Outcome.CRASH
-    assert classify_error("repro.guard.StaleCaptureError: graph ...") == Outcome.STALE_CAPTURE
+    assert classify_error("repro.diagnose.guard.StaleCaptureError: graph ...") == Outcome.STALE_CAPTURE
 
 
 def test_bytecode_cache_only_where_torch_has_none(tmp_path):
@@ -370,7 +370,7 @@ def test_graph_replayed_comes_from_replays_not_the_device():
 
 
 def test_captured_marks_each_real_replay_before_it_starts():
-    from repro.graphs import Captured
+    from repro.rank.graphs import Captured
     order = []
 
     class Graph:

@@ -10,18 +10,27 @@ from __future__ import annotations
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import repro
 from conftest import REPO
 
 # Rank-side and diagnosis modules: they run where the graphs are (a rank, a watched process).
 TORCH_SIDE = {
-    "repro.scenarios.compare", "repro.dist", "repro.fingerprint", "repro.graphs", "repro.guard", "repro.scenarios.nvfp4", "repro.owners",
-    "repro.sites", "repro.scenarios.specdec", "repro.stability",
+    "repro.rank.dist", "repro.rank.graphs",
+    "repro.diagnose.fingerprint", "repro.diagnose.guard", "repro.diagnose.owners", "repro.diagnose.sites",
+    "repro.diagnose.stability",
+    "repro.guard", "repro.stability",            # the public paths of the two above
+    "repro.scenarios.compare", "repro.scenarios.nvfp4", "repro.scenarios.specdec",
     "repro.scenarios.gemma4_mtp", "repro.scenarios.gemma4_target", "repro.scenarios.nvfp4_moe",
     "repro.scenarios.piecewise_split", "repro.scenarios.selftest", "repro.scenarios.sleep_wake",
     "repro.scenarios.workspace_grow",
 }
+
+# The paths users import, kept as re-exports of the modules in repro/diagnose/; the project itself
+# (examples aside: they show what users write) imports the modules where they live.
+PUBLIC_SHIMS = {"repro.guard": "repro.diagnose.guard", "repro.census": "repro.diagnose.census",
+                "repro.stability": "repro.diagnose.stability"}
 
 
 def all_modules() -> list[str]:
@@ -70,17 +79,28 @@ def python_files() -> list:
     return sorted(p for top in SOURCES for p in (REPO / top).rglob("*.py"))
 
 
+def in_repo(spec_or_module) -> bool:
+    """From this checkout: an editable install of another checkout answers for names this one lacks."""
+    origin = getattr(spec_or_module, "origin", None) or getattr(spec_or_module, "__file__", None)
+    return origin is not None and Path(origin).resolve().is_relative_to(REPO)
+
+
 def resolves(module: str, name: str | None = None) -> bool:
-    """Whether `module` exists and, with name, has it as an attribute or a submodule."""
+    """Whether `module` exists in this checkout and, with name, has it as an attribute or a submodule."""
     import importlib
     import importlib.util
+    import types
     try:
-        if importlib.util.find_spec(module) is None:
+        spec = importlib.util.find_spec(module)
+        if spec is None or not in_repo(spec):
             return False
         if name is None:
             return True
-        return hasattr(importlib.import_module(module), name) or \
-            importlib.util.find_spec(f"{module}.{name}") is not None
+        value = getattr(importlib.import_module(module), name, None)
+        if isinstance(value, types.ModuleType):
+            return in_repo(value)
+        sub = importlib.util.find_spec(f"{module}.{name}") if value is None else None
+        return value is not None or (sub is not None and in_repo(sub))
     except ImportError:
         return False
 
@@ -162,6 +182,10 @@ def unresolved(path) -> list[str]:
     where = path.relative_to(REPO)
     bad = [f"{where}:{line}: {'from ' + m + ' import ' + n if n else 'import ' + m}"
            for line, m, n in repro_imports(tree) if not resolves(m, n)]
+    if where.parts[0] != "examples":
+        bad += [f"{where}:{line}: imports the public path {m}{'.' + n if n else ''}: import {PUBLIC_SHIMS[shim]}"
+                for line, m, n in repro_imports(tree)
+                for shim in [m if m in PUBLIC_SHIMS else f"{m}.{n}"] if shim in PUBLIC_SHIMS]
     bad += [f"{where}:{line}: module path {text!r}" for line, text in module_strings(tree)
             if not resolves(*module_path(text))]
     for line, inner in code_strings(tree):
@@ -195,3 +219,14 @@ def test_the_resolution_check_sees_what_it_should(tmp_path):
     assert not any(resolves(*module_path(t)) for _, t in module_strings(tree))
     assert [m for _, inner in code_strings(tree) for _, m, _ in repro_imports(inner)] == ["repro"]
     assert not resolves("repro", "no_such_module")
+
+
+def test_the_public_paths_re_export_everything_public():
+    import importlib
+    for shim, module in PUBLIC_SHIMS.items():
+        old, new = importlib.import_module(shim), importlib.import_module(module)
+        public = [n for n in dir(new) if not n.startswith("_")]
+        assert public and all(getattr(old, n) is getattr(new, n) for n in public), shim
+    assert {"CaptureGuard", "StaleCaptureError"} <= set(dir(importlib.import_module("repro.guard")))
+    assert {"CensusBook", "PoolMap"} <= set(dir(importlib.import_module("repro.census")))
+    assert repro.expect_stable is importlib.import_module("repro.stability").expect_stable

@@ -17,7 +17,7 @@ from scenario_run import Records, run_in_process
 from repro.cli import app
 from repro.scenarios.compare import compare
 from repro.config import load_preset, validate
-from repro.guard import CaptureGuard
+from repro.diagnose.guard import CaptureGuard
 from repro.outcome import Outcome
 from repro.scenarios import piecewise_split as ps
 from repro.scenarios.piecewise_split_spec import DecoderDims, footprint
@@ -352,7 +352,7 @@ def test_after_free_covers_a_small_pool_region_above_one_mib(cuda_only):
     """Freed small blocks coalesce into a free region of a 2 MiB small segment larger than 1 MiB
     (the split outputs' blocks do at Llama 3 8B dims): a request of its size goes to the large
     pool and never lands there, so the knob covers it in pieces of at most 1 MiB."""
-    from repro.graphs import land_on, land_over
+    from repro.rank.graphs import land_on, land_over
     dev, part = torch.device("cuda"), 384 * 1024
     held = [torch.empty(part, dtype=torch.uint8, device=dev) for _ in range(32)]
     ptrs = [t.data_ptr() for t in held]

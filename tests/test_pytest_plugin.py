@@ -143,7 +143,7 @@ import sys
 
 def test_nothing_heavy_imported(request):
     assert request.config.pluginmanager.get_plugin("repro") is not None
-    heavy = [m for m in ("torch", "repro.guard", "repro.pytest_watch", "repro.watch_hooks", "rich")
+    heavy = [m for m in ("torch", "repro.diagnose.guard", "repro.pytest_watch", "repro.watch_hooks", "rich")
              if m in sys.modules]
     assert heavy == []
     # Of repro, the plugin module and the package's bare __init__ only.
@@ -197,7 +197,7 @@ def test_watch_mode_from_the_option_else_the_environment(monkeypatch, option, en
 
 def test_failure_text_of_a_census_finding_names_kernel_and_parameter():
     from repro.attribution import Phase, PhaseFinding
-    from repro.census import Block, Fate, Reference, census_finding
+    from repro.diagnose.census import Block, Fate, Reference, census_finding
     from repro.outcome import to_jsonable
     from repro.pytest_watch import finding_text
 

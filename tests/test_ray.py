@@ -230,7 +230,7 @@ def test_watch_reaches_actors_on_every_node_and_ships_their_records(cluster, tmp
 
 
 def worker_pids(marker: str) -> list[int]:
-    """Rank processes (`python -m repro.worker SPEC RANK`) of the node-local trial folders
+    """Rank processes (`python -m repro.rank.worker SPEC RANK`) of the node-local trial folders
     (repro-trial-*) whose path holds marker."""
     pids = []
     for proc in Path("/proc").iterdir():
@@ -240,7 +240,7 @@ def worker_pids(marker: str) -> list[int]:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"repro.worker" in argv and any(marker.encode() in a and b"repro-trial-" in a for a in argv):
+        if b"repro.rank.worker" in argv and any(marker.encode() in a and b"repro-trial-" in a for a in argv):
             pids.append(int(proc.name))
     return pids
 

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 from conftest import REPO
 from repro.cli import app
 from repro.config import load_preset
-from repro.dist import TP
-from repro.guard import CaptureGuard
+from repro.rank.dist import TP
+from repro.diagnose.guard import CaptureGuard
 from repro.matrix import load_matrix
 from repro.outcome import Outcome
 from repro.runner import plan, run_planned

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from repro.config import load_preset, validate
-from repro.dist import TP
+from repro.rank.dist import TP
 from repro.outcome import StepRecord
 from repro.scenarios import gemma4_mtp as g
 from repro.scenarios.gemma4_mtp_spec import measure

@@ -373,7 +373,7 @@ def test_fast_path_catches_a_free_between_replays_plumbing(tmp_path):
         graph.replay()                                        # deep once, then the fast path
     assert watcher.counters.findings == 0 and watcher.graphs[graph].live is not None
     engine.cache = torch.zeros(8, 4)                          # rebinding frees the captured cache
-    from repro.guard import StaleCaptureError
+    from repro.diagnose.guard import StaleCaptureError
     with pytest.raises(StaleCaptureError) as err:
         graph.replay()
     (finding,) = err.value.findings
@@ -458,7 +458,7 @@ def test_a_settled_graph_replays_past_the_checking_path_until_something_asks_for
 def test_a_replay_that_takes_arguments_gets_them_and_is_still_checked_plumbing(tmp_path):
     import torch
     from repro import watch_hooks
-    from repro.guard import StaleCaptureError
+    from repro.diagnose.guard import StaleCaptureError
     Graph, capture = fake_graph_class()
     seen = []
     Graph = type("StreamGraph", (Graph,), {"replay": lambda self, stream=None: seen.append(stream)})
@@ -724,7 +724,7 @@ def test_an_object_reached_under_two_names_is_watched_once_per_name_not_per_capt
     import types as _types
     import torch
     from repro import watch_hooks
-    from repro.guard import CaptureGuard
+    from repro.diagnose.guard import CaptureGuard
     watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "warn", "api"))
     watcher.guard = CaptureGuard("warn", plumbing=[watch_hooks.__file__])
 

@@ -33,7 +33,7 @@ def describe_torch() -> dict:
     try:
         import torch
 
-        from repro.guard import torch_supports_liveness
+        from repro.diagnose.guard import torch_supports_liveness
     except Exception as error:  # a broken torch install is itself a finding
         return {"version": None, "cuda": None, "nccl": None, "cuda_built": False,
                 "graph_check_input_liveness": False, "error": str(error) or type(error).__name__}

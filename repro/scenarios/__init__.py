@@ -5,7 +5,7 @@ trial ids), the CLI (one command per scenario), the records (extra trial fields)
 (lines, columns, charts) and the workers (which module to import) all ask the specs below.
 
 A scenario is a spec (repro/scenarios/spec.py says what it holds) in a torch-free module and
-`run(ctx: repro.worker.WorkerContext) -> None` in the module the spec names. The built-in ones
+`run(ctx: repro.rank.worker.WorkerContext) -> None` in the module the spec names. The built-in ones
 are listed here; any installed package adds its own through the `repro.scenarios` entry-point
 group (`name = "package.module:SPEC"`), read in every process, ranks included, so a plugin
 scenario is known wherever the registry is.

@@ -35,8 +35,8 @@ from typing import Callable, ContextManager
 import torch
 from torch import nn
 
-from repro.dist import TP, all_gather_dim0
-from repro.graphs import Captured, capture
+from repro.rank.dist import TP, all_gather_dim0
+from repro.rank.graphs import Captured, capture
 from repro.outcome import StepRecord
 from repro.scenarios.gemma4_mtp_spec import SPEC, Gemma4Dims
 from repro.scenarios.gemma4_target import TargetStandIn, padded_vocab
@@ -204,7 +204,7 @@ class Proposer:
                  on_replay=None, census=None):
         self.drafter, self.batch_sizes, self.guard, self.device = drafter, batch_sizes, guard, device
         self.on_replay = on_replay       # the harness records that a replay ran
-        self.census = census             # repro.census.CensusBook: reads each captured graph
+        self.census = census             # repro.diagnose.census.CensusBook: reads each captured graph
         self.graphs: dict[int, Captured] = {}
 
     def setup_centroid_graphs(self) -> None:

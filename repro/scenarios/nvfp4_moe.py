@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from repro.scenarios import nvfp4
 from repro.scenarios.compare import Comparison, compare
-from repro.graphs import capture
+from repro.rank.graphs import capture
 from repro.outcome import StepRecord
 from repro.scenarios.nvfp4_moe_spec import SPEC
 
@@ -415,9 +415,9 @@ def dims_detail(dims: Any) -> dict[str, Any]:
 class Trial:
     """What lives across the steps of one trial."""
     layer: NvFp4MoE
-    captured: Any                     # repro.graphs.Captured: the graph (None on CPU) + static I/O
+    captured: Any                     # repro.rank.graphs.Captured: the graph (None on CPU) + static I/O
     static_x: Tensor                  # [T, D], allocated before capture; tokens written per step
-    after_free: Any = None            # repro.graphs.AfterFree; its holders keep the fills alive
+    after_free: Any = None            # repro.rank.graphs.AfterFree; its holders keep the fills alive
     reloads: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 

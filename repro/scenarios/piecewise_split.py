@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from repro.scenarios.compare import Comparison, compare
-from repro.graphs import Captured, capture
+from repro.rank.graphs import Captured, capture
 from repro.outcome import StepRecord
 from repro.scenarios.piecewise_split_spec import SPEC, DecoderDims
 

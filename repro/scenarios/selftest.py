@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from repro.dist import all_gather_dim0
+from repro.rank.dist import all_gather_dim0
 from repro.outcome import StepRecord
 from repro.scenarios.selftest_spec import SPEC
 

@@ -73,8 +73,8 @@ from dataclasses import dataclass
 
 import torch
 
-from repro.dist import all_gather_dim0
-from repro.graphs import Captured, capture
+from repro.rank.dist import all_gather_dim0
+from repro.rank.graphs import Captured, capture
 from repro.scenarios.gemma4_mtp import (SCHEDULE, SHARED_GPU, Gemma4Drafter, Loop, MaskedEmbedding, Oracle,
                                         Sequences, bucket, full_lm_head, speculative_step)
 from repro.scenarios.gemma4_target import TargetStandIn
@@ -114,7 +114,7 @@ def discard(t: torch.Tensor) -> None:
     if t.device.type != "cuda":
         ctypes.memset(ptr, DISCARDED_BYTE, nbytes)
         return
-    from repro.census import load_driver          # libcuda through ctypes, as the census reads graphs
+    from repro.diagnose.census import load_driver          # libcuda through ctypes, as the census reads graphs
     memset = load_driver().lib.cuMemsetD8_v2
     memset.argtypes, memset.restype = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t], ctypes.c_int
     torch.cuda.synchronize(t.device)              # the program's work on it first, then the remap

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from repro.graphs import Captured, capture
+from repro.rank.graphs import Captured, capture
 from repro.outcome import StepRecord
 from repro.units import format_bytes
 from repro.scenarios.workspace_grow_spec import (ALIGN, MIB, SPEC, WorkspaceDims, decode_workspace_views,
@@ -393,7 +393,7 @@ class Trial:
     state: DecodeState
     workspace: WorkspaceManager
     decode: DecodeGraphs
-    after_free: Any                # repro.graphs.AfterFree; its holders keep the fills alive
+    after_free: Any                # repro.rank.graphs.AfterFree; its holders keep the fills alive
     fills: Fills
 
 

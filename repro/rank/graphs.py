@@ -16,7 +16,7 @@ deterministic choice:
   poison   byte tensors take the same regions and are filled with 0xFF bytes (NaN in bf16/fp16/
            fp32 and e4m3, -1 in signed integers) -> non-finite output
 
-Which blocks are "freed captured blocks" comes from the graph census (repro/census.py): the
+Which blocks are "freed captured blocks" comes from the graph census (repro/diagnose/census.py): the
 addresses the captured kernels really hold, matched to the allocator. It never comes from the
 stale-capture guard, so `--guard off` leaves every knob value doing the same thing. The
 harness's own allocations (oracle, inputs) go to a separate memory pool, so only the knob
@@ -84,7 +84,7 @@ class Captured:
     inputs: tuple[torch.Tensor, ...]  # static inputs, written before each replay
     output: Any                       # static outputs (tensor or tuple), read after replay
     on_replay: Callable[[str], None] | None = None   # told before each real replay starts
-    guard: Any = None                 # repro.guard.CaptureGuard: brackets the first replay
+    guard: Any = None                 # repro.diagnose.guard.CaptureGuard: brackets the first replay
     replays: int = 0
 
     def replay(self) -> Any:
@@ -106,7 +106,7 @@ def capture(fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...], label: str
             census: Any = None) -> Captured:
     """Warm up on a side stream, then capture fn(*inputs) under the guard's recording.
 
-    census: a repro.census.CensusBook. The graph is then made with keep_graph=True, read right
+    census: a repro.diagnose.census.CensusBook. The graph is then made with keep_graph=True, read right
     after capture_end and instantiated at once, so the first replay costs what it always did.
     On CPU the same function runs once under the guard (a dry run): the guard records the
     tensors a graph would have baked in, which is what its verdict needs.

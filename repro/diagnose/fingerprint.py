@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from repro.sites import storage_key
+from repro.diagnose.sites import storage_key
 
 CONTENTS_CHANGED = "contents-changed"
 FULL_BYTES = 1 << 20      # a region up to 1 MiB is summed whole

@@ -1,6 +1,6 @@
 """The rank server: one process per run that imports torch once and forks every rank from it.
 
-`python -m repro.rankserver REQUEST_FD REPLY_FD`, started by the parent (repro/launch.py).
+`python -m repro.rank.server REQUEST_FD REPLY_FD`, started by the parent (repro/launch.py).
 Starting a rank from a cold interpreter costs the torch import again (about 2 s with
 bytecode, 1.5 s on a 2-core CPU box); a fork of a process that already imported it costs
 milliseconds. The guarantees of a fresh interpreter are kept:
@@ -8,7 +8,7 @@ milliseconds. The guarantees of a fresh interpreter are kept:
   * the server never initialises CUDA (it refuses to fork once torch says CUDA is initialised),
     so every rank creates its own CUDA context, and a CUDA error still only ever kills the
     rank that made it;
-  * each forked child becomes exactly one rank of one trial (`repro.worker.main`) and then
+  * each forked child becomes exactly one rank of one trial (`repro.rank.worker.main`) and then
     exits; nothing is reused between trials;
   * a child leads or joins its trial's process group, as a spawned rank does, so the parent's
     killpg, deadlines and Ctrl-C/SIGTERM handling are unchanged;
@@ -36,7 +36,7 @@ import warnings
 from typing import Any
 
 from repro.noise import silence_known_warnings
-from repro.worker import die_with_parent
+from repro.rank.worker import die_with_parent
 
 REAP_EVERY_S = 0.01
 CUDA_ERROR_NOT_INITIALIZED = 3
@@ -46,7 +46,8 @@ def preload() -> None:
     """Import everything a rank imports, touching no device."""
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
-    from repro import census, dist, forensics, graphs, guard, worker  # noqa: F401
+    from repro.diagnose import census, forensics, guard  # noqa: F401
+    from repro.rank import dist, graphs, worker  # noqa: F401
     from repro.env import runtime  # noqa: F401
     from repro.scenarios import SCENARIOS, load_scenario
     for name in SCENARIOS:
@@ -171,7 +172,7 @@ def join_group(pid: int, pgid: int) -> int:
 
 
 def become_rank(req: dict[str, Any], server_pid: int, server_fds: tuple[int, int], sigint: Any) -> None:
-    """In the forked child: look like a fresh `python -m repro.worker SPEC RANK`, then run it.
+    """In the forked child: look like a fresh `python -m repro.rank.worker SPEC RANK`, then run it.
     sigint: the SIGINT handling such an interpreter would get (Python's, or ignored where the
     harness itself was started with SIGINT ignored, as a background job of a script is).
     Never returns into the server's loop."""
@@ -193,8 +194,8 @@ def become_rank(req: dict[str, Any], server_pid: int, server_fds: tuple[int, int
         os.environ.clear()
         os.environ.update(req["env"])
         os.chdir(req["cwd"])
-        sys.argv = [sys.executable, "-m", "repro.worker", req["spec"], str(req["rank"])]
-        from repro import worker
+        sys.argv = [sys.executable, "-m", "repro.rank.worker", req["spec"], str(req["rank"])]
+        from repro.rank import worker
         worker.main([req["spec"], str(req["rank"])], parent_pid=server_pid)   # exits itself
     except BaseException:  # noqa: BLE001 - the child must never fall back into the server
         import traceback

@@ -1,4 +1,4 @@
-"""One rank of one trial, in its own process: `python -m repro.worker SPEC.json RANK`.
+"""One rank of one trial, in its own process: `python -m repro.rank.worker SPEC.json RANK`.
 
 The worker appends every record to rank<R>.jsonl as soon as it has it (line-buffered,
 flushed), so a crash, a sticky CUDA error or a SIGKILL loses nothing already produced. It
@@ -54,12 +54,12 @@ class WorkerContext:
     cfg: TrialConfig
     rank: int
     device: Any                        # torch.device
-    tp: Any                            # repro.dist.TP
+    tp: Any                            # repro.rank.dist.TP
     sink: RecordSink
-    guard: Any                         # repro.guard.CaptureGuard
-    history: Any                       # repro.forensics.MemoryHistory
-    memory: Any                        # repro.graphs.HarnessMemory
-    census: Any = None                 # repro.census.CensusBook | None (CPU, or unsupported)
+    guard: Any                         # repro.diagnose.guard.CaptureGuard
+    history: Any                       # repro.diagnose.forensics.MemoryHistory
+    memory: Any                        # repro.rank.graphs.HarnessMemory
+    census: Any = None                 # repro.diagnose.census.CensusBook | None (CPU, or unsupported)
     timings: dict[str, float] = field(default_factory=dict)
     replayed: set[str] = field(default_factory=set)    # graphs whose first replay is recorded
 
@@ -110,7 +110,7 @@ class WorkerContext:
         return self.emit_findings(guard_findings, census_findings)
 
     def emit_findings(self, guard_findings: list[Finding], census_findings: list[Finding]) -> list[Finding]:
-        from repro.census import merge_findings
+        from repro.diagnose.census import merge_findings
         findings = merge_findings(guard_findings, census_findings, self.guard.slots if census_findings else [],
                                   self.guard.mode != "off", self.census)
         if findings:
@@ -122,7 +122,7 @@ class WorkerContext:
     def after_free(self, when: str) -> Any:
         """Deep check at `when`, then the after-free knob on the freed captured blocks the
         census found (never the guard's: the knob must act the same with the guard off)."""
-        from repro.graphs import apply_after_free
+        from repro.rank.graphs import apply_after_free
         guard_findings = self.guard.check(when, None, True)
         findings, regions, note = [], [], ""
         if self.census is not None:
@@ -171,7 +171,8 @@ def pick_device(spec: TrialSpec, rank: int):
 
 def build_context(spec: TrialSpec, rank: int, sink: RecordSink) -> WorkerContext:
     import torch
-    from repro import dist, forensics, graphs, guard
+    from repro.diagnose import forensics, guard
+    from repro.rank import dist, graphs
     cfg = TrialConfig.from_dict(spec.config)
     torch.manual_seed(cfg.run.seed)
     start = time.perf_counter()
@@ -211,7 +212,7 @@ def open_census(device: Any, rank: int, history: Any, sink: RecordSink) -> Any:
     """
     if device.type != "cuda":
         return None
-    from repro import census
+    from repro.diagnose import census
     ok, reason = census.census_supported()
     if not ok:
         sink.emit(Event.NOTE, text=f"graph census unavailable: {reason}")
@@ -260,7 +261,7 @@ def run_rank(spec: TrialSpec, rank: int) -> int:
             load_scenario(ctx.cfg.scenario).run(ctx)
         dump_forensics(ctx)
         sink.emit(Event.DONE, timings=ctx.timings, peak_reserved_bytes=peak_reserved(ctx))
-        from repro import dist
+        from repro.rank import dist
         dist.shutdown(ctx.tp)
         return 0
     except BaseException as e:  # noqa: BLE001 - every failure must be recorded before exit
@@ -288,7 +289,7 @@ def answer_stack_requests(spec: TrialSpec, rank: int) -> None:
 
 
 def main(argv: list[str], parent_pid: int | None = None) -> None:
-    """parent_pid: the rank server's pid when forked from it (repro/rankserver.py)."""
+    """parent_pid: the rank server's pid when forked from it (repro/rank/server.py)."""
     die_with_parent(os.getppid() if parent_pid is None else parent_pid)
     silence_known_warnings()             # before torch is imported: it warns once, at import
     faulthandler.enable()                # a segfault still prints the Python stack to the log
