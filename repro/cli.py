@@ -36,7 +36,7 @@ from repro.protocol import FAULTS
 from repro.ray_runner import RayUnavailable
 from repro.runner import Planned, RunResult, plan, run_planned
 from repro.scenarios import SCENARIOS, CpuCost, RunKeySpec, ScenarioSpec
-from repro.watch_hooks import ON_FINDING, RECORD
+from repro.watch.hooks import ON_FINDING, RECORD
 
 EXIT_CODES = exit_codes_help(TRIAL_EXITS)
 MATRIX_EXIT_CODES = exit_codes_help(MATRIX_EXITS)
@@ -592,7 +592,7 @@ def watch_cmd(
     json_path: JsonOpt = None, junit: WatchJunitOpt = None, html: WatchHtmlOpt = None,
 ) -> int:
     """Run CMD unchanged with the stale-capture hooks in every Python process it starts: repro watch -- CMD [ARGS...]."""
-    from repro import watch
+    from repro.watch import command as watch
     return report_watch(lambda: watch.watch(list(ctx.args), run_dir, on_finding, record), json_path, junit, html)
 
 
@@ -602,7 +602,7 @@ def watch_report_cmd(
     json_path: JsonOpt = None, junit: WatchJunitOpt = None, html: WatchHtmlOpt = None,
 ) -> int:
     """One report over the records of one or more `repro watch` runs (exit 1 if any finding)."""
-    from repro import watch
+    from repro.watch import command as watch
     return report_watch(lambda: watch.merge(run_dirs), json_path, junit, html)
 
 
@@ -611,7 +611,7 @@ def report_watch(make_report, json_path, junit, html) -> int:
 
     The human report goes to stderr also without --json: stdout is CMD's own (repro watch),
     and watch-report reads the same as the run it merges."""
-    from repro import watch, watch_report
+    from repro.watch import command as watch, report as watch_report
     out = Output(json_path)
     try:
         check_outputs(out.json_file, junit, html, None)

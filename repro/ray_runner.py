@@ -44,7 +44,7 @@ from repro.outcome import (FirstFailure, Outcome, TrialRecord, parse_expectation
 from repro.protocol import Event, StepCounter, read_records, records_path
 from repro.runner import Hooks, Planned, RunResult, environment, run_all, trial_id, with_runtime
 from repro.scenarios import trial_measures
-from repro.watch_ray import append_chunks, read_new
+from repro.watch.ray import append_chunks, read_new
 
 RAY_MISSING = "--ray needs Ray, which is not installed here: pip install 'repro[ray]' (or pip install ray)"
 PACKAGE_DIR = Path(__file__).resolve().parent

@@ -105,7 +105,7 @@ def test_artifacts_default_to_the_cache_with_a_latest_link(tmp_path, no_gpu, mon
 
 
 def test_watch_records_default_to_the_cache(monkeypatch, tmp_path):
-    from repro import watch
+    from repro.watch import command as watch
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert watch.default_run_dir().parent == tmp_path / "repro" / "runs"
     assert "--on-finding <warn|raise>" in flat(invoke("watch", "--help").stdout)

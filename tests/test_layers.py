@@ -36,7 +36,7 @@ PUBLIC_SHIMS = {"repro.guard": "repro.diagnose.guard", "repro.census": "repro.di
 def all_modules() -> list[str]:
     names = ["repro"]
     for info in pkgutil.walk_packages(repro.__path__, "repro."):
-        if not info.name.startswith("repro._site"):      # the sitecustomize runs on import
+        if not info.name.startswith("repro.watch._site"):      # the sitecustomize runs on import
             names.append(info.name)
     return sorted(names)
 
@@ -54,7 +54,7 @@ def imports_torch(modules: list[str]) -> bool:
 
 def test_every_parent_side_module_imports_without_torch():
     parent = [m for m in all_modules() if m not in TORCH_SIDE]
-    assert "repro.cli" in parent and "repro.watch_hooks" in parent and len(parent) > 40
+    assert "repro.cli" in parent and "repro.watch.hooks" in parent and len(parent) > 40
     if imports_torch(parent):            # one interpreter for all; on a failure, name them
         culprits = [m for m in parent if imports_torch([m])]
         raise AssertionError(f"these parent-side modules import torch: {culprits}; import it inside "

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 MARKER = "test"
-OWNER_KEY = "REPRO_WATCH_OWNER"   # repro.watch_hooks.ENV_OWNER, in a process record's "env"
+OWNER_KEY = "REPRO_WATCH_OWNER"   # repro.watch.hooks.ENV_OWNER, in a process record's "env"
 
 
 @dataclass(frozen=True)

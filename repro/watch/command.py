@@ -4,14 +4,14 @@ The hooks travel by environment, so every Python process CMD starts gets them (c
 spawned workers, torch.multiprocessing, torchrun's ranks, anything that inherits the
 environment). What the command sees added to its environment, and nothing else:
 
-  PYTHONPATH               <repro>/_site prepended (its sitecustomize starts the hooks, runs the
+  PYTHONPATH               <repro>/watch/_site prepended (its sitecustomize starts the hooks, runs the
                            sitecustomize it shadows, then removes itself from sys.path)
   REPRO_WATCH=1            the switch (also the vLLM plugin's)
   REPRO_WATCH_DIR          the run directory: one <host>-<pid>.jsonl per process
   REPRO_WATCH_ON_FINDING   warn | raise
   REPRO_WATCH_SITE         the directory prepended to PYTHONPATH
-  RAY_RUNTIME_ENV_HOOK     repro.watch_ray.runtime_env_hook: a `ray.init()` in any of them gets the
-                           hooks into every Ray worker on every node (repro/watch_ray.py); a hook
+  RAY_RUNTIME_ENV_HOOK     repro.watch.ray.runtime_env_hook: a `ray.init()` in any of them gets the
+                           hooks into every Ray worker on every node (repro/watch/ray.py); a hook
                            already set is kept in REPRO_WATCH_RAY_CHAIN and runs first
 
 CMD runs in its own process group with stdin, stdout and stderr passed through untouched (no
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from repro.output import Exit
-from repro.watch_hooks import ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_RECORD, ENV_SITE, ON_FINDING, RECORD
-from repro.watch_ray import node_dirs, node_notes, ray_env
-from repro.watch_report import WatchReport, load_report, record_files
+from repro.watch.hooks import ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_RECORD, ENV_SITE, ON_FINDING, RECORD
+from repro.watch.ray import node_dirs, node_notes, ray_env
+from repro.watch.report import WatchReport, load_report, record_files
 
 GRACE_S = 10.0    # after a forwarded Ctrl-C, how long CMD's group gets before SIGKILL
 
@@ -62,7 +62,7 @@ def watch_env(environ: dict[str, str], run_dir: Path, on_finding: str, record: s
     env[ENV_SITE] = site
     if record is not None:
         env[ENV_RECORD] = record
-    env.update(ray_env(env))          # Ray workers on every node (repro/watch_ray.py)
+    env.update(ray_env(env))          # Ray workers on every node (repro/watch/ray.py)
     return env
 
 

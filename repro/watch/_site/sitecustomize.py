@@ -16,12 +16,12 @@ def _on_path(entry: str) -> bool:
 
 
 def _start_hooks() -> None:
-    root = os.path.dirname(os.path.dirname(_HERE))      # the directory holding the repro package
+    root = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))   # holds the repro package (repro/watch/_site)
     added = root not in sys.path
     if added:
         sys.path.insert(0, root)   # this copy of repro, not another one the path may hold
     try:
-        from repro import watch_hooks
+        from repro.watch import hooks as watch_hooks
         watch_hooks.activate_from_env("sitecustomize")
     finally:
         if added and root in sys.path:

@@ -8,7 +8,7 @@ Registered through the ``pytest11`` entry point (``-p repro.pytest`` loads it fr
     REPRO_WATCH=1 pytest            # the same switch as `repro watch` (REPRO_WATCH=warn: warn)
 
 When off, this module is all that is imported (no torch, no repro.diagnose.guard) and its hooks return
-at once. When on, repro.pytest_watch starts the watch hooks in the test process and, through
+at once. When on, repro.pytest.watch starts the watch hooks in the test process and, through
 the environment, in every process a test starts; each finding is attributed to the test phase
 that captured the graph and the one that replayed it.
 
@@ -25,7 +25,7 @@ import pytest
 ENTRY_POINT = "repro"             # the name `-p no:repro` blocks
 SESSION_PLUGIN = "repro-watch-session"
 MODES = ("fail", "warn")
-ENV_ON = "REPRO_WATCH"            # repro.watch_hooks.ENV_ON (not imported: this module stays bare)
+ENV_ON = "REPRO_WATCH"            # repro.watch.hooks.ENV_ON (not imported: this module stays bare)
 MARKER_HELP = ("repro_watch(off=False, expect=None): off=True: findings in this test do not fail "
                "it; expect='glob' or a list of globs (matched against the tensor name or the "
                "finding's text): findings this test must produce (a missing one fails it)")
@@ -67,7 +67,7 @@ def pytest_configure(config: pytest.Config) -> None:
     mode = watch_mode(config)
     if mode is None:
         return
-    from repro.pytest_watch import WatchSession
+    from repro.pytest.watch import WatchSession
     config.pluginmanager.register(WatchSession.start(config, mode), SESSION_PLUGIN)
 
 

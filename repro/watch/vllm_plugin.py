@@ -16,7 +16,7 @@ def register() -> None:
     if os.environ.get("REPRO_WATCH", "").strip() in ("", "0"):
         return
     try:
-        from repro import watch_hooks
+        from repro.watch import hooks as watch_hooks
         watch_hooks.activate_from_env("vllm-plugin")
     except Exception as e:  # a diagnostic must never stop the engine
         sys.stderr.write(f"repro watch: vLLM plugin could not start the hooks in pid {os.getpid()}: "

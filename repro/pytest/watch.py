@@ -1,14 +1,14 @@
 """The pytest plugin when on: the watch hooks for the whole session, findings per test phase.
 
 In the test process (each xdist worker, each pytest-forked child) the hooks run as under
-`repro watch` (repro.watch_hooks, origin "pytest", warn mode: a test must see torch's own
+`repro watch` (repro.watch.hooks, origin "pytest", warn mode: a test must see torch's own
 behaviour, never an exception of ours inside its replay). The session's environment carries
 the same variables `repro watch` sets, so every process a test starts is watched too; they
 are restored when the session ends.
 
 At the start of each phase a marker record goes into this process's record file; at the end
 of each phase the records written since (this process's and its descendants') are read back
-(repro.attribution) and each finding is attached to that phase's report: it fails the test in
+(repro.pytest.attribution) and each finding is attached to that phase's report: it fails the test in
 fail mode (the finding is the failure text), and rides on the report (`repro_watch`, plain
 JSON, so xdist and pytest-forked carry it to the process that prints) into the terminal
 summary and, as user properties, into pytest's own --junitxml. Findings no report carried (the
@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 
-from repro import watch_hooks
-from repro.attribution import OUTSIDE, Attribution, Phase, PhaseFinding, RunStats, all_findings, run_stats
-from repro.watch import watch_env
+from repro.watch import hooks as watch_hooks
+from repro.pytest.attribution import OUTSIDE, Attribution, Phase, PhaseFinding, RunStats, all_findings, run_stats
+from repro.watch.command import watch_env
 
 REPORT_ATTR = "repro_watch"       # on TestReport: list of PhaseFinding dicts
 PROPERTY = "repro_watch_finding"  # junit user property, one per finding

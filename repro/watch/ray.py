@@ -21,7 +21,7 @@ are used instead:
   records of workers that ended meanwhile arrive too; a program that calls ray.shutdown() itself
   keeps what was swept until then (the rest stays in the node-local folders).
 
-The report (repro/watch.py) reads the run directory and every `ray-<node>` folder, and names
+The report (repro/watch/command.py) reads the run directory and every `ray-<node>` folder, and names
 the processes of each node. vLLM's Ray executor starts its workers through the same job
 runtime_env; where it sets worker variables itself, add the REPRO_ prefix to
 VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY (README; not tested here: no vLLM).
@@ -38,14 +38,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from repro.watch_hooks import (ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_SITE, ON_FINDING, WatchSettings, activate,
+from repro.watch.hooks import (ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_SITE, ON_FINDING, WatchSettings, activate,
                                settings_from_env)
 
 ENV_HOOK = "RAY_RUNTIME_ENV_HOOK"
-HOOK = "repro.watch_ray.runtime_env_hook"
+HOOK = "repro.watch.ray.runtime_env_hook"
 ENV_CHAIN = "REPRO_WATCH_RAY_CHAIN"          # the program's own RAY_RUNTIME_ENV_HOOK, run first
 ENV_NODE_ROOT = "REPRO_WATCH_RAY_DIR"       # node-local root; each node's workers use <root>/<node id>
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent     # repro/, shipped whole to the workers
+SITE_DIR = Path(__file__).resolve().parent / "_site"
 NODE_PREFIX = "ray-"
 SHIP_S = 1.0
 SWEEP_TIMEOUT_S = 20.0
@@ -121,7 +122,7 @@ def setup_worker() -> None:
         return                         # the collector and its sweeps: not watched
     import ray
     run_dir = os.path.join(root, ray.get_runtime_context().get_node_id())
-    site = str(PACKAGE_DIR / "_site")
+    site = str(SITE_DIR)
     old = os.environ.get("PYTHONPATH", "")
     os.environ.update({ENV_ON: "1", ENV_DIR: run_dir, ENV_SITE: site,
                        "PYTHONPATH": site + (os.pathsep + old if old else "")})
