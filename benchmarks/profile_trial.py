@@ -22,8 +22,8 @@ from pathlib import Path
 t_process = time.perf_counter()
 
 from repro.env import gpus                       # noqa: E402  (the clock above starts first)
-from repro.runner import plan                # noqa: E402
-from repro.protocol import TrialSpec  # noqa: E402
+from repro.run.runner import plan                # noqa: E402
+from repro.run.protocol import TrialSpec  # noqa: E402
 from repro.rank.worker import run_rank  # noqa: E402
 
 

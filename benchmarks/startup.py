@@ -43,7 +43,7 @@ SNIPPETS = {
     "modules a rank imports after the preload (nvfp4-reload, TP 1, in-process)": (
         "import json, sys, tempfile, time\n"
         "from repro.rank import server as rankserver; rankserver.preload()\n"
-        "from repro.runner import plan; from repro.protocol import TrialSpec; from repro.rank.worker import run_rank\n"
+        "from repro.run.runner import plan; from repro.run.protocol import TrialSpec; from repro.rank.worker import run_rank\n"
         "before = set(sys.modules)\n"
         "p = plan('nvfp4-reload', None, {'device': 'cuda'}, ['run.steps=2'], 1)\n"
         "tmp = tempfile.mkdtemp(); t = time.perf_counter()\n"
@@ -79,7 +79,7 @@ SNIPPETS = {
 
 def run_snippet(code: str) -> dict:
     """In the environment the harness gives its ranks (its bytecode cache included)."""
-    from repro.launch import child_env
+    from repro.run.launch import child_env
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env())
     wall = time.perf_counter() - t0

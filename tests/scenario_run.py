@@ -12,7 +12,7 @@ import torch
 from repro.diagnose.forensics import MemoryHistory
 from repro.rank.graphs import HarnessMemory
 from repro.diagnose.guard import CaptureGuard
-from repro.protocol import RecordSink, TrialSpec
+from repro.run.protocol import RecordSink, TrialSpec
 from repro.rank.worker import WorkerContext
 
 CPU = torch.device("cpu")

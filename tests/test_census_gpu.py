@@ -191,7 +191,7 @@ def seeds() -> int:
 ])
 def test_fixed_modes_give_no_census_finding(tmp_path, scenario, run):
     from repro.env import gpus
-    from repro.runner import plan, run_planned
+    from repro.run.runner import plan, run_planned
     planned = [plan(scenario, None, {**run, "seed": s}, [], gpus.gpu_count()) for s in range(seeds())]
     trials = run_planned(planned, tmp_path, jobs=min(8, len(planned))).report.trials
     for t in trials:

@@ -103,7 +103,7 @@ def test_share_gpu_planning(monkeypatch, gpus, extra, device):
 
 def test_shared_gpu_must_hold_every_rank(monkeypatch):
     from repro.config import apply_overrides, load_preset, validate
-    from repro.footprint import fit_reason, needed_bytes
+    from repro.run.footprint import fit_reason, needed_bytes
     cfg = validate(apply_overrides(load_preset("gemma4-e2b"), {"tp": 2, "share_gpu": True}, []))
     per_rank = needed_bytes(cfg)
     monkeypatch.setattr(repro.env.gpus, "visible_memory", lambda *a, **k: [int(per_rank * 1.5)])
@@ -187,10 +187,10 @@ def test_vllm_audit_cli_unknown_fails_a_requirement(tmp_path):
 def test_parent_never_imports_torch_before_spawning():
     """The CLI, planning and the trial runner stay torch-free: a CUDA torch import takes seconds,
     and every one of them would come before the first rank starts (time to verdict). The parent
-    talks to the ranks through repro.protocol only, never importing the worker's entry module
+    talks to the ranks through repro.run.protocol only, never importing the worker's entry module
     (nor the rank server's: it imports torch in its own process)."""
-    code = ("import sys, repro.__main__, repro.cli, repro.runner, repro.isolate, repro.launch, repro.matrix\n"
-            "from repro.runner import plan\n"
+    code = ("import sys, repro.__main__, repro.cli, repro.run.runner, repro.run.isolate, repro.run.launch, repro.run.matrix\n"
+            "from repro.run.runner import plan\n"
             "plan('gemma4-mtp', None, {'device': 'cpu', 'tp': 2}, [], 0)\n"
             "print(sorted(m for m in sys.modules if m in ('torch', 'repro.rank.worker', 'repro.rank.server')"
             " or m.startswith('torch.')))")
@@ -234,7 +234,7 @@ def test_whole_run_keeps_the_parent_torch_free_and_takes_torch_facts_from_rank_0
     rank 0's runtime record, not from an import in the parent."""
     code = ("import json, sys\n"
             "from pathlib import Path\n"
-            "from repro.runner import plan, run_planned\n"
+            "from repro.run.runner import plan, run_planned\n"
             "p = plan('selftest', None, {'device': 'cpu', 'tp': 1, 'steps': 1}, [], 0)\n"
             f"r = run_planned([p], Path({str(tmp_path)!r}))\n"
             "print(json.dumps([r.report.environment['torch'], r.report.environment['summary'],"
@@ -386,7 +386,7 @@ def test_guard_raise_failure_text_ends_with_its_sentence(tmp_path, no_gpu):
 
 
 def test_clip_never_ends_mid_sentence():
-    from repro.isolate import clip
+    from repro.run.isolate import clip
     text = "First sentence is here. " * 40
     out = clip(text, 100)
     assert len(out) <= 102 and out.endswith("here. …")
@@ -416,7 +416,7 @@ def test_a_real_dims_preset_on_cpu_is_estimated_before_it_starts(tmp_path, no_gp
 ])
 def test_cpu_estimate_is_the_scenarios_own_and_only_for_real_sizes(scenario, preset, run, needle):
     from repro.cli import cpu_warnings
-    from repro.runner import plan
+    from repro.run.runner import plan
     warnings = cpu_warnings([plan(scenario, preset, {"device": "cpu", **run}, [], gpus=0)])
     if needle is None:
         assert warnings == []

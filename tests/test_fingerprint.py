@@ -21,7 +21,7 @@ from repro.diagnose.forensics import MemoryHistory
 from repro.rank.graphs import HarnessMemory, capture
 from repro.diagnose.guard import CaptureGuard, StaleCaptureError
 from repro.outcome import Outcome, Report, TrialRecord, report_from_dict, to_jsonable
-from repro.protocol import RecordSink, TrialSpec
+from repro.run.protocol import RecordSink, TrialSpec
 from repro.report import view
 from repro.scenarios import nvfp4_moe
 from repro.rank.worker import WorkerContext

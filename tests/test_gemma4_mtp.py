@@ -6,7 +6,7 @@ import torch.multiprocessing as mp
 from repro.config import load_preset
 from repro.rank.dist import TP, init_tp, shutdown
 from repro.outcome import Outcome
-from repro.runner import plan, run_planned
+from repro.run.runner import plan, run_planned
 from repro.scenarios.gemma4_mtp import (Gemma4Drafter, Oracle, Proposer, Sequences, decode_step, full_lm_head,
                                         make_lm_head_shard, padded_vocab, target_only)
 from repro.scenarios.gemma4_target import TargetStandIn

@@ -8,7 +8,7 @@ import pytest
 
 from repro.env import gpus
 from repro.outcome import Outcome
-from repro.runner import plan, run_planned
+from repro.run.runner import plan, run_planned
 
 pytestmark = pytest.mark.gpu
 

@@ -266,8 +266,8 @@ CPU_OUTCOMES = {"unfixed": Outcome.STALE_CAPTURE, "fixed": Outcome.CLEAN}
 
 @pytest.mark.slow
 def test_ci_smoke_trials_meet_their_expectations(tmp_path):
-    from repro.matrix import load_matrix
-    from repro.runner import run_planned
+    from repro.run.matrix import load_matrix
+    from repro.run.runner import run_planned
     _, planned = load_matrix("ci-smoke", 0)
     mine = [p for p in planned if p.cfg.scenario == "piecewise-split"]
     assert {p.cfg.run.mode for p in mine} == set(CPU_OUTCOMES)
@@ -301,7 +301,7 @@ GPU_STEPS = 16
 @pytest.fixture(scope="module")
 def gpu_trials(tmp_path_factory):
     from repro.env.gpus import gpu_count
-    from repro.runner import plan, run_planned
+    from repro.run.runner import plan, run_planned
     if gpu_count() < 1 or not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     planned = [plan("piecewise-split", "llama3-8b", {"device": "cuda", "mode": mode, "after_free": knob}, [], gpus=1)

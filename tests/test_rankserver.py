@@ -16,11 +16,11 @@ import time
 import pytest
 
 from conftest import alive
-from repro.isolate import run_trial
-from repro.launch import RankServer, ServerUnavailable, child_env, runs_trials
+from repro.run.isolate import run_trial
+from repro.run.launch import RankServer, ServerUnavailable, child_env, runs_trials
 from repro.outcome import Outcome
-from repro.protocol import records_path
-from repro.runner import plan
+from repro.run.protocol import records_path
+from repro.run.runner import plan
 
 
 def selftest_cfg(steps=3, deadline=20.0):
@@ -93,7 +93,7 @@ def test_closing_the_server_kills_ranks_still_running(tmp_path):
     server = RankServer.start(child_env())
     assert server.wait_ready(120)
     spec = tmp_path / "spec.json"
-    from repro.protocol import TrialSpec
+    from repro.run.protocol import TrialSpec
     TrialSpec(trial_id="t", config=selftest_cfg().to_dict(), device="cpu", world_size=1, out_dir=str(tmp_path),
               fault={"kind": "hang", "rank": 0, "step": 0}).save(spec)
     rank, pgid = server.start_rank(str(spec), 0, child_env(), str(tmp_path / "rank0.log"), 0)

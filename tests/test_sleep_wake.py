@@ -13,9 +13,9 @@ from repro.cli import app
 from repro.config import load_preset
 from repro.rank.dist import TP
 from repro.diagnose.guard import CaptureGuard
-from repro.matrix import load_matrix
+from repro.run.matrix import load_matrix
 from repro.outcome import Outcome
-from repro.runner import plan, run_planned
+from repro.run.runner import plan, run_planned
 from repro.scenarios.gemma4_mtp import Gemma4Drafter, Sequences, decode_step, full_lm_head
 from repro.scenarios.gemma4_target import TargetStandIn
 from repro.scenarios.sleep_wake import (BLOCK_SIZE, DRAFTER_MODE, MAX_BLOCKS, Checkpoint, Engine, Fixes,

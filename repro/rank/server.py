@@ -1,6 +1,6 @@
 """The rank server: one process per run that imports torch once and forks every rank from it.
 
-`python -m repro.rank.server REQUEST_FD REPLY_FD`, started by the parent (repro/launch.py).
+`python -m repro.rank.server REQUEST_FD REPLY_FD`, started by the parent (repro/run/launch.py).
 Starting a rank from a cold interpreter costs the torch import again (about 2 s with
 bytecode, 1.5 s on a 2-core CPU box); a fork of a process that already imported it costs
 milliseconds. The guarantees of a fresh interpreter are kept:

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 from repro.config import TrialConfig
 from repro.noise import silence_known_warnings
 from repro.outcome import Finding, StepRecord
-from repro.protocol import (STACKS_SIGNAL, Event, RecordSink, TrialSpec, records_path, rendezvous_path,
+from repro.run.protocol import (STACKS_SIGNAL, Event, RecordSink, TrialSpec, records_path, rendezvous_path,
                             stacks_path)
 
 
@@ -231,7 +231,7 @@ def dump_forensics(ctx: WorkerContext) -> None:
 
 def peak_reserved(ctx: WorkerContext | None) -> int | None:
     """The caching allocator's peak reserved bytes on this rank's GPU (what a trial really
-    reached, to check the scenario's peak estimate against: repro/ledger.py); None off CUDA or
+    reached, to check the scenario's peak estimate against: repro/run/ledger.py); None off CUDA or
     before CUDA started. Never raises: it runs on the way out of a failing rank too."""
     try:
         import torch

@@ -70,7 +70,7 @@ def default_run_dir() -> Path:
     """A new folder for this run's records under the user's cache (like every run's files, not
     the current directory), created here, atomically, with a unique name: runs started in the
     same second (a script, CI jobs on one host, pytest-xdist workers) never share one."""
-    from repro.runs import default_root
+    from repro.run.runs import default_root
     root = default_root(dict(os.environ))
     root.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=time.strftime("watch-%Y%m%d-%H%M%S-", time.localtime()), dir=root))

@@ -1,6 +1,6 @@
 """GPU memory promised to the trials running at once (`repro matrix --jobs N` on CUDA).
 
-Concurrent trials share the GPUs (repro/runner.py rotates each job slot's CUDA_VISIBLE_DEVICES
+Concurrent trials share the GPUs (repro/run/runner.py rotates each job slot's CUDA_VISIBLE_DEVICES
 so TP=1 trials spread over them). Without a ledger, four trials that each grow to tens of GiB
 start together and the later allocations fail with an out-of-memory error that belongs to the
 neighbours, not to the trial: a wrong verdict. So a CUDA trial first claims the memory its

@@ -2,7 +2,7 @@
 
 Buildkite (`parallelism: N`), GitHub Actions matrices and Slurm arrays start N copies of one
 command; each copy runs its shard and writes its JSON report, and `repro merge` joins them
-(repro/merge.py). The split depends only on the trial ids of the plan (and, with --balance, on
+(repro/run/merge.py). The split depends only on the trial ids of the plan (and, with --balance, on
 the durations a previous report recorded), never on the machine, the clock or the order the
 trials were listed in, so every copy computes the same split without talking to the others.
 
@@ -124,7 +124,7 @@ def estimates(ids: list[str], recorded: dict[str, float]) -> dict[str, float]:
 
 def select_shard(planned: list, text: str, balance: Path | None, env: dict[str, str]) -> tuple[list, ShardRecord]:
     """The planned trials of shard `text` ('K/N' | 'auto') and the record its report keeps."""
-    from repro.matrix import planned_id
+    from repro.run.matrix import planned_id
     record = assign([planned_id(p) for p in planned], parse_shard(text, env), balance)
     mine = set(record.trials)
     return [p for p in planned if planned_id(p) in mine], record

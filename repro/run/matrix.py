@@ -17,7 +17,7 @@ import textwrap
 from typing import Any
 
 from repro.config import ConfigError, RunConfig, SCENARIOS, coerce, default_expectation, read_toml, resolve_preset_path
-from repro.runner import Planned, plan, trial_id
+from repro.run.runner import Planned, plan, trial_id
 
 TRIAL_KEYS = {"scenario", "preset", "set"}
 

@@ -4,7 +4,7 @@ The parent stays torch-free and CUDA-free. Ranks are forked by the run's rank se
 (repro/rank/server.py: one process that imported torch once); the parent only writes requests
 and reads replies. A rank so started is a RemoteRank, which answers poll()/wait() like the
 subprocess.Popen of a spawned rank (the server reports each rank's exit status), so
-repro/isolate.py watches, kills and classifies both alike.
+repro/run/isolate.py watches, kills and classifies both alike.
 
 The server is an optimisation, never a requirement: whenever it is unavailable (its preload
 failed, it died, a request needs an interpreter of its own) the parent spawns the rank as
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent      # holds repro/ (repro/run/launch.py)
 
 # Children inherit these; NVLink multicast must stay off on shared hosts. This module is the
 # parent's and must not import torch (seconds of start-up before the first rank is spawned).

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from repro.launch import cache_root
+from repro.run.launch import cache_root
 
 LATEST = "latest"
 

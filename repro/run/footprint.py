@@ -22,7 +22,7 @@ def needed_bytes(cfg: TrialConfig) -> int:
 
 def expected_peak_bytes(cfg: TrialConfig) -> int:
     """What one rank is expected to reach (the scenario's peak estimate, else its footprint):
-    what the matrix promises a concurrent CUDA trial on each GPU it uses (repro/ledger.py)."""
+    what the matrix promises a concurrent CUDA trial on each GPU it uses (repro/run/ledger.py)."""
     spec = SCENARIOS[cfg.scenario]
     return spec.peak(cfg.model, cfg.run) if spec.peak is not None else needed_bytes(cfg)
 

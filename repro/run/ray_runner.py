@@ -2,7 +2,7 @@
 
 Each trial gets a placement group of one bundle ({"CPU": ranks, "GPU": its GPU count}; a
 `--share-gpu` trial needs one GPU, a CPU trial none), so all ranks of a trial land on one node.
-On that node a small actor runs the trial exactly as a local run does (repro/isolate.py: one
+On that node a small actor runs the trial exactly as a local run does (repro/run/isolate.py: one
 process per rank in its own process group, deadlines, kill on first death, classification),
 in a node-local folder; while it runs the driver copies the trial's new record and log bytes
 into its own run directory, and at the end the actor returns the trial record and every file
@@ -37,17 +37,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from repro.config import TrialConfig, default_expectation
-from repro.isolate import Interrupted, run_trial, unsupported_record
-from repro.launch import MULTICAST_OFF
+from repro.run.isolate import Interrupted, run_trial, unsupported_record
+from repro.run.launch import MULTICAST_OFF
 from repro.outcome import (FirstFailure, Outcome, TrialRecord, parse_expectation, step_from_dict, to_jsonable,
                            trial_from_dict)
-from repro.protocol import Event, StepCounter, read_records, records_path
-from repro.runner import Hooks, Planned, RunResult, environment, run_all, trial_id, with_runtime
+from repro.run.protocol import Event, StepCounter, read_records, records_path
+from repro.run.runner import Hooks, Planned, RunResult, environment, run_all, trial_id, with_runtime
 from repro.scenarios import trial_measures
 from repro.watch.ray import append_chunks, read_new
 
 RAY_MISSING = "--ray needs Ray, which is not installed here: pip install 'repro[ray]' (or pip install ray)"
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent     # repro/, shipped whole to the nodes
 POLL_S = 0.5
 # After Ctrl-C an actor gets this long to stop its trial and hand back the partial record.
 STOP_WAIT_S = 15.0

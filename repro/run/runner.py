@@ -19,11 +19,11 @@ from typing import Any, Callable
 
 from repro.env import doctor, gpus
 from repro.config import SCENARIOS, TrialConfig, apply_overrides, bare_config, load_preset, validate
-from repro.footprint import expected_peak_bytes, fit_reason, gib
-from repro.interrupts import Interrupts, Terminated, checkpoint
-from repro.isolate import POLL_S, Interrupted, run_trial, unsupported_record
-from repro.launch import RankServer, child_env
-from repro.ledger import MemoryLedger, need_on, trial_gpus
+from repro.run.footprint import expected_peak_bytes, fit_reason, gib
+from repro.run.interrupts import Interrupts, Terminated, checkpoint
+from repro.run.isolate import POLL_S, Interrupted, run_trial, unsupported_record
+from repro.run.launch import RankServer, child_env
+from repro.run.ledger import MemoryLedger, need_on, trial_gpus
 from repro.outcome import Report, TrialRecord
 
 
@@ -132,7 +132,7 @@ def run_planned(planned: list[Planned], out_root: Path, on_start: Callable[[str,
     Ranks are forked from one rank server per run (torch imported once; repro/rank/server.py):
     `server` when the caller started it (and closes it), else one started here. Under a
     wrapper program every rank is a fresh interpreter (the wrapper must exec it).
-    interrupts: the CLI's signal flag (repro/interrupts.py), polled here; without it a
+    interrupts: the CLI's signal flag (repro/run/interrupts.py), polled here; without it a
     KeyboardInterrupt in the calling thread stops the run.
     """
     checkpoint("run")
@@ -163,7 +163,7 @@ def run_planned(planned: list[Planned], out_root: Path, on_start: Callable[[str,
 
 def gpu_ledger(planned: list[Planned], lanes: list[str]) -> MemoryLedger | None:
     """Where concurrent CUDA trials share GPUs whose size NVML tells: the ledger they claim
-    memory from (repro/ledger.py); None otherwise (one job, no CUDA trial, no NVML)."""
+    memory from (repro/run/ledger.py); None otherwise (one job, no CUDA trial, no NVML)."""
     if not lanes or not any(p.device == "cuda" for p in planned):
         return None
     totals = gpus.visible_memory()[:len(lanes)]
@@ -226,7 +226,7 @@ def run_all(planned: list[Planned], run_dir: Path, hooks: Hooks, wrapper: list[s
             jobs: int, lanes: list[str], server: RankServer | None = None,
             one: Callable[..., TrialRecord | None] | None = None,
             interrupts: Interrupts | None = None, ledger: MemoryLedger | None = None) -> RunResult:
-    """one: the per-trial step, run_one's signature (repro/ray_runner.py runs it on a cluster);
+    """one: the per-trial step, run_one's signature (repro/run/ray_runner.py runs it on a cluster);
     ledger: the GPU memory concurrent CUDA trials claim (passed to `one` only when there is one)."""
     one = one or run_one
     stop = threading.Event()

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from repro import stacks
+from repro.run import stacks
 from repro.config import TrialConfig, default_expectation
-from repro.interrupts import checkpoint
-from repro.launch import RankServer, ServerUnavailable, StartCancelled, child_env
+from repro.run.interrupts import checkpoint
+from repro.run.launch import RankServer, ServerUnavailable, StartCancelled, child_env
 from repro.outcome import (REPRODUCED, FirstFailure, Outcome, RankExit, TrialRecord, finding_from_dict,
                            manifest_from_dict, parse_expectation, step_from_dict, worst)
-from repro.protocol import (STACKS_SIGNAL, Event, RankRecords, StepCounter, TrialSpec, log_path, read_records,
+from repro.run.protocol import (STACKS_SIGNAL, Event, RankRecords, StepCounter, TrialSpec, log_path, read_records,
                             records_path, rendezvous_path, spec_path, stacks_path)
 from repro.scenarios import trial_measures
 
