@@ -419,9 +419,9 @@ def dump(*threads):
     return "\n".join(out)
 
 
-WORKER = ("/x/repro/worker.py", 200, "run_rank")
+WORKER = ("/x/repro/rank/worker.py", 200, "run_rank")
 GATHER = [("/x/torch/distributed/distributed_c10d.py", 4394, "all_gather_single"),
-          ("/x/repro/dist.py", 40, "all_gather_dim0"), ("/x/repro/scenarios/selftest.py", 20, "run"), WORKER]
+          ("/x/repro/rank/dist.py", 40, "all_gather_dim0"), ("/x/repro/scenarios/selftest.py", 20, "run"), WORKER]
 STUCK = [("/x/repro/scenarios/gemma4_mtp.py", 99, "greedy_sample"), WORKER]
 
 

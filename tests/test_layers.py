@@ -162,6 +162,15 @@ def module_strings(tree) -> list[tuple[int, str]]:
     return found
 
 
+def file_strings(tree) -> list[tuple[int, str]]:
+    """Paths to the package's own files held in strings ("/repro/rank/worker.py": which frames of a
+    dumped stack are a rank's entry point), from repro/ on."""
+    import ast
+    import re
+    return [(n.lineno, m.group(1)) for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            for m in [re.fullmatch(r"(?:.*/)?(repro/[\w/]+\.py)", n.value)] if m]
+
+
 def code_strings(tree) -> list:
     """Python source held in strings (`python -c` programs of tests and benchmarks), parsed."""
     import ast
@@ -188,6 +197,7 @@ def unresolved(path) -> list[str]:
                 for shim in [m if m in PUBLIC_SHIMS else f"{m}.{n}"] if shim in PUBLIC_SHIMS]
     bad += [f"{where}:{line}: module path {text!r}" for line, text in module_strings(tree)
             if not resolves(*module_path(text))]
+    bad += [f"{where}:{line}: file path {text!r}" for line, text in file_strings(tree) if not (REPO / text).is_file()]
     for line, inner in code_strings(tree):
         bad += [f"{where}:{line}: in a code string: {'from ' + m + ' import ' + n if n else 'import ' + m}"
                 for _, m, n in repro_imports(inner) if not resolves(m, n)]
@@ -219,6 +229,9 @@ def test_the_resolution_check_sees_what_it_should(tmp_path):
     assert not any(resolves(*module_path(t)) for _, t in module_strings(tree))
     assert [m for _, inner in code_strings(tree) for _, m, _ in repro_imports(inner)] == ["repro"]
     assert not resolves("repro", "no_such_module")
+    paths = __import__("ast").parse("WORKER = '/x/PKG/rank/worker.py'\nOLD = '/PKG/worker.py'\nX = 'a/b.py'"
+                                    .replace("PKG", "repro"))
+    assert [t.replace("repro", "PKG") for _, t in file_strings(paths)] == ["PKG/rank/worker.py", "PKG/worker.py"]
 
 
 def test_the_public_paths_re_export_everything_public():

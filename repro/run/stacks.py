@@ -16,9 +16,9 @@ FRAME = re.compile(r'^\s+File "(?P<path>.*)", line (?P<line>\d+) in (?P<func>.*)
 
 # Frames that mean "blocked in a collective": torch.distributed's Python API (gloo blocks
 # inside it) and the harness's own collective helpers.
-COLLECTIVE_PATHS = ("/torch/distributed/", "/repro/dist.py")
+COLLECTIVE_PATHS = ("/torch/distributed/", "/repro/rank/dist.py")
 # The rank's own entry module: its thread is the one that runs the scenario.
-WORKER_PATH = "/repro/worker.py"
+WORKER_PATH = "/repro/rank/worker.py"
 TOP_FRAMES = 6
 
 

@@ -10,6 +10,9 @@ are listed here; any installed package adds its own through the `repro.scenarios
 group (`name = "package.module:SPEC"`), read in every process, ranks included, so a plugin
 scenario is known wherever the registry is.
 
+nvfp4 (the NVFP4 reference), specdec (speculative bookkeeping) and compare (output against its
+reference) are helpers the scenario modules share: torch, and no scenarios of their own.
+
 This module stays torch-free: the parent imports it. Scenario modules import torch and touch
 CUDA, so they are imported lazily, inside workers only (load_scenario).
 """
