@@ -41,4 +41,4 @@ def test_a_watched_program_can_load_rays_hook_from_this_copy_without_repro_on_it
                           env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     path, on_path = done.stdout.split()
-    assert path == str(REPO / "repro" / "watch_ray.py") and on_path == "False"
+    assert path == str(REPO / "repro" / "watch" / "ray.py") and on_path == "False"
