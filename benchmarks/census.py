@@ -18,11 +18,11 @@ import time
 import torch
 
 from common import emit
-from repro.census import CensusBook, take_snapshot
+from repro.diagnose.census import CensusBook, take_snapshot
 from repro.config import load_preset, validate
-from repro.dist import TP
-from repro.graphs import capture
-from repro.guard import CaptureGuard
+from repro.rank.dist import TP
+from repro.rank.graphs import capture
+from repro.diagnose.guard import CaptureGuard
 from replay import interleaved
 
 

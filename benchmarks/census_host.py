@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit  # noqa: E402
 
-from repro import census as C  # noqa: E402
+from repro.diagnose import census as C  # noqa: E402
 
 MiB = 1 << 20
 POOL = (1, 7)                       # the shared graph pool every graph captures into

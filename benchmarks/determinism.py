@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 from common import emit
-from repro import gpus
+from repro.env import gpus
 from repro.outcome import REPRODUCED, Outcome
-from repro.runner import plan, run_planned
+from repro.run.runner import plan, run_planned
 
 # The shipping set-up of each scenario: gemma4-mtp at E2B dims and TP=2 (the bug needs TP > 1),
 # nvfp4-reload at Qwen3-30B-A3B MoE dims. Steps are cut to what a verdict needs.

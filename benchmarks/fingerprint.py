@@ -1,4 +1,4 @@
-"""What the contents fingerprint (repro/fingerprint.py) costs, against the number and size of
+"""What the contents fingerprint (repro/diagnose/fingerprint.py) costs, against the number and size of
 the inputs a capture takes from outside its pool.
 
     PYTHONPATH=. python3 benchmarks/fingerprint.py [--device cpu|cuda] [--counts 16 256 1024]
@@ -28,9 +28,9 @@ from common import emit  # noqa: E402
 
 import torch  # noqa: E402
 
-from repro import fingerprint  # noqa: E402
-from repro.graphs import HarnessMemory  # noqa: E402
-from repro.guard import CaptureGuard  # noqa: E402
+from repro.diagnose import fingerprint  # noqa: E402
+from repro.rank.graphs import HarnessMemory  # noqa: E402
+from repro.diagnose.guard import CaptureGuard  # noqa: E402
 
 LABEL = "inputs"
 

@@ -16,9 +16,9 @@ import tempfile
 from pathlib import Path
 
 from common import emit
-from repro import gpus
+from repro.env import gpus
 from repro.config import AFTER_FREE
-from repro.runner import plan, run_planned
+from repro.run.runner import plan, run_planned
 
 GUARDS = ("warn", "off")
 

@@ -1,7 +1,7 @@
 """Where a trial's time goes: one TP=1 trial's rank run in this process under cProfile.
 
 Time to verdict is dominated by one-time costs in the worker (torch import, first capture);
-this names them. The rank runs exactly as `python -m repro.worker` would run it.
+this names them. The rank runs exactly as `python -m repro.rank.worker` would run it.
 Usage: PYTHONPATH=$PWD python3 benchmarks/profile_trial.py [--scenario nvfp4-reload] [--top 30]
            [--graphs] [--who-imports MODULE] [-- any run key=value, e.g. steps=2]
 --graphs times each capture and each graph's first replay instead of profiling (cProfile's
@@ -21,10 +21,10 @@ from pathlib import Path
 
 t_process = time.perf_counter()
 
-from repro import gpus                       # noqa: E402  (the clock above starts first)
-from repro.runner import plan                # noqa: E402
-from repro.protocol import TrialSpec  # noqa: E402
-from repro.worker import run_rank  # noqa: E402
+from repro.env import gpus                       # noqa: E402  (the clock above starts first)
+from repro.run.runner import plan                # noqa: E402
+from repro.run.protocol import TrialSpec  # noqa: E402
+from repro.rank.worker import run_rank  # noqa: E402
 
 
 class WhoImports:
@@ -50,7 +50,7 @@ class GraphClock:
         self.first_replays: dict[str, float] = {}
 
     def install(self) -> None:
-        import repro.graphs as graphs
+        import repro.rank.graphs as graphs
         from repro.scenarios import SCENARIOS, load_scenario
         original_capture, original_replay = graphs.capture, graphs.Captured.replay
         clock = self

@@ -24,8 +24,8 @@ import torch
 
 from common import emit
 from repro.config import load_preset, validate
-from repro.dist import TP
-from repro.guard import CaptureGuard
+from repro.rank.dist import TP
+from repro.diagnose.guard import CaptureGuard
 from repro.scenarios.gemma4_mtp import Gemma4Drafter, Proposer, graph_label
 
 GUARD_BATCHES = (1, 64)
@@ -104,7 +104,7 @@ def bench_gemma(rounds: int, block: int) -> list[dict]:
 
 def bench_moe(rounds: int) -> list[dict]:
     """The MoE forward at the real shape: eager vs replay; and one reload (quantize + copy-back)."""
-    from repro.graphs import capture
+    from repro.rank.graphs import capture
     from repro.scenarios import nvfp4_moe as moe
     dims = validate(load_preset("qwen3-30b-a3b-moe")).model
     dev, dtype = torch.device("cuda", 0), torch.bfloat16

@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 from common import emit
-from repro import gpus
-from repro.isolate import Interrupted, run_trial
-from repro.protocol import Event, log_path, read_records
-from repro.runner import plan
+from repro.env import gpus
+from repro.run.isolate import Interrupted, run_trial
+from repro.run.protocol import Event, log_path, read_records
+from repro.run.runner import plan
 
 # API errors (NCCL probes kernels it has no image for) are noise here: only memory errors count.
 MEMCHECK = ["compute-sanitizer", "--tool", "memcheck", "--report-api-errors", "no", "--print-limit", "10",

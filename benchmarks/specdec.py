@@ -26,12 +26,12 @@ import torch.multiprocessing as mp
 
 from common import emit
 from repro.config import load_preset, validate
-from repro.dist import init_tp, shutdown
-from repro.graphs import apply_after_free
-from repro.guard import CaptureGuard
+from repro.rank.dist import init_tp, shutdown
+from repro.rank.graphs import apply_after_free
+from repro.diagnose.guard import CaptureGuard
 from repro.scenarios import gemma4_mtp as g
 from repro.scenarios.gemma4_target import TargetStandIn
-from repro.specdec import SpecStats
+from repro.scenarios.specdec import SpecStats
 
 
 def build_variants(dims, tp, dev, seed: int) -> dict:

@@ -27,23 +27,23 @@ SNIPPETS = {
     "import torch + CUDA context": (
         "import torch, time, json; t=time.perf_counter(); torch.zeros(1, device='cuda'); "
         "torch.cuda.synchronize(); print(json.dumps({'cuda_init_s': time.perf_counter()-t}))"),
-    "rank preload (repro.rankserver.preload)": (
-        "import json, sys, time, os; t=time.perf_counter(); from repro import rankserver; rankserver.preload(); "
+    "rank preload (repro.rank.server.preload)": (
+        "import json, sys, time, os; t=time.perf_counter(); from repro.rank import server as rankserver; rankserver.preload(); "
         "print(json.dumps({'preload_s': time.perf_counter()-t, "
         "'dynamo_imported': 'torch._dynamo' in sys.modules, 'threads': rankserver.thread_count(), "
         "'libcuda_mapped': 'libcuda.so' in open('/proc/self/maps').read(), 'unfit': rankserver.unfit_reason(), "
         "'driver_initialized': rankserver.driver_initialized()}))"),
     "the rank server's CUDA check after CUDA is initialised": (
-        "import json, torch; from repro import rankserver; torch.cuda.init()\n"
+        "import json, torch; from repro.rank import server as rankserver; torch.cuda.init()\n"
         "print(json.dumps({'driver_initialized': rankserver.driver_initialized(), 'unfit': rankserver.unfit_reason()}))"),
     "the rank server's CUDA check after torch.cuda.is_available()": (
-        "import json, torch; from repro import rankserver; torch.cuda.is_available()\n"
+        "import json, torch; from repro.rank import server as rankserver; torch.cuda.is_available()\n"
         "print(json.dumps({'torch_says_initialized': torch.cuda.is_initialized(), "
         "'driver_initialized': rankserver.driver_initialized(), 'unfit': rankserver.unfit_reason()}))"),
     "modules a rank imports after the preload (nvfp4-reload, TP 1, in-process)": (
         "import json, sys, tempfile, time\n"
-        "from repro import rankserver; rankserver.preload()\n"
-        "from repro.runner import plan; from repro.protocol import TrialSpec; from repro.worker import run_rank\n"
+        "from repro.rank import server as rankserver; rankserver.preload()\n"
+        "from repro.run.runner import plan; from repro.run.protocol import TrialSpec; from repro.rank.worker import run_rank\n"
         "before = set(sys.modules)\n"
         "p = plan('nvfp4-reload', None, {'device': 'cuda'}, ['run.steps=2'], 1)\n"
         "tmp = tempfile.mkdtemp(); t = time.perf_counter()\n"
@@ -62,7 +62,7 @@ SNIPPETS = {
         " 'has_should_skip_dynamo': hasattr(TorchDispatchMode, '_should_skip_dynamo'), 'torch': torch.__version__}))"),
     "first dispatch of the guard's recording mode": (
         "import sys, time, json, torch\n"
-        "from repro import guard\n"
+        "from repro.diagnose import guard\n"
         "t=time.perf_counter(); guard.warm_up()\n"
         "print(json.dumps({'first_dispatch_s': time.perf_counter()-t, 'dynamo_imported': 'torch._dynamo' in sys.modules}))"),
     "fork after import, child uses CUDA": (
@@ -79,7 +79,7 @@ SNIPPETS = {
 
 def run_snippet(code: str) -> dict:
     """In the environment the harness gives its ranks (its bytecode cache included)."""
-    from repro.launch import child_env
+    from repro.run.launch import child_env
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env())
     wall = time.perf_counter() - t0

@@ -39,7 +39,7 @@ CHECK_CALLS = 20000
 def watched_env(run_dir: str) -> dict:
     sys.path.insert(0, str(REPO))
     from pathlib import Path as _P
-    from repro.watch import watch_env
+    from repro.watch.command import watch_env
     env = watch_env(dict(os.environ), _P(run_dir), "warn")
     env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + str(REPO)
     return env
@@ -85,7 +85,7 @@ def inner_decode() -> dict:
             graph.replay()
         torch.cuda.synchronize()
         rounds.append((time.perf_counter() - t0) / REPLAYS * 1e6)
-    from repro import watch_hooks
+    from repro.watch import hooks as watch_hooks
     watcher = watch_hooks.active()
     return {"us_per_replay_rounds": rounds, "us_per_replay": statistics.median(rounds),
             "watched": watcher is not None,
@@ -116,7 +116,7 @@ def watched_graph_class(run_dir: str):
     GPU, a stand-in whose methods do nothing on CPU (`replay(self)`, torch's signature)."""
     import torch
     sys.path.insert(0, str(REPO))
-    from repro import watch_hooks
+    from repro.watch import hooks as watch_hooks
     watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(run_dir, "warn", "api"))
     watcher.recorder = watch_hooks.Recorder(run_dir)
     if torch.cuda.is_available():

@@ -5,7 +5,7 @@ Runs on a GPU (a real torch.cuda.CUDAGraph) or, without one, as a CPU dry run of
 """
 import torch
 
-from repro.guard import CaptureGuard
+from repro.diagnose.guard import CaptureGuard
 
 
 def main() -> list[str]:

@@ -3,7 +3,7 @@ __version__ = "0.1.0"
 
 # The reload-stability check, imported on first use: the CLI imports this package and must
 # not import torch.
-_LAZY = {"reload_census": "repro.stability", "expect_stable": "repro.stability"}
+_LAZY = {"reload_census": "repro.diagnose.stability", "expect_stable": "repro.diagnose.stability"}
 
 
 def __getattr__(name: str):

@@ -1,20 +1,20 @@
 """The `repro` command (console script and `python -m repro`).
 
-Its first act is to take over Ctrl-C and SIGTERM (repro/interrupts.py): from then on a signal
+Its first act is to take over Ctrl-C and SIGTERM (repro/run/interrupts.py): from then on a signal
 at any moment ends the run with its report. Commands that run trials get their rank server
 started next, before the CLI imports Typer, Rich and the report code: the server's torch
 import (seconds) overlaps the parent's own start-up, planning and NVML queries
-(repro/launch.py).
+(repro/run/launch.py).
 """
 import sys
 
 
 def main() -> None:
-    from repro.interrupts import Interrupts, checkpoint
+    from repro.run.interrupts import Interrupts, checkpoint
     interrupts = Interrupts()
     interrupts.install()
     checkpoint("start")
-    from repro.launch import prestart
+    from repro.run.launch import prestart
     from repro.scenarios import SCENARIOS
     server = prestart(sys.argv[1:], frozenset(SCENARIOS) | {"matrix"})
     checkpoint("server")

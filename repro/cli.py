@@ -23,20 +23,22 @@ import typer
 from typer.core import TyperGroup
 
 import repro
-from repro import doctor, gpus, noise, report, runs
+from repro import noise, report
+from repro.run import runs
+from repro.env import doctor, gpus
 from repro.config import (AFTER_FREE, DEVICES, ConfigError, load_preset, override_sources,
                           preset_names)
-from repro.footprint import needed_bytes
-from repro.interrupts import Interrupts, Terminated, checkpoint
-from repro.launch import RankServer, runs_trials
+from repro.run.footprint import needed_bytes
+from repro.run.interrupts import Interrupts, Terminated, checkpoint
+from repro.run.launch import RankServer, runs_trials
 from repro.outcome import GuardMode, Outcome, Report, to_jsonable
 from repro.output import MATRIX_EXITS, TRIAL_EXITS, WATCH_EXITS, Exit, Output, exit_codes_help
-from repro.preflight import check_outputs, refuse_ignored
-from repro.protocol import FAULTS
-from repro.ray_runner import RayUnavailable
-from repro.runner import Planned, RunResult, plan, run_planned
+from repro.run.preflight import check_outputs, refuse_ignored
+from repro.run.protocol import FAULTS
+from repro.run.ray_runner import RayUnavailable
+from repro.run.runner import Planned, RunResult, plan, run_planned
 from repro.scenarios import SCENARIOS, CpuCost, RunKeySpec, ScenarioSpec
-from repro.watch_hooks import OnFinding, Record
+from repro.watch.hooks import OnFinding, Record
 
 EXIT_CODES = exit_codes_help(TRIAL_EXITS)
 MATRIX_EXIT_CODES = exit_codes_help(MATRIX_EXITS)
@@ -67,7 +69,7 @@ TRIAL_COMMANDS = frozenset(SCENARIOS) | {"matrix"}
 @dataclass
 class Session:
     """What the program's start (repro/__main__.py) hands every command: the rank server it
-    started, if any, and the signal flag it installed (repro/interrupts.py)."""
+    started, if any, and the signal flag it installed (repro/run/interrupts.py)."""
     server: RankServer | None = None
     interrupts: Interrupts = field(default_factory=Interrupts)
 
@@ -294,7 +296,7 @@ def execute(planned: list[Planned], artifacts: Path | None, out: Output, junit: 
             html: Path | None, summary_only: bool = False, allow_unsupported: bool = False,
             jobs: int = 1, server: RankServer | None = None, interrupts: Interrupts | None = None,
             shard: dict[str, Any] | None = None, run: Callable[..., RunResult] = run_planned) -> int:
-    """run: the runner (run_planned here; repro/ray_runner.py's for --ray); shard: the
+    """run: the runner (run_planned here; repro/run/ray_runner.py's for --ray); shard: the
     report's shard record under --shard."""
     interrupts = interrupts or Interrupts()
     for text in cpu_warnings(planned):
@@ -421,7 +423,7 @@ def matrix(
     shard: ShardOpt = None, balance: BalanceOpt = None, ray: RayOpt = None, retries: RetriesOpt = 0,
 ) -> int:
     """CI smoke check: every scenario x mode with its expected outcome; exit 0 only if all hold."""
-    from repro.matrix import listing, load_matrix, select
+    from repro.run.matrix import listing, load_matrix, select
     cluster = None
     checkpoint("parsed")
     out = Output(json_path)
@@ -430,13 +432,13 @@ def matrix(
             raise ConfigError(f"--jobs {jobs}: must be >= 1 (1 runs the trials one after another)")
         check_past_one_host(shard, balance, ray, retries)
         if ray:
-            from repro import ray_runner
+            from repro.run import ray_runner
             cluster = ray_runner.connect(ray)
         _, planned = load_matrix(config, cluster.largest_gpus() if cluster else gpus.gpu_count())
         planned = select(planned, only or [], config)
         record = None
         if shard:
-            from repro.shard import select_shard
+            from repro.run.shard import select_shard
             planned, record = select_shard(planned, shard, balance, dict(os.environ))
         if list_:
             refuse_ignored("--list", {"--json": json_path, "--junit": junit, "--html": html,
@@ -466,7 +468,7 @@ def matrix(
                    interrupts=ctx.obj.interrupts, shard=record.to_dict() if record else None, run=run)
 
 
-# Past one host (repro/shard.py, repro/merge.py, repro/ray_runner.py): options of `repro matrix`
+# Past one host (repro/run/shard.py, repro/run/merge.py, repro/run/ray_runner.py): options of `repro matrix`
 # and the `repro merge` command, kept together here.
 ShardOpt = Annotated[Optional[str], typer.Option("--shard", metavar="K/N|auto", help="Run shard K of N (1 <= K <= N): a stable 1/N of the trials by trial id, the same on every machine. auto: from Buildkite's BUILDKITE_PARALLEL_JOB / BUILDKITE_PARALLEL_JOB_COUNT, else REPRO_SHARD=K/N. Join the shards' --json reports with `repro merge`.")]
 BalanceOpt = Annotated[Optional[Path], typer.Option("--balance", metavar="PREVIOUS.json", help="With --shard: split by the trial durations a previous JSON report recorded (longest first onto the least loaded shard), still the same on every machine.")]
@@ -490,7 +492,7 @@ def merge_cmd(
     allow_unsupported: Annotated[bool, typer.Option("--allow-unsupported", help="UNSUPPORTED trials do not fail the run (they never pass).")] = False,
 ) -> int:
     """One report over the shard reports of one matrix, exit code as if it had been one run; a missing or duplicated shard fails it."""
-    from repro.merge import merge
+    from repro.run.merge import merge
     out = Output(json_path)
     try:
         check_outputs(out.json_file, junit, html, None)
@@ -554,7 +556,7 @@ def vllm_audit(
     json_path: JsonOpt = None,
 ) -> int:
     """Does a vLLM (installed, a directory or an archive) carry the upstream fixes? Never imports vLLM."""
-    from repro import audit
+    from repro.audit import scan as audit
     out = Output(json_path)
     if path and wheel:
         return out.error("give --path or --wheel, not both")
@@ -593,7 +595,7 @@ def watch_cmd(
     json_path: JsonOpt = None, junit: WatchJunitOpt = None, html: WatchHtmlOpt = None,
 ) -> int:
     """Run CMD unchanged with the stale-capture hooks in every Python process it starts: repro watch -- CMD [ARGS...]."""
-    from repro import watch
+    from repro.watch import command as watch
     return report_watch(lambda: watch.watch(list(ctx.args), run_dir, on_finding, record), json_path, junit, html)
 
 
@@ -603,7 +605,7 @@ def watch_report_cmd(
     json_path: JsonOpt = None, junit: WatchJunitOpt = None, html: WatchHtmlOpt = None,
 ) -> int:
     """One report over the records of one or more `repro watch` runs (exit 1 if any finding)."""
-    from repro import watch
+    from repro.watch import command as watch
     return report_watch(lambda: watch.merge(run_dirs), json_path, junit, html)
 
 
@@ -612,7 +614,7 @@ def report_watch(make_report, json_path, junit, html) -> int:
 
     The human report goes to stderr also without --json: stdout is CMD's own (repro watch),
     and watch-report reads the same as the run it merges."""
-    from repro import watch, watch_report
+    from repro.watch import command as watch, report as watch_report
     out = Output(json_path)
     try:
         check_outputs(out.json_file, junit, html, None)

@@ -256,7 +256,7 @@ class Report:
     schema: str = SCHEMA
     interrupted_by: str | None = None   # "SIGINT" | "SIGTERM"
     not_run: int = 0                    # planned trials that never started (an interrupt came first)
-    # `repro matrix --shard K/N` / `repro merge` (repro/shard.py, repro/merge.py): which part of
+    # `repro matrix --shard K/N` / `repro merge` (repro/run/shard.py, repro/run/merge.py): which part of
     # which plan this report covers; None on an unsharded run, whose JSON then has no such key.
     shard: dict[str, Any] | None = None
     OPTIONAL: ClassVar[tuple[str, ...]] = ("shard",)
@@ -266,7 +266,7 @@ class Report:
                 and not self.shard_problems())
 
     def shard_problems(self) -> list[str]:
-        """A merge's missing or duplicated shards (repro/merge.py): each one fails the run."""
+        """A merge's missing or duplicated shards (repro/run/merge.py): each one fails the run."""
         return list((self.shard or {}).get("problems") or [])
 
 

@@ -26,8 +26,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def no_gpu(monkeypatch):
     """Pretend NVML sees no GPU, so auto device means CPU on any machine."""
-    import repro.gpus
-    monkeypatch.setattr(repro.gpus, "gpu_count", lambda *a, **k: 0)
+    import repro.env.gpus
+    monkeypatch.setattr(repro.env.gpus, "gpu_count", lambda *a, **k: 0)
 
 
 def alive(pid: int) -> bool:

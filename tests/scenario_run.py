@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from repro.forensics import MemoryHistory
-from repro.graphs import HarnessMemory
-from repro.guard import CaptureGuard
-from repro.protocol import RecordSink, TrialSpec
-from repro.worker import WorkerContext
+from repro.diagnose.forensics import MemoryHistory
+from repro.rank.graphs import HarnessMemory
+from repro.diagnose.guard import CaptureGuard
+from repro.run.protocol import RecordSink, TrialSpec
+from repro.rank.worker import WorkerContext
 
 CPU = torch.device("cpu")
 

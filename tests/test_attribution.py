@@ -1,10 +1,10 @@
-"""repro.attribution on hand-written record files: phases from markers, owners and times."""
+"""repro.pytest.attribution on hand-written record files: phases from markers, owners and times."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from repro.attribution import OUTSIDE, Attribution, Phase, all_findings, graph_key, run_stats
+from repro.pytest.attribution import OUTSIDE, Attribution, Phase, all_findings, graph_key, run_stats
 
 
 def write(path: Path, *records: dict, partial: str = "") -> None:

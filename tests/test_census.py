@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from repro import census as C
+from repro.diagnose import census as C
 from repro.outcome import Finding, Status, finding_from_dict
 
 MiB = 1 << 20
@@ -19,7 +19,7 @@ MiB = 1 << 20
 
 @dataclasses.dataclass
 class GuardSlot:
-    """What merge_findings reads of a guard slot (repro.guard.Slot has these attributes)."""
+    """What merge_findings reads of a guard slot (repro.diagnose.guard.Slot has these attributes)."""
     name: str
     storage_ptr: int
     storage_nbytes: int

@@ -17,9 +17,9 @@ import os
 import pytest
 import torch
 
-from repro.census import CensusBook, GraphCensus
-from repro.graphs import capture
-from repro.guard import CaptureGuard
+from repro.diagnose.census import CensusBook, GraphCensus
+from repro.rank.graphs import capture
+from repro.diagnose.guard import CaptureGuard
 
 pytestmark = pytest.mark.gpu
 
@@ -190,8 +190,8 @@ def seeds() -> int:
     ("gemma4-mtp", {"mode": "fixed", "tp": 1}),
 ])
 def test_fixed_modes_give_no_census_finding(tmp_path, scenario, run):
-    from repro import gpus
-    from repro.runner import plan, run_planned
+    from repro.env import gpus
+    from repro.run.runner import plan, run_planned
     planned = [plan(scenario, None, {**run, "seed": s}, [], gpus.gpu_count()) for s in range(seeds())]
     trials = run_planned(planned, tmp_path, jobs=min(8, len(planned))).report.trials
     for t in trials:

@@ -8,7 +8,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-import repro.gpus
+import repro.env.gpus
 from conftest import REPO
 from repro.cli import app
 
@@ -73,7 +73,7 @@ def test_bad_input_one_line_exit_2(args, needle):
 
 
 def test_tp_larger_than_gpus_is_environment_exit_3(monkeypatch, tmp_path):
-    monkeypatch.setattr(repro.gpus, "gpu_count", lambda *a, **k: 1)
+    monkeypatch.setattr(repro.env.gpus, "gpu_count", lambda *a, **k: 1)
     result = invoke("gemma4-mtp", "--tp", "2", "--device", "cuda", "--artifacts", str(tmp_path), "--json", "-")
     assert result.exit_code == 3
     doc = json.loads(result.stdout)
@@ -82,7 +82,7 @@ def test_tp_larger_than_gpus_is_environment_exit_3(monkeypatch, tmp_path):
 
 
 def test_tp_larger_than_gpus_says_how_to_share_one(monkeypatch, tmp_path):
-    monkeypatch.setattr(repro.gpus, "gpu_count", lambda *a, **k: 1)
+    monkeypatch.setattr(repro.env.gpus, "gpu_count", lambda *a, **k: 1)
     result = invoke("gemma4-mtp", "--tp", "2", "--device", "cuda", "--artifacts", str(tmp_path), "--json", "-")
     assert "--share-gpu" in json.loads(result.stdout)["trials"][0]["first_failure"]["detail"]
 
@@ -94,8 +94,8 @@ def test_tp_larger_than_gpus_says_how_to_share_one(monkeypatch, tmp_path):
     (0, ["--share-gpu"], "cpu"),               # auto on a CPU-only machine: gloo on the host
 ])
 def test_share_gpu_planning(monkeypatch, gpus, extra, device):
-    monkeypatch.setattr(repro.gpus, "gpu_count", lambda *a, **k: gpus)
-    monkeypatch.setattr(repro.gpus, "visible_memory", lambda *a, **k: [140 << 30] * gpus)
+    monkeypatch.setattr(repro.env.gpus, "gpu_count", lambda *a, **k: gpus)
+    monkeypatch.setattr(repro.env.gpus, "visible_memory", lambda *a, **k: [140 << 30] * gpus)
     cfg = json.loads(invoke("gemma4-mtp", "--tp", "2", "--config", "gemma4-e2b", *extra, "--print-config").stdout)
     assert cfg["device"].split(":")[0] == device
     assert cfg["run"]["share_gpu"] is bool(extra) and cfg["run"]["num_speculative_tokens"] == 3
@@ -103,19 +103,19 @@ def test_share_gpu_planning(monkeypatch, gpus, extra, device):
 
 def test_shared_gpu_must_hold_every_rank(monkeypatch):
     from repro.config import apply_overrides, load_preset, validate
-    from repro.footprint import fit_reason, needed_bytes
+    from repro.run.footprint import fit_reason, needed_bytes
     cfg = validate(apply_overrides(load_preset("gemma4-e2b"), {"tp": 2, "share_gpu": True}, []))
     per_rank = needed_bytes(cfg)
-    monkeypatch.setattr(repro.gpus, "visible_memory", lambda *a, **k: [int(per_rank * 1.5)])
+    monkeypatch.setattr(repro.env.gpus, "visible_memory", lambda *a, **k: [int(per_rank * 1.5)])
     assert "needs at least" in fit_reason(cfg, "cuda")          # two ranks do not fit on the one GPU
-    monkeypatch.setattr(repro.gpus, "visible_memory", lambda *a, **k: [per_rank * 2])
+    monkeypatch.setattr(repro.env.gpus, "visible_memory", lambda *a, **k: [per_rank * 2])
     assert fit_reason(cfg, "cuda") == ""
 
 
 def test_share_gpu_ranks_use_gloo_on_gpu_0(monkeypatch):
     import torch
-    from repro.dist import backend_for
-    from repro.worker import TrialSpec, pick_device
+    from repro.rank.dist import backend_for
+    from repro.rank.worker import TrialSpec, pick_device
     assert backend_for(torch.device("cuda", 0), share_gpu=True) == "gloo"
     assert backend_for(torch.device("cuda", 1)) == "nccl"
     assert backend_for(torch.device("cpu")) == "gloo"
@@ -187,12 +187,12 @@ def test_vllm_audit_cli_unknown_fails_a_requirement(tmp_path):
 def test_parent_never_imports_torch_before_spawning():
     """The CLI, planning and the trial runner stay torch-free: a CUDA torch import takes seconds,
     and every one of them would come before the first rank starts (time to verdict). The parent
-    talks to the ranks through repro.protocol only, never importing the worker's entry module
+    talks to the ranks through repro.run.protocol only, never importing the worker's entry module
     (nor the rank server's: it imports torch in its own process)."""
-    code = ("import sys, repro.__main__, repro.cli, repro.runner, repro.isolate, repro.launch, repro.matrix\n"
-            "from repro.runner import plan\n"
+    code = ("import sys, repro.__main__, repro.cli, repro.run.runner, repro.run.isolate, repro.run.launch, repro.run.matrix\n"
+            "from repro.run.runner import plan\n"
             "plan('gemma4-mtp', None, {'device': 'cpu', 'tp': 2}, [], 0)\n"
-            "print(sorted(m for m in sys.modules if m in ('torch', 'repro.worker', 'repro.rankserver')"
+            "print(sorted(m for m in sys.modules if m in ('torch', 'repro.rank.worker', 'repro.rank.server')"
             " or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -234,7 +234,7 @@ def test_whole_run_keeps_the_parent_torch_free_and_takes_torch_facts_from_rank_0
     rank 0's runtime record, not from an import in the parent."""
     code = ("import json, sys\n"
             "from pathlib import Path\n"
-            "from repro.runner import plan, run_planned\n"
+            "from repro.run.runner import plan, run_planned\n"
             "p = plan('selftest', None, {'device': 'cpu', 'tp': 1, 'steps': 1}, [], 0)\n"
             f"r = run_planned([p], Path({str(tmp_path)!r}))\n"
             "print(json.dumps([r.report.environment['torch'], r.report.environment['summary'],"
@@ -290,8 +290,8 @@ def test_sizes_that_cannot_fit_are_refused_up_front(tmp_path, no_gpu, monkeypatc
     assert trial["outcome"] == "UNSUPPORTED"
     assert "needs at least 28,839.1 GiB of host memory (lower bound)" in trial["first_failure"]["detail"]
     # GPU: the real preset at 100000 experts against an 80 GiB GPU (NVML's numbers).
-    monkeypatch.setattr(repro.gpus, "gpu_count", lambda *a, **k: 1)
-    monkeypatch.setattr(repro.gpus, "visible_memory", lambda *a, **k: [80 << 30])
+    monkeypatch.setattr(repro.env.gpus, "gpu_count", lambda *a, **k: 1)
+    monkeypatch.setattr(repro.env.gpus, "visible_memory", lambda *a, **k: [80 << 30])
     result = invoke("nvfp4-reload", "--device", "cuda", "--set", "model.num_experts=100000",
                     "--artifacts", str(tmp_path), "--json", "-")
     assert result.exit_code == 3, result.stderr
@@ -386,7 +386,7 @@ def test_guard_raise_failure_text_ends_with_its_sentence(tmp_path, no_gpu):
 
 
 def test_clip_never_ends_mid_sentence():
-    from repro.isolate import clip
+    from repro.run.isolate import clip
     text = "First sentence is here. " * 40
     out = clip(text, 100)
     assert len(out) <= 102 and out.endswith("here. …")
@@ -416,7 +416,7 @@ def test_a_real_dims_preset_on_cpu_is_estimated_before_it_starts(tmp_path, no_gp
 ])
 def test_cpu_estimate_is_the_scenarios_own_and_only_for_real_sizes(scenario, preset, run, needle):
     from repro.cli import cpu_warnings
-    from repro.runner import plan
+    from repro.run.runner import plan
     warnings = cpu_warnings([plan(scenario, preset, {"device": "cpu", **run}, [], gpus=0)])
     if needle is None:
         assert warnings == []

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 import repro
-import repro.audit
+import repro.audit.scan
 from conftest import REPO
 from repro.cli import app
 
@@ -105,7 +105,7 @@ def test_artifacts_default_to_the_cache_with_a_latest_link(tmp_path, no_gpu, mon
 
 
 def test_watch_records_default_to_the_cache(monkeypatch, tmp_path):
-    from repro import watch
+    from repro.watch import command as watch
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert watch.default_run_dir().parent == tmp_path / "repro" / "runs"
     assert "--on-finding <warn|raise>" in flat(invoke("watch", "--help").stdout)
@@ -147,7 +147,7 @@ def test_matrix_only_matching_nothing_is_usage_error():
 
 def test_vllm_audit_without_vllm_is_environment_exit_3(monkeypatch):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(repro.audit.importlib.util, "find_spec",
+    monkeypatch.setattr(repro.audit.scan.importlib.util, "find_spec",
                         lambda name, *a: None if name == "vllm" else find_spec(name, *a))
     result = invoke("vllm-audit")
     assert result.exit_code == 3 and "vllm is not installed" in result.stderr

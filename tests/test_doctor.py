@@ -1,4 +1,4 @@
-"""repro.doctor against a fake NVML: no GPU needed, nothing here may touch CUDA."""
+"""repro.env.doctor against a fake NVML: no GPU needed, nothing here may touch CUDA."""
 from __future__ import annotations
 
 import ctypes
@@ -13,7 +13,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from repro import doctor, gpus
+from repro.env import doctor, gpus
 
 H200_MIB = 143771
 UUID0 = "GPU-11111111-aaaa-bbbb-cccc-000000000000"

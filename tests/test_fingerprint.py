@@ -1,4 +1,4 @@
-"""Contents lost at the same address (repro/fingerprint.py), on CPU: the guard records a dry run
+"""Contents lost at the same address (repro/diagnose/fingerprint.py), on CPU: the guard records a dry run
 of the capture as the scenarios' CPU path does, memory is overwritten behind torch's back with
 ctypes.memset (what a level-1 sleep does to memory in a discarded pool: vLLM #53508), and only
 a deep check's fingerprint sees it; program writes and graph writes never read as a loss."""
@@ -14,17 +14,17 @@ import pytest
 import torch
 from rich.console import Console
 
-from repro import fingerprint
+from repro.diagnose import fingerprint
 from repro import report as rp
 from repro.config import load_preset, validate
-from repro.forensics import MemoryHistory
-from repro.graphs import HarnessMemory, capture
-from repro.guard import CaptureGuard, StaleCaptureError
+from repro.diagnose.forensics import MemoryHistory
+from repro.rank.graphs import HarnessMemory, capture
+from repro.diagnose.guard import CaptureGuard, StaleCaptureError
 from repro.outcome import Outcome, Report, TrialRecord, report_from_dict, to_jsonable
-from repro.protocol import RecordSink, TrialSpec
+from repro.run.protocol import RecordSink, TrialSpec
 from repro.report import view
 from repro.scenarios import nvfp4_moe
-from repro.worker import WorkerContext
+from repro.rank.worker import WorkerContext
 
 CPU = torch.device("cpu")
 GRAPH = "decode bs=4"

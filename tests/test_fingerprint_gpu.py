@@ -8,9 +8,9 @@ import ctypes
 import pytest
 import torch
 
-from repro import fingerprint
-from repro.graphs import HarnessMemory, capture
-from repro.guard import CaptureGuard
+from repro.diagnose import fingerprint
+from repro.rank.graphs import HarnessMemory, capture
+from repro.diagnose.guard import CaptureGuard
 
 pytestmark = pytest.mark.gpu
 GRAPH = "decode bs=4"

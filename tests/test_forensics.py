@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from repro.forensics import (MemoryHistory, find_events, format_frame, snapshot_name,
+from repro.diagnose.forensics import (MemoryHistory, find_events, format_frame, snapshot_name,
                              user_frames)
 from repro.outcome import Finding
 
@@ -156,8 +156,8 @@ def test_snapshot_name():
 def test_guard_dispatch_frame_is_not_a_user_frame():
     # Every allocation made during a guarded capture has the guard's __torch_dispatch__ on its
     # stack; the report must start at the scenario line instead (seen on an H200 run).
-    from repro import guard
-    from repro.forensics import user_frames
+    from repro.diagnose import guard
+    from repro.diagnose.forensics import user_frames
     frames = [{"filename": guard.__file__, "line": 206, "name": "__torch_dispatch__"},
               {"filename": "/site/repro/scenarios/gemma4_mtp.py", "line": 100, "name": "full_lm_head_weight"}]
     plumbing = guard.CaptureGuard("warn").plumbing

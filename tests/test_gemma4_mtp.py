@@ -4,13 +4,13 @@ import torch
 import torch.multiprocessing as mp
 
 from repro.config import load_preset
-from repro.dist import TP, init_tp, shutdown
+from repro.rank.dist import TP, init_tp, shutdown
 from repro.outcome import Outcome
-from repro.runner import plan, run_planned
+from repro.run.runner import plan, run_planned
 from repro.scenarios.gemma4_mtp import (Gemma4Drafter, Oracle, Proposer, Sequences, decode_step, full_lm_head,
                                         make_lm_head_shard, padded_vocab, target_only)
 from repro.scenarios.gemma4_target import TargetStandIn
-from repro.specdec import emitted_tokens, first_divergence
+from repro.scenarios.specdec import emitted_tokens, first_divergence
 
 DIMS = load_preset("gemma4-tiny").model          # vocab 4000, 50 centroids, top-4, hidden 64
 CPU = torch.device("cpu")
@@ -165,14 +165,14 @@ def test_cpu_trial_measures_acceptance_and_lossless_on_gloo(cpu_trials):
 
 def test_rank_waits_for_rank0_store_port_and_says_where(tmp_path):
     from datetime import timedelta
-    from repro.dist import open_store
+    from repro.rank.dist import open_store
     with pytest.raises(TimeoutError, match="rank 1: rank 0 published no store port in .*store_port"):
         open_store(1, 2, tmp_path / "store_port", timedelta(seconds=0.2))
 
 
 def test_rank0_binds_its_own_port_and_publishes_it(tmp_path):
     from datetime import timedelta
-    from repro.dist import open_store
+    from repro.rank.dist import open_store
     master = open_store(0, 2, tmp_path / "store_port", timedelta(seconds=5))
     port = int((tmp_path / "store_port").read_text())
     assert port == master.port and port > 0

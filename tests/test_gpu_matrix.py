@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from repro import report
-from repro.gpus import gpu_count
-from repro.matrix import load_matrix
+from repro.env.gpus import gpu_count
+from repro.run.matrix import load_matrix
 from repro.outcome import REPRODUCED, Outcome
-from repro.runner import run_planned
+from repro.run.runner import run_planned
 
 SYMPTOMS = REPRODUCED - {Outcome.STALE_CAPTURE}
 

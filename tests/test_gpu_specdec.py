@@ -6,9 +6,9 @@ error is raised; `release` kills the worker.
 """
 import pytest
 
-from repro import gpus
+from repro.env import gpus
 from repro.outcome import Outcome
-from repro.runner import plan, run_planned
+from repro.run.runner import plan, run_planned
 
 pytestmark = pytest.mark.gpu
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from repro.guard import CaptureGuard, StaleCaptureError
+from repro.diagnose.guard import CaptureGuard, StaleCaptureError
 from repro.outcome import Finding, Manifest
 
 THIS_FILE = Path(__file__).name
@@ -631,7 +631,7 @@ def test_mechanism_and_capture_signature():
 def test_liveness_only_check_sees_freed_not_rebound():
     """deep=False is the per-replay fast path: it names dead storages, leaves rebinding to deep."""
     import torch
-    from repro.guard import CaptureGuard
+    from repro.diagnose.guard import CaptureGuard
 
     class Kernel:
         def __init__(self):
@@ -656,7 +656,7 @@ def test_liveness_only_check_sees_freed_not_rebound():
 
 def test_check_limited_to_one_graph():
     import torch
-    from repro.guard import CaptureGuard
+    from repro.diagnose.guard import CaptureGuard
     guard = CaptureGuard(mode="warn")
     a, b = torch.ones(4), torch.ones(4)
     with guard.recording("A"):
@@ -693,7 +693,7 @@ def test_a_rank_guard_records_without_importing_dynamo_and_the_default_stays_hid
     import subprocess
     import sys
     code = ("import sys, torch\n"
-            "from repro.guard import CaptureGuard\n"
+            "from repro.diagnose.guard import CaptureGuard\n"
             "guard = CaptureGuard('warn', compiles=False)\n"
             "weight = torch.ones(4)\n"
             "with guard.recording('g'):\n"
@@ -703,7 +703,7 @@ def test_a_rank_guard_records_without_importing_dynamo_and_the_default_stays_hid
                          env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     dynamo_imported, slots = out.stdout.split(" ", 1)
     assert dynamo_imported == "False" and "weight" in slots
-    from repro.guard import _HiddenOpObserver, _OpObserver
+    from repro.diagnose.guard import _HiddenOpObserver, _OpObserver
     hidden = _HiddenOpObserver.__torch_dispatch__
     assert hidden is not _OpObserver.__torch_dispatch__ and hidden.__wrapped__ is _OpObserver.__torch_dispatch__
     assert CaptureGuard("warn")._observer is _HiddenOpObserver
@@ -792,7 +792,7 @@ def test_a_storage_known_to_be_in_the_capturing_pool_is_recorded_managed_without
     guard = CaptureGuard(mode="warn")
     outs = piece_chain(guard, 1)
     calls = []
-    monkeypatch.setattr("repro.guard.holder_of", lambda *a: calls.append(a))   # naming would scan frames
+    monkeypatch.setattr("repro.diagnose.guard.holder_of", lambda *a: calls.append(a))   # naming would scan frames
     with guard.recording("piece 1", pool=POOL, pool_of=in_pool(outs, POOL)):
         outs[0] * 2.0
     [slot] = guard.slots_of("piece 1")

@@ -6,8 +6,8 @@ import pickle
 import pytest
 import torch
 
-from repro.forensics import MemoryHistory, snapshot_name
-from repro.guard import CaptureGuard, StaleCaptureError
+from repro.diagnose.forensics import MemoryHistory, snapshot_name
+from repro.diagnose.guard import CaptureGuard, StaleCaptureError
 
 pytestmark = pytest.mark.gpu
 

@@ -15,10 +15,10 @@ import time
 import pytest
 
 from conftest import REPO, alive, group_alive
-from repro.isolate import GRACE_S, run_trial
-from repro.launch import RankServer, child_env
+from repro.run.isolate import GRACE_S, run_trial
+from repro.run.launch import RankServer, child_env
 from repro.outcome import Outcome
-from repro.runner import plan
+from repro.run.runner import plan
 
 DEADLINE = 20.0
 
@@ -123,8 +123,8 @@ def test_slow_but_progressing_trial_reaches_its_deadline_not_a_hang(tmp_path):
 
 def activity_of(tmp_path):
     """A watchdog over one rank's record file, and a writer of its records at given times."""
-    from repro.isolate import Activity
-    from repro.protocol import StepCounter
+    from repro.run.isolate import Activity
+    from repro.run.protocol import StepCounter
     path = tmp_path / "rank0.jsonl"
     act = Activity([StepCounter(path)])
 
@@ -316,15 +316,15 @@ Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions."""
 
 
 def test_real_cuda_messages_classify():
-    from repro.isolate import classify_error
+    from repro.run.isolate import classify_error
     assert classify_error(IMA_2_11) == Outcome.ILLEGAL_ADDRESS
     assert classify_error(ASSERT_2_11) == Outcome.DEVICE_ASSERT
     assert classify_error("RuntimeError: shapes do not match") == Outcome.CRASH
-    assert classify_error("repro.guard.StaleCaptureError: graph ...") == Outcome.STALE_CAPTURE
+    assert classify_error("repro.diagnose.guard.StaleCaptureError: graph ...") == Outcome.STALE_CAPTURE
 
 
 def test_bytecode_cache_only_where_torch_has_none(tmp_path):
-    from repro.launch import with_bytecode_cache
+    from repro.run.launch import with_bytecode_cache
     src = tmp_path / "torch" / "__init__.py"
     src.parent.mkdir()
     src.write_text("")
@@ -345,21 +345,21 @@ def test_bytecode_cache_only_where_torch_has_none(tmp_path):
 def test_workers_write_their_bytecode_cache_where_told(tmp_path, monkeypatch):
     """End to end: with an uncompiled torch, a worker writes bytecode under our cache, even
     where the user's environment forbids writing bytecode next to the sources."""
-    import repro.launch
+    import repro.run.launch
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text("")
-    monkeypatch.setattr(repro.launch, "torch_origin", lambda: str(tmp_path / "torch" / "__init__.py"))
+    monkeypatch.setattr(repro.run.launch, "torch_origin", lambda: str(tmp_path / "torch" / "__init__.py"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
-    env = repro.launch.child_env()
+    env = repro.run.launch.child_env()
     subprocess.run([sys.executable, "-c", "import repro.config"], env=env, check=True)
     assert list((tmp_path / "cache" / "repro" / "pycache").rglob("config*.pyc"))
 
 
 def test_graph_replayed_comes_from_replays_not_the_device():
-    from repro.isolate import replayed_graphs
-    from repro.protocol import RankRecords
+    from repro.run.isolate import replayed_graphs
+    from repro.run.protocol import RankRecords
     from repro.outcome import StepRecord
     began = RankRecords([{"event": "begin", "step": 0}])
     # Steps that began, even on CUDA, are no replay (selftest has no graph at all).
@@ -370,7 +370,7 @@ def test_graph_replayed_comes_from_replays_not_the_device():
 
 
 def test_captured_marks_each_real_replay_before_it_starts():
-    from repro.graphs import Captured
+    from repro.rank.graphs import Captured
     order = []
 
     class Graph:
@@ -393,7 +393,7 @@ def test_cpu_trial_records_no_replay(tmp_path):
 
 
 def test_step_counter_reads_records_incrementally(tmp_path):
-    from repro.protocol import Event, RecordSink, StepCounter
+    from repro.run.protocol import Event, RecordSink, StepCounter
     path = tmp_path / "rank0.jsonl"
     counter = StepCounter(path)
     assert counter.poll() == 0                       # no file yet
@@ -419,14 +419,14 @@ def dump(*threads):
     return "\n".join(out)
 
 
-WORKER = ("/x/repro/worker.py", 200, "run_rank")
+WORKER = ("/x/repro/rank/worker.py", 200, "run_rank")
 GATHER = [("/x/torch/distributed/distributed_c10d.py", 4394, "all_gather_single"),
-          ("/x/repro/dist.py", 40, "all_gather_dim0"), ("/x/repro/scenarios/selftest.py", 20, "run"), WORKER]
+          ("/x/repro/rank/dist.py", 40, "all_gather_dim0"), ("/x/repro/scenarios/selftest.py", 20, "run"), WORKER]
 STUCK = [("/x/repro/scenarios/gemma4_mtp.py", 99, "greedy_sample"), WORKER]
 
 
 def test_stack_blame_names_the_rank_outside_a_collective():
-    from repro import stacks
+    from repro.run import stacks
     frames = {0: stacks.main_frames(dump((True, GATHER))), 1: stacks.main_frames(dump((False, [("/t.py", 1, "f")]),
                                                                                          (True, STUCK))),
               2: stacks.main_frames(dump((True, GATHER)))}
@@ -440,8 +440,8 @@ def test_stack_blame_names_the_rank_outside_a_collective():
 
 
 def test_rank_disagreement_is_a_mismatch():
-    from repro.isolate import classify_steps
-    from repro.protocol import RankRecords
+    from repro.run.isolate import classify_steps
+    from repro.run.protocol import RankRecords
 
     def step(rank, disagree):
         return {"event": "step", "rank": rank, "t": 0, "step": 2, "batch": 4, "replayed": False, "numel": 4,

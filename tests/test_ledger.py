@@ -1,4 +1,4 @@
-"""GPU memory claimed by concurrent CUDA trials (repro/ledger.py), and the runner's use of it.
+"""GPU memory claimed by concurrent CUDA trials (repro/run/ledger.py), and the runner's use of it.
 
 No GPU here: the ledger is plain bookkeeping over byte counts, and the runner's trials are
 stand-ins (run_trial replaced) that record when they ran, so overlap is seen directly.
@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from repro import runner
+from repro.run import runner
 from repro.config import load_preset
-from repro.footprint import expected_peak_bytes, needed_bytes
-from repro.ledger import USABLE, MemoryLedger, need_on, trial_gpus
+from repro.run.footprint import expected_peak_bytes, needed_bytes
+from repro.run.ledger import USABLE, MemoryLedger, need_on, trial_gpus
 from repro.outcome import RankExit
 from repro.report.view import memory_fact
 
@@ -170,8 +170,8 @@ def test_memory_fact_says_each_ranks_peak_only_where_a_rank_said_it():
 def test_a_ranks_last_word_gives_its_peak_and_a_cpu_trial_has_none(tmp_path):
     """The peak comes from the rank's done (or error) record; a CPU rank says None."""
     import types
-    from repro import isolate
-    from repro.protocol import Event, RankRecords
+    from repro.run import isolate
+    from repro.run.protocol import Event, RankRecords
     proc = types.SimpleNamespace(returncode=0, pid=7)
     rank = isolate.Rank(rank=0, proc=proc, log=None, pgid=7)
     said = RankRecords([{"event": Event.START.value, "pid": 7},

@@ -1,4 +1,4 @@
-"""Tests for repro.nvfp4, the independent NVFP4 reference (docs/BACKGROUND.md section 4)."""
+"""Tests for repro.scenarios.nvfp4, the independent NVFP4 reference (docs/BACKGROUND.md section 4)."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from repro.nvfp4 import (
+from repro.scenarios.nvfp4 import (
     NVFP4Weight, dequantize, dequantize_into, e2m1_decode, e2m1_encode, pack_fp4,
     quantization_error_bound, quantize, unpack_fp4,
 )
@@ -517,7 +517,7 @@ def test_dequantize_into_real_shape_memory():
     ((2,), (4, 3)), ((5, 4, 3), (4, 3)), ((4, 3), (3,)), ((1,), ()), ((), ()),
 ])
 def test_broadcasts_to_agrees_with_torch(shape, target):
-    from repro.nvfp4 import broadcasts_to
+    from repro.scenarios.nvfp4 import broadcasts_to
     try:
         expected = torch.broadcast_shapes(shape, target) == torch.Size(target)
     except RuntimeError:

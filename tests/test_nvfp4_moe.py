@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from scenario_run import Records, run_in_process
-from repro import nvfp4
+from repro.scenarios import nvfp4
 from repro.config import load_preset, validate
 from repro.outcome import Outcome
 from repro.scenarios import nvfp4_moe as moe
@@ -272,7 +272,7 @@ OUTCOMES = {"unfixed": Outcome.STALE_CAPTURE, "kernel-reuse": Outcome.MISMATCH, 
 @pytest.fixture(scope="module")
 def isolated_trials(tmp_path_factory):
     """One isolated CPU trial per mode, run at once (each in its own process)."""
-    from repro.runner import plan, run_planned
+    from repro.run.runner import plan, run_planned
     planned = [plan("nvfp4-reload", "moe-tiny", {"device": "cpu", "mode": mode, "steps": 2}, [], gpus=0)
                for mode in OUTCOMES]
     result = run_planned(planned, tmp_path_factory.mktemp("nvfp4-cpu"), jobs=len(planned))

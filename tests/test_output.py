@@ -12,7 +12,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-import repro.audit
+import repro.audit.scan
 import repro.output
 from conftest import REPO
 from repro.cli import app, scenario_command
@@ -111,14 +111,14 @@ def test_a_trial_that_misses_its_expectation_exits_failed(tmp_path, no_gpu):
 
 def test_vllm_missing_is_an_environment_exit(monkeypatch):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(repro.audit.importlib.util, "find_spec",
+    monkeypatch.setattr(repro.audit.scan.importlib.util, "find_spec",
                         lambda name, *a: None if name == "vllm" else find_spec(name, *a))
     assert invoke("vllm-audit").exit_code is Exit.ENV
 
 
 def test_watch_exit_codes_come_from_the_table():
-    from repro.watch import CommandResult, finish
-    from repro.watch_report import WatchReport
+    from repro.watch.command import CommandResult, finish
+    from repro.watch.report import WatchReport
     assert finish(WatchReport([], []), ["true"], CommandResult(0, True), "warn").exit is Exit.INTERRUPTED
     assert finish(WatchReport([], []), ["true"], CommandResult(7, False), "warn").exit == 7   # CMD's own
 

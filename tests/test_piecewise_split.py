@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from scenario_run import Records, run_in_process
 from repro.cli import app
-from repro.compare import compare
+from repro.scenarios.compare import compare
 from repro.config import load_preset, validate
-from repro.guard import CaptureGuard
+from repro.diagnose.guard import CaptureGuard
 from repro.outcome import Outcome
 from repro.scenarios import piecewise_split as ps
 from repro.scenarios.piecewise_split_spec import DecoderDims, footprint
@@ -266,8 +266,8 @@ CPU_OUTCOMES = {"unfixed": Outcome.STALE_CAPTURE, "fixed": Outcome.CLEAN}
 
 @pytest.mark.slow
 def test_ci_smoke_trials_meet_their_expectations(tmp_path):
-    from repro.matrix import load_matrix
-    from repro.runner import run_planned
+    from repro.run.matrix import load_matrix
+    from repro.run.runner import run_planned
     _, planned = load_matrix("ci-smoke", 0)
     mine = [p for p in planned if p.cfg.scenario == "piecewise-split"]
     assert {p.cfg.run.mode for p in mine} == set(CPU_OUTCOMES)
@@ -300,8 +300,8 @@ GPU_STEPS = 16
 
 @pytest.fixture(scope="module")
 def gpu_trials(tmp_path_factory):
-    from repro.gpus import gpu_count
-    from repro.runner import plan, run_planned
+    from repro.env.gpus import gpu_count
+    from repro.run.runner import plan, run_planned
     if gpu_count() < 1 or not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     planned = [plan("piecewise-split", "llama3-8b", {"device": "cuda", "mode": mode, "after_free": knob}, [], gpus=1)
@@ -352,7 +352,7 @@ def test_after_free_covers_a_small_pool_region_above_one_mib(cuda_only):
     """Freed small blocks coalesce into a free region of a 2 MiB small segment larger than 1 MiB
     (the split outputs' blocks do at Llama 3 8B dims): a request of its size goes to the large
     pool and never lands there, so the knob covers it in pieces of at most 1 MiB."""
-    from repro.graphs import land_on, land_over
+    from repro.rank.graphs import land_on, land_over
     dev, part = torch.device("cuda"), 384 * 1024
     held = [torch.empty(part, dtype=torch.uint8, device=dev) for _ in range(32)]
     ptrs = [t.data_ptr() for t in held]

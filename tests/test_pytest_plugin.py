@@ -143,7 +143,7 @@ import sys
 
 def test_nothing_heavy_imported(request):
     assert request.config.pluginmanager.get_plugin("repro") is not None
-    heavy = [m for m in ("torch", "repro.guard", "repro.pytest_watch", "repro.watch_hooks", "rich")
+    heavy = [m for m in ("torch", "repro.diagnose.guard", "repro.pytest.watch", "repro.watch.hooks", "rich")
              if m in sys.modules]
     assert heavy == []
     # Of repro, the plugin module and the package's bare __init__ only.
@@ -196,10 +196,10 @@ def test_watch_mode_from_the_option_else_the_environment(monkeypatch, option, en
 
 
 def test_failure_text_of_a_census_finding_names_kernel_and_parameter():
-    from repro.attribution import Phase, PhaseFinding
-    from repro.census import Block, Fate, Reference, census_finding
+    from repro.pytest.attribution import Phase, PhaseFinding
+    from repro.diagnose.census import Block, Fate, Reference, census_finding
     from repro.outcome import to_jsonable
-    from repro.pytest_watch import finding_text
+    from repro.pytest.watch import finding_text
 
     block = Block(start=0x7f0000001000, size=4096, state="inactive", pool=(0, 0), segment=0x7f0000000000)
     ref = Reference(node=3, kind="kernel", kernel="ampere_sgemm_128x64_nn", where="param 2 +8", offset=24,
@@ -218,8 +218,8 @@ def test_failure_text_of_a_census_finding_names_kernel_and_parameter():
 
 
 def test_failure_text_shows_where_a_guard_finding_was_created_and_dropped():
-    from repro.attribution import Phase, PhaseFinding
-    from repro.pytest_watch import finding_text
+    from repro.pytest.attribution import Phase, PhaseFinding
+    from repro.pytest.watch import finding_text
     f = {"graph": "#1 g", "slot": "model.w", "status": "freed", "created_at": "m.py:3 in load (aten.randn)",
          "freed_at": "m.py:9 in reload (reassigned)", "message": "graph '#1 g' captured tensor model.w ..."}
     text = finding_text(PhaseFinding(id="x:1", pid=7, mechanism="guard", finding=f, captured_in=None,
@@ -462,7 +462,7 @@ class HangingGraph(FakeGraph):
 
 
 def test_hangs_in_replay():
-    from repro import watch_hooks
+    from repro.watch import hooks as watch_hooks
     watch_hooks.active().patch(HangingGraph)
     g = HangingGraph()
     weight = torch.randn(4, 4)

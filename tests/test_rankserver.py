@@ -1,4 +1,4 @@
-"""The rank server: ranks forked from one process that imported torch once (repro/rankserver.py).
+"""The rank server: ranks forked from one process that imported torch once (repro/rank/server.py).
 
 What must hold is what a fresh interpreter per rank guaranteed: the server never initialises
 CUDA, each child is one rank of one trial, the runner's GPU lane reaches the rank, nothing
@@ -16,11 +16,11 @@ import time
 import pytest
 
 from conftest import alive
-from repro.isolate import run_trial
-from repro.launch import RankServer, ServerUnavailable, child_env, runs_trials
+from repro.run.isolate import run_trial
+from repro.run.launch import RankServer, ServerUnavailable, child_env, runs_trials
 from repro.outcome import Outcome
-from repro.protocol import records_path
-from repro.runner import plan
+from repro.run.protocol import records_path
+from repro.run.runner import plan
 
 
 def selftest_cfg(steps=3, deadline=20.0):
@@ -33,9 +33,9 @@ def start_record(trial_dir, rank):
 
 
 def test_preload_imports_what_a_rank_needs_and_never_initialises_cuda():
-    code = ("import sys, torch; from repro import rankserver; rankserver.preload(); "
+    code = ("import sys, torch; from repro.rank import server as rankserver; rankserver.preload(); "
             "print(rankserver.unfit_reason(), torch.cuda.is_initialized(), "
-            "all(m in sys.modules for m in ('repro.worker', 'repro.scenarios.gemma4_mtp', "
+            "all(m in sys.modules for m in ('repro.rank.worker', 'repro.scenarios.gemma4_mtp', "
             "'repro.scenarios.nvfp4_moe', 'torch.distributed')))")
     out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["None", "False", "True"]
@@ -93,7 +93,7 @@ def test_closing_the_server_kills_ranks_still_running(tmp_path):
     server = RankServer.start(child_env())
     assert server.wait_ready(120)
     spec = tmp_path / "spec.json"
-    from repro.protocol import TrialSpec
+    from repro.run.protocol import TrialSpec
     TrialSpec(trial_id="t", config=selftest_cfg().to_dict(), device="cpu", world_size=1, out_dir=str(tmp_path),
               fault={"kind": "hang", "rank": 0, "step": 0}).save(spec)
     rank, pgid = server.start_rank(str(spec), 0, child_env(), str(tmp_path / "rank0.log"), 0)
@@ -145,7 +145,7 @@ def test_a_server_where_cuda_was_initialised_refuses_to_fork(monkeypatch):
     """torch's own flag, or the driver's (cuInit by anything else, e.g. is_available()): either
     makes a fork hand the ranks a CUDA they cannot use. On a GPU the driver check is measured
     by benchmarks/startup.py (False after the preload, True after torch.cuda.init())."""
-    from repro import rankserver
+    from repro.rank import server as rankserver
     assert rankserver.unfit_reason() is None and rankserver.driver_initialized() is False   # no GPU here
     monkeypatch.setattr(rankserver, "driver_initialized", lambda: True)
     assert "CUDA was initialised in the rank server" in rankserver.unfit_reason()

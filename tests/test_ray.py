@@ -230,7 +230,7 @@ def test_watch_reaches_actors_on_every_node_and_ships_their_records(cluster, tmp
 
 
 def worker_pids(marker: str) -> list[int]:
-    """Rank processes (`python -m repro.worker SPEC RANK`) of the node-local trial folders
+    """Rank processes (`python -m repro.rank.worker SPEC RANK`) of the node-local trial folders
     (repro-trial-*) whose path holds marker."""
     pids = []
     for proc in Path("/proc").iterdir():
@@ -240,7 +240,7 @@ def worker_pids(marker: str) -> list[int]:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"repro.worker" in argv and any(marker.encode() in a and b"repro-trial-" in a for a in argv):
+        if b"repro.rank.worker" in argv and any(marker.encode() in a and b"repro-trial-" in a for a in argv):
             pids.append(int(proc.name))
     return pids
 
@@ -347,7 +347,7 @@ def test_a_node_lost_mid_trial_is_crash_naming_it_and_a_retry_runs_it_elsewhere(
 
 
 def test_runtime_env_hook_keeps_what_the_program_set_and_chains_its_hooks(monkeypatch, tmp_path):
-    from repro import watch_ray
+    from repro.watch import ray as watch_ray
     started = []
     monkeypatch.setattr(watch_ray, "start_collector_thread", lambda run_dir, name: started.append(name))
     calls = []
@@ -375,8 +375,8 @@ def test_runtime_env_hook_keeps_what_the_program_set_and_chains_its_hooks(monkey
 
 
 def test_watch_sets_rays_hook_and_keeps_one_already_set(tmp_path):
-    from repro.watch import watch_env
+    from repro.watch.command import watch_env
     env = watch_env({"RAY_RUNTIME_ENV_HOOK": "their.hook"}, tmp_path, "warn")
-    assert env["RAY_RUNTIME_ENV_HOOK"] == "repro.watch_ray.runtime_env_hook"
+    assert env["RAY_RUNTIME_ENV_HOOK"] == "repro.watch.ray.runtime_env_hook"
     assert env["REPRO_WATCH_RAY_CHAIN"] == "their.hook"
     assert "REPRO_WATCH_RAY_CHAIN" not in watch_env({}, tmp_path, "warn")

@@ -20,7 +20,7 @@ def test_without_ray_installed_ray_is_exit_3_in_one_line(tmp_path):
 
 
 def test_the_parent_modules_import_neither_torch_nor_ray():
-    code = ("import sys, repro.cli, repro.shard, repro.merge, repro.ray_runner, repro.watch_ray; "
+    code = ("import sys, repro.cli, repro.run.shard, repro.run.merge, repro.run.ray_runner, repro.watch.ray; "
             "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
@@ -41,4 +41,4 @@ def test_a_watched_program_can_load_rays_hook_from_this_copy_without_repro_on_it
                           env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     path, on_path = done.stdout.split()
-    assert path == str(REPO / "repro" / "watch_ray.py") and on_path == "False"
+    assert path == str(REPO / "repro" / "watch" / "ray.py") and on_path == "False"

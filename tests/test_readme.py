@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from conftest import REPO
 from repro.cli import app
 from repro.config import TrialConfig, default_expectation
-from repro.matrix import load_matrix
+from repro.run.matrix import load_matrix
 from repro.outcome import parse_expectation
 from repro.scenarios import SCENARIOS
 

@@ -13,9 +13,9 @@ import pytest
 from conftest import alive
 from repro import report
 from repro.outcome import Outcome
-from repro.gpus import gpu_lanes
-from repro.protocol import Event, read_records
-from repro.runner import lane_env, plan, run_planned, trial_id
+from repro.env.gpus import gpu_lanes
+from repro.run.protocol import Event, read_records
+from repro.run.runner import lane_env, plan, run_planned, trial_id
 
 
 def selftest(steps=3, fault=None, deadline=30.0):

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from conftest import REPO
-from repro import config, runner
+from repro import config
+from repro.run import runner
 from repro.cli import app
 from repro.scenarios import SCENARIOS, load_scenario, record_fields, trial_measures
 
@@ -26,7 +27,7 @@ def test_module_mode_table_matches_the_registry(name):
 
 def test_spec_modules_stay_torch_free():
     """The parent imports every spec (the registry does); only the modules they name import torch."""
-    code = ("import sys, repro.scenarios, repro.config, repro.footprint, repro.report.view, repro.report.charts\n"
+    code = ("import sys, repro.scenarios, repro.config, repro.run.footprint, repro.report.view, repro.report.charts\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m in "
             + repr([s.module for s in SCENARIOS.values()]) + "))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import REPO, TINY_MATRIX
 from repro.config import ConfigError
-from repro.shard import Shard, assign, parse_shard, split_by_durations, split_by_id
+from repro.run.shard import Shard, assign, parse_shard, split_by_durations, split_by_id
 
 
 ids_strategy = st.lists(st.text("abcdefgh0123456789-", min_size=1, max_size=12), min_size=0, max_size=40, unique=True)

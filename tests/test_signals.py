@@ -1,7 +1,7 @@
 """Ctrl-C and SIGTERM at any moment of a run: exit 130/143 and the JSON, marked interrupted.
 
 Two loops. The first signals the CLI at every named point of its life (REPRO_SIGNAL_AT, the
-test hook of repro/interrupts.py: the process signals itself there), so each window (start-up,
+test hook of repro/run/interrupts.py: the process signals itself there), so each window (start-up,
 rank server start, planning, a trial being spawned or collected, the report) is reached
 deterministically. The second sends SIGTERM from outside after a random delay, counted from
 the moment the CLI's handler is in place (read from /proc), into a run that cannot end by

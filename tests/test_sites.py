@@ -1,4 +1,4 @@
-"""repro/sites.py: reading a frame's locals without side effects (what the watch hooks use to
+"""repro/diagnose/sites.py: reading a frame's locals without side effects (what the watch hooks use to
 name what the capturing code holds)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 import sys
 import weakref
 
-from repro import sites
+from repro.diagnose import sites
 
 
 def locals_of_caller(depth: int = 1) -> dict:

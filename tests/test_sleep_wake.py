@@ -11,11 +11,11 @@ from typer.testing import CliRunner
 from conftest import REPO
 from repro.cli import app
 from repro.config import load_preset
-from repro.dist import TP
-from repro.guard import CaptureGuard
-from repro.matrix import load_matrix
+from repro.rank.dist import TP
+from repro.diagnose.guard import CaptureGuard
+from repro.run.matrix import load_matrix
 from repro.outcome import Outcome
-from repro.runner import plan, run_planned
+from repro.run.runner import plan, run_planned
 from repro.scenarios.gemma4_mtp import Gemma4Drafter, Sequences, decode_step, full_lm_head
 from repro.scenarios.gemma4_target import TargetStandIn
 from repro.scenarios.sleep_wake import (BLOCK_SIZE, DRAFTER_MODE, MAX_BLOCKS, Checkpoint, Engine, Fixes,
@@ -332,7 +332,7 @@ GPU_TABLE = {   # (mode, level, after_free) -> outcome on one GPU at E2B dims, T
 
 @pytest.mark.gpu
 def test_gpu_outcomes_at_e2b_dims(tmp_path):
-    from repro import gpus
+    from repro.env import gpus
     if gpus.gpu_count() < 1:
         pytest.skip("needs a CUDA GPU")
     planned = [plan("sleep-wake", "sleep-wake-e2b", {"mode": m, "sleep_level": level, "after_free": af}, [],

@@ -3,12 +3,12 @@ import pytest
 import torch
 
 from repro.config import load_preset, validate
-from repro.dist import TP
+from repro.rank.dist import TP
 from repro.outcome import StepRecord
 from repro.scenarios import gemma4_mtp as g
 from repro.scenarios.gemma4_mtp_spec import measure
 from repro.scenarios.gemma4_target import TargetStandIn
-from repro.specdec import SpecStats, accepted_lengths, emitted_tokens, first_divergence
+from repro.scenarios.specdec import SpecStats, accepted_lengths, emitted_tokens, first_divergence
 
 DIMS = validate(load_preset("gemma4-tiny")).model
 CPU = torch.device("cpu")

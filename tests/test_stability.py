@@ -16,9 +16,9 @@ import torch
 
 import repro
 from repro.config import load_preset
-from repro.dist import TP
-from repro.guard import CaptureGuard
-from repro.stability import ReloadUnstable, compare, expect_stable, reload_census
+from repro.rank.dist import TP
+from repro.diagnose.guard import CaptureGuard
+from repro.diagnose.stability import ReloadUnstable, compare, expect_stable, reload_census
 from repro.scenarios import gemma4_mtp as gemma
 from repro.scenarios import nvfp4_moe as moe
 from repro.scenarios.nvfp4_moe_spec import MoeDims
@@ -195,7 +195,7 @@ def test_package_exports_lazily_without_torch_at_import():
     code = ("import sys, repro; assert 'torch' not in sys.modules, 'torch imported';"
             "f = repro.expect_stable; assert 'torch' in sys.modules; print(f.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "repro.stability"
+    assert out.stdout.strip() == "repro.diagnose.stability"
     assert repro.reload_census is reload_census
 
 

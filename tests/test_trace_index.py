@@ -1,6 +1,6 @@
 """The shared trace index answers what a pass over the trace per graph answered.
 
-A check of many graphs reads the allocator trace once (repro/trace_index.py); these tests hold
+A check of many graphs reads the allocator trace once (repro/diagnose/trace_index.py); these tests hold
 its answers against a plain oracle written here from the definitions (the first alloc or free
 holding an address since a graph's capture; the frees, allocs and segment releases overlapping a
 block since then), over random traces, and check the census's findings against that oracle.
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import random
 
-from repro import census as C
-from repro import trace_index as T
+from repro.diagnose import census as C
+from repro.diagnose import trace_index as T
 
 KiB = 1 << 10
 BASE = 0x7F00_0000_0000

@@ -91,8 +91,8 @@ def test_usage_errors_exit_2_with_one_line(tmp_path):
 
 
 def test_record_choice_reaches_every_process_and_a_bad_one_falls_back(tmp_path, capsys):
-    from repro import watch as watch_mod
-    from repro import watch_hooks
+    from repro.watch import command as watch_mod
+    from repro.watch import hooks as watch_hooks
     env = watch_mod.watch_env({}, tmp_path, "warn", "ops")
     assert env[watch_hooks.ENV_RECORD] == "ops" and watch_hooks.ENV_RECORD not in watch_mod.watch_env({}, tmp_path, "warn")
     assert watch_hooks.settings_from_env(env, "api").record == "ops"
@@ -246,7 +246,7 @@ for _ in range(2):                       # vLLM may load the plugins more than o
     for func in plugins.values():
         func()
 import torch
-from repro import watch_hooks
+from repro.watch import hooks as watch_hooks
 w = watch_hooks.active()
 wrapped = hasattr(torch.cuda.CUDAGraph.replay, "__wrapped__")
 print(sorted(plugins), w is not None, wrapped, [str(o) for o in w.origins] if w else None)
@@ -292,7 +292,7 @@ def test_vllm_plugin_under_repro_watch_is_idempotent_with_sitecustomize(tmp_path
 
 def test_reset_marks_other_graphs_for_a_deep_check_plumbing(tmp_path, monkeypatch):
     import torch
-    from repro import watch_hooks
+    from repro.watch import hooks as watch_hooks
     sys.path.insert(0, str(PROGRAMS))
     try:
         from fake_graph import FakeGraph, capture
@@ -321,7 +321,7 @@ def test_reset_marks_other_graphs_for_a_deep_check_plumbing(tmp_path, monkeypatc
 
 
 def test_graphs_captured_by_cudagraph_trees_are_counted_not_checked():
-    from repro.watch_hooks import capture_site
+    from repro.watch.hooks import capture_site
     code = compile("def f(get):\n    return get()\n", os.path.join("x", "torch", "_inductor", "cudagraph_trees.py"), "exec")
     namespace: dict = {}
     exec(code, namespace)
@@ -353,7 +353,7 @@ def fake_graph_class():
 
 def test_fast_path_catches_a_free_between_replays_plumbing(tmp_path):
     import torch
-    from repro import watch_hooks
+    from repro.watch import hooks as watch_hooks
     Graph, capture = fake_graph_class()
 
     class Engine:
@@ -373,7 +373,7 @@ def test_fast_path_catches_a_free_between_replays_plumbing(tmp_path):
         graph.replay()                                        # deep once, then the fast path
     assert watcher.counters.findings == 0 and watcher.graphs[graph].live is not None
     engine.cache = torch.zeros(8, 4)                          # rebinding frees the captured cache
-    from repro.guard import StaleCaptureError
+    from repro.diagnose.guard import StaleCaptureError
     with pytest.raises(StaleCaptureError) as err:
         graph.replay()
     (finding,) = err.value.findings
@@ -390,7 +390,7 @@ def test_fast_path_tests_storages_only_after_a_captured_storage_died_plumbing(tm
     """While no captured storage dies, a replay tests none of them (one count compared); the
     first replay after any death (here another graph's storage) tests the graph's own once."""
     import torch
-    from repro import watch_hooks
+    from repro.watch import hooks as watch_hooks
     Graph, capture = fake_graph_class()
 
     class Engine:
@@ -428,7 +428,7 @@ def test_a_settled_graph_replays_past_the_checking_path_until_something_asks_for
     """The wrapper's fast path: once a graph is checked and its storages seen alive, a replay
     does not enter before_replay; a death anywhere, or another graph's reset, sends it back."""
     import torch
-    from repro import watch_hooks
+    from repro.watch import hooks as watch_hooks
     Graph, capture = fake_graph_class()
     cache, other_cache = torch.zeros(4), torch.zeros(4)
     watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "warn", "api"))
@@ -457,8 +457,8 @@ def test_a_settled_graph_replays_past_the_checking_path_until_something_asks_for
 
 def test_a_replay_that_takes_arguments_gets_them_and_is_still_checked_plumbing(tmp_path):
     import torch
-    from repro import watch_hooks
-    from repro.guard import StaleCaptureError
+    from repro.watch import hooks as watch_hooks
+    from repro.diagnose.guard import StaleCaptureError
     Graph, capture = fake_graph_class()
     seen = []
     Graph = type("StreamGraph", (Graph,), {"replay": lambda self, stream=None: seen.append(stream)})
@@ -481,7 +481,7 @@ def test_a_replay_that_takes_arguments_gets_them_and_is_still_checked_plumbing(t
 
 
 def test_takes_only_self_is_torchs_replay_signature():
-    from repro.watch_hooks import takes_only_self
+    from repro.watch.hooks import takes_only_self
 
     class G:
         def replay(self):
@@ -527,7 +527,7 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
     first replay after a capture or a reset, never on the per-replay path. The census here is a
     recording stand-in (no CUDA on CPU); the real one is exercised by the GPU runs."""
     import torch
-    from repro import watch_hooks
+    from repro.watch import hooks as watch_hooks
     from repro.outcome import Finding
 
     class Graph:
@@ -654,7 +654,7 @@ def test_capturing_function_locals_die_at_its_return_plumbing(path):
 def test_default_run_folders_are_unique_and_created_at_once(tmp_path, monkeypatch):
     """Runs started in the same second (a script, CI jobs, xdist workers) never share a folder."""
     from concurrent.futures import ThreadPoolExecutor
-    from repro import watch as watch_mod
+    from repro.watch import command as watch_mod
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with ThreadPoolExecutor(8) as pool:
         dirs = list(pool.map(lambda _: watch_mod.default_run_dir(), range(24)))
@@ -698,8 +698,8 @@ def test_watch_says_plainly_when_nothing_could_be_checked(tmp_path):
 
 
 def test_sight_notes_stay_quiet_once_a_graph_was_checked():
-    from repro.watch import sight_notes
-    from repro.watch_report import WatchedProcess, WatchReport
+    from repro.watch.command import sight_notes
+    from repro.watch.report import WatchedProcess, WatchReport
     seen = WatchReport(processes=[WatchedProcess(pid=1, host="h", torch_hooked=True, graphs=2)], findings=[])
     assert sight_notes(seen, gpu_count=0) == []
     blind = WatchReport(processes=[WatchedProcess(pid=1, host="h", torch_hooked=True)], findings=[])
@@ -710,7 +710,7 @@ def test_sight_notes_stay_quiet_once_a_graph_was_checked():
 def test_a_record_holding_text_that_was_not_utf8_is_still_written(tmp_path):
     """An argv byte that was not UTF-8 reaches Python as a surrogate escape; the record of that
     process must still be written (it was lost: strict UTF-8 encoding raised)."""
-    from repro import watch_hooks
+    from repro.watch import hooks as watch_hooks
     recorder = watch_hooks.Recorder(str(tmp_path))
     recorder.write({"kind": "process", "argv": ["prog", "caf\udce9"]})
     recorder.close()
@@ -724,8 +724,8 @@ def test_an_object_reached_under_two_names_is_watched_once_per_name_not_per_capt
     index away every time: in the piecewise engine, 2,211 captures built it 2,211 times."""
     import types as _types
     import torch
-    from repro import watch_hooks
-    from repro.guard import CaptureGuard
+    from repro.watch import hooks as watch_hooks
+    from repro.diagnose.guard import CaptureGuard
     watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "warn", "api"))
     watcher.guard = CaptureGuard("warn", plumbing=[watch_hooks.__file__])
 

@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 
 from rich.console import Console
 
-from repro import watch_report as W
+from repro.watch import report as W
 from repro.outcome import Finding, to_jsonable
 
 
@@ -174,7 +174,7 @@ def cpu_process(run_dir, pid=21, argv=("python3", "examples/watch_kv_cache.py"))
 
 
 def test_nothing_captured_reads_as_nothing_checked_not_as_no_findings(tmp_path):
-    from repro.watch import merge
+    from repro.watch.command import merge
     cpu_process(tmp_path)
     rep = merge([tmp_path])
     assert rep.exit == 0 and not rep.findings
@@ -208,7 +208,7 @@ def test_80_columns_break_between_parts_and_never_inside_a_command(tmp_path):
 
 
 def test_watch_page_leads_with_the_verdict_and_what_watch_could_see(tmp_path):
-    from repro.watch import merge
+    from repro.watch.command import merge
     cpu_process(tmp_path, argv=("python3", "<b>x</b>.py"))
     page = W.report_html(merge([tmp_path]))
     order = [page.index(s) for s in ('<p class="lead warn"><span class="warn">nothing checked', "Nothing checked: no CUDA graph",

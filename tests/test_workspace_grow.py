@@ -20,10 +20,10 @@ import torch
 from typer.testing import CliRunner
 
 from scenario_run import Records, run_in_process
-from repro import gpus
+from repro.env import gpus
 from repro.cli import app
 from repro.config import load_preset, validate
-from repro.matrix import load_matrix
+from repro.run.matrix import load_matrix
 from repro.outcome import Outcome
 from repro.scenarios import workspace_grow as wg
 from repro.scenarios.workspace_grow_spec import WorkspaceDims, vllm_capture_sizes, workspace_bytes
@@ -340,7 +340,7 @@ GPU_OUTCOMES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode, resize, after_free", list(GPU_OUTCOMES))
 def test_each_mode_on_cuda(tmp_path, mode, resize, after_free):
-    from repro.runner import plan, run_planned
+    from repro.run.runner import plan, run_planned
     if gpus.gpu_count() < 1:
         pytest.skip("needs a CUDA GPU")
     p = plan("workspace-grow", "turboquant-decode",
@@ -362,7 +362,7 @@ def test_each_mode_on_cuda(tmp_path, mode, resize, after_free):
         assert len(moved) == sum(g["how"] == "resize_" for g in ws["grows"]) and len({f.old_ptr for f in moved}) == len(moved)
     # The estimate the matrix packs concurrent trials by is not below what the trial reached
     # (a rank that died of the fault may not have said its peak).
-    from repro.footprint import expected_peak_bytes
+    from repro.run.footprint import expected_peak_bytes
     peaks = [r.peak_reserved_bytes for r in t.ranks if r.peak_reserved_bytes is not None]
     assert peaks or t.outcome is not Outcome.CLEAN
     assert all(0 < n <= expected_peak_bytes(p.cfg) for n in peaks), (peaks, expected_peak_bytes(p.cfg))

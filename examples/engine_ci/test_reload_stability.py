@@ -3,7 +3,7 @@ address and view across a reload to DIFFERENT weights. Runs on CPU (no graph nee
 import pytest
 import torch
 
-from repro.stability import ReloadUnstable, expect_stable
+from repro.diagnose.stability import ReloadUnstable, expect_stable
 
 from engine_layer import Layer, new_weights
 

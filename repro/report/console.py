@@ -28,8 +28,8 @@ from repro.report.view import (
     run_view, trial_view,
 )
 
-if TYPE_CHECKING:       # repro.watch_report imports this package: the type alone is needed here
-    from repro.watch_report import ProblemView, WatchView
+if TYPE_CHECKING:       # repro.watch.report imports this package: the type alone is needed here
+    from repro.watch.report import ProblemView, WatchView
 
 STYLES = {OK: "bold green", WARN: "bold yellow", SKIP: "bold magenta", BAD: "bold red", NOTE: "bold yellow",
           DIM: "dim", "": ""}

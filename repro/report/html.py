@@ -18,8 +18,8 @@ from repro.outcome import Report
 from repro.report.charts import layout, missing_charts, trial_charts
 from repro.report.view import run_view
 
-if TYPE_CHECKING:       # repro.watch_report imports this package: the type alone is needed here
-    from repro.watch_report import WatchView
+if TYPE_CHECKING:       # repro.watch.report imports this package: the type alone is needed here
+    from repro.watch.report import WatchView
 
 TEMPLATE = "report.html"
 WATCH_TEMPLATE = "watch.html"

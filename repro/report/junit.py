@@ -17,8 +17,8 @@ from repro.outcome import Outcome, Report
 from repro.report.fmt import encodable
 from repro.report.view import RunView, TrialView, config_params, run_config, run_view
 
-if TYPE_CHECKING:       # repro.watch_report imports this package: the type alone is needed here
-    from repro.watch_report import WatchView
+if TYPE_CHECKING:       # repro.watch.report imports this package: the type alone is needed here
+    from repro.watch.report import WatchView
 
 # Characters XML 1.0 forbids even escaped; one in a stderr tail would make the whole file unreadable.
 XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")

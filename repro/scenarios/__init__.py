@@ -5,10 +5,13 @@ trial ids), the CLI (one command per scenario), the records (extra trial fields)
 (lines, columns, charts) and the workers (which module to import) all ask the specs below.
 
 A scenario is a spec (repro/scenarios/spec.py says what it holds) in a torch-free module and
-`run(ctx: repro.worker.WorkerContext) -> None` in the module the spec names. The built-in ones
+`run(ctx: repro.rank.worker.WorkerContext) -> None` in the module the spec names. The built-in ones
 are listed here; any installed package adds its own through the `repro.scenarios` entry-point
 group (`name = "package.module:SPEC"`), read in every process, ranks included, so a plugin
 scenario is known wherever the registry is.
+
+nvfp4 (the NVFP4 reference), specdec (speculative bookkeeping) and compare (output against its
+reference) are helpers the scenario modules share: torch, and no scenarios of their own.
 
 This module stays torch-free: the parent imports it. Scenario modules import torch and touch
 CUDA, so they are imported lazily, inside workers only (load_scenario).

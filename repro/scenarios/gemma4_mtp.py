@@ -17,7 +17,7 @@ The loop (`run`): a speculative decoding step per decode step, for a batch of se
 size cycles through SCHEDULE so every captured graph size is used: the drafter proposes k
 tokens per sequence (`propose`: each position through `Proposer.greedy_sample`, its previous
 draft fed back), the target stand-in (gemma4_target.py) verifies them in one pass (`verify`),
-the longest agreeing prefix plus the target's bonus token are emitted (`repro.specdec`). Every
+the longest agreeing prefix plus the target's bonus token are emitted (`repro.scenarios.specdec`). Every
 step checks the graphs' drafts against the eager drafter on live weights (what makes `reuse` a
 MISMATCH) and the emitted tokens against target-only greedy decoding (lossless).
 
@@ -35,15 +35,15 @@ from typing import TYPE_CHECKING, Callable, ContextManager
 import torch
 from torch import nn
 
-from repro.dist import TP, all_gather_dim0
-from repro.graphs import Captured, capture
+from repro.rank.dist import TP, all_gather_dim0
+from repro.rank.graphs import Captured, capture
 from repro.outcome import StepRecord
 from repro.scenarios.gemma4_mtp_spec import SPEC, Gemma4Dims
 from repro.scenarios.gemma4_target import TargetStandIn, padded_vocab
-from repro.specdec import SpecStats, accepted_lengths, emitted_tokens, first_divergence
+from repro.scenarios.specdec import SpecStats, accepted_lengths, emitted_tokens, first_divergence
 
 if TYPE_CHECKING:
-    from repro.worker import WorkerContext
+    from repro.rank.worker import WorkerContext
 
 SHARED_GPU = "TP over gloo, ranks share one GPU (not NCCL)"
 
@@ -207,7 +207,7 @@ class Proposer:
                  on_replay=None, census=None):
         self.drafter, self.batch_sizes, self.guard, self.device = drafter, batch_sizes, guard, device
         self.on_replay = on_replay       # the harness records that a replay ran
-        self.census = census             # repro.census.CensusBook: reads each captured graph
+        self.census = census             # repro.diagnose.census.CensusBook: reads each captured graph
         self.graphs: dict[int, Captured] = {}
 
     def setup_centroid_graphs(self) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from repro.dist import TP, all_gather_dim0
+from repro.rank.dist import TP, all_gather_dim0
 from repro.scenarios.gemma4_mtp_spec import Gemma4Dims
 
 PRIVATE_NOISE = 0.45   # norm of a head row's private part (the drafter's rows have norm ~1)

@@ -42,15 +42,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from repro import nvfp4
-from repro.compare import Comparison, compare
-from repro.graphs import AfterFree, Captured, capture
+from repro.scenarios import nvfp4
+from repro.scenarios.compare import Comparison, compare
+from repro.rank.graphs import AfterFree, Captured, capture
 from repro.outcome import StepRecord
 from repro.scenarios.nvfp4_moe_spec import SPEC
 
 if TYPE_CHECKING:
-    from repro.guard import CaptureGuard
-    from repro.worker import WorkerContext
+    from repro.diagnose.guard import CaptureGuard
+    from repro.rank.worker import WorkerContext
 
 # Mismatch tolerance, per element: |y - y_ref| > TOLERANCE * (|y_ref| + rms(y_ref)); the rms
 # term keeps near-zero outputs from counting on rounding alone. Why 0.05:

@@ -51,17 +51,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from repro.compare import Comparison, compare
-from repro.graphs import Captured, capture
+from repro.scenarios.compare import Comparison, compare
+from repro.rank.graphs import Captured, capture
 from repro.outcome import StepRecord
 from repro.scenarios.piecewise_split_spec import SPEC, DecoderDims
 
 if TYPE_CHECKING:
-    from repro.guard import CaptureGuard
-    from repro.worker import WorkerContext
+    from repro.diagnose.guard import CaptureGuard
+    from repro.rank.worker import WorkerContext
 
 # Mismatch tolerance, per element of the last piece's output (the final-normed hidden state):
-# |y - y_ref| > TOLERANCE * (|y_ref| + rms(y_ref)) (repro/compare.py). A replay runs the kernels
+# |y - y_ref| > TOLERANCE * (|y_ref| + rms(y_ref)) (repro/scenarios/compare.py). A replay runs the kernels
 # the eager reference runs, on the same inputs and KV cache: expected bit-identical (measured
 # 0.0 on CPU and on an H200, fixed mode). A stale read replaces one layer's attention output
 # with another step's or batch size's (or the knob's fill) and every later layer builds on it:

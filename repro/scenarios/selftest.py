@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from repro.dist import all_gather_dim0
+from repro.rank.dist import all_gather_dim0
 from repro.outcome import StepRecord
 from repro.scenarios.selftest_spec import SPEC
 
 if TYPE_CHECKING:
-    from repro.worker import WorkerContext
+    from repro.rank.worker import WorkerContext
 
 
 @dataclass(frozen=True)

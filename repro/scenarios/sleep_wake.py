@@ -74,15 +74,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from repro.dist import all_gather_dim0
-from repro.graphs import AfterFree, Captured, capture
+from repro.rank.dist import all_gather_dim0
+from repro.rank.graphs import AfterFree, Captured, capture
 from repro.scenarios.gemma4_mtp import (SCHEDULE, SHARED_GPU, Gemma4Drafter, Loop, MaskedEmbedding, Oracle,
                                         Sequences, bucket, full_lm_head, speculative_step)
 from repro.scenarios.gemma4_target import TargetStandIn
 from repro.scenarios.sleep_wake_spec import NUM_SPECULATIVE_TOKENS, SPEC
 
 if TYPE_CHECKING:
-    from repro.worker import WorkerContext
+    from repro.rank.worker import WorkerContext
 
 # vLLM's default KV-cache block size on CUDA; max_model_len of #53508's reproduction (16 blocks).
 BLOCK_SIZE = 16
@@ -118,7 +118,7 @@ def discard(t: torch.Tensor) -> None:
     if t.device.type != "cuda":
         ctypes.memset(ptr, DISCARDED_BYTE, nbytes)
         return
-    from repro.census import load_driver          # libcuda through ctypes, as the census reads graphs
+    from repro.diagnose.census import load_driver          # libcuda through ctypes, as the census reads graphs
     memset = load_driver().lib.cuMemsetD8_v2
     memset.argtypes, memset.restype = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t], ctypes.c_int
     torch.cuda.synchronize(t.device)              # the program's work on it first, then the remap

@@ -125,11 +125,11 @@ class ScenarioSpec:
     validate: Callable[[Any, Any, Check], None] = no_rules
     # expectation(run): the expected outcome where a mode's usual one does not hold, else "".
     expectation: Callable[[Any], str] = usual_expectation
-    # footprint(model, tp): a lower bound of one rank's memory in bytes (repro/footprint.py).
+    # footprint(model, tp): a lower bound of one rank's memory in bytes (repro/run/footprint.py).
     footprint: Callable[[Any, int], int] = no_footprint
     # peak(model, run): the device memory one rank is expected to reach, in bytes, where it is
     # well above the footprint (graph pools that keep what every capture allocated); `repro
-    # matrix --jobs N` packs concurrent CUDA trials by it (repro/ledger.py). None: the footprint.
+    # matrix --jobs N` packs concurrent CUDA trials by it (repro/run/ledger.py). None: the footprint.
     peak: Callable[[Any, Any], int] | None = None
     record_fields: tuple[RecordField, ...] = ()
     # measure(steps): the record fields' values from the trial's step records; {} when unmeasured.

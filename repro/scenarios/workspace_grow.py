@@ -56,14 +56,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from repro.graphs import AfterFree, Captured, capture
+from repro.rank.graphs import AfterFree, Captured, capture
 from repro.outcome import StepRecord
 from repro.units import format_bytes
 from repro.scenarios.workspace_grow_spec import (ALIGN, MIB, SPEC, GrowthKind, WorkspaceDims, decode_workspace_views,
                                                  round_up, workspace_bytes)
 
 if TYPE_CHECKING:
-    from repro.worker import WorkerContext
+    from repro.rank.worker import WorkerContext
 
 # Mismatch tolerance, per element: |y - y_ref| > TOLERANCE * (|y_ref| + rms(y_ref)). The graph and
 # the reference compute in fp32 from the same bf16 inputs; they differ by the order of the sums

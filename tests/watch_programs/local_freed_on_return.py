@@ -18,7 +18,7 @@ import torch
 
 gc.disable()                  # before anything of the hooks is imported
 
-from repro import watch_hooks  # noqa: E402  (imports no torch, nothing of the guard yet)
+from repro.watch import hooks as watch_hooks  # noqa: E402  (imports no torch, nothing of the guard yet)
 
 
 class Graph:

@@ -1,0 +1,5 @@
+"""`repro watch`: the capture hooks in a program that does not know. command: the CLI side (runs CMD,
+its environment, signals, the report; parent-side, no torch); hooks: in every watched process, started
+by _site/sitecustomize.py or vllm_plugin, importing no torch until the program does; report: records
+to the watch view model; ray: the hooks in Ray workers and the collector.
+"""
