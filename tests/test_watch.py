@@ -587,7 +587,7 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
     def merge_findings(guard, census, slots, guard_on, book):
         return guard + census
 
-    from repro.census import Tracing
+    from repro.diagnose.census import Tracing
     fake = type(sys)("fake_census")
     fake.census_supported, fake.Tracing = (lambda: (True, "")), Tracing
     fake.CensusBook, fake.merge_findings = Book, merge_findings

@@ -76,7 +76,7 @@ class Book:
 
 
 def stand_in_census():
-    from repro.census import Tracing
+    from repro.diagnose.census import Tracing
     fake = type(sys)("stand_in_census")
     fake.Tracing = Tracing
     fake.census_supported = lambda: (True, "")
