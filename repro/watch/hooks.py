@@ -752,7 +752,7 @@ class Watcher:
                 # torch._dynamo: seconds on an image without bytecode); where the census makes
                 # the slots, no capture records at the dispatcher.
                 if self.settings.record == Record.OPS or census is None or not census.census_supported()[0]:
-                    repro.guard.warm_up()
+                    repro.diagnose.guard.warm_up()
             except Exception as e:
                 failed.append(f"{type(e).__name__}: {e}")
 
