@@ -379,12 +379,6 @@ def events_since(trace: list[dict[str, Any]], marker: dict[str, Any] | None,
     return Trace(trace, capacity).since(marker)
 
 
-def events_after(trace: list[dict[str, Any]], time_us: int, capacity: int | None) -> list[dict[str, Any]] | None:
-    """Entries stamped after time_us; None when the ring (full) no longer reaches back to it."""
-    start = Trace(trace, capacity).start_after(time_us)
-    return None if start is None else trace[start:]
-
-
 def overlaps(entry: dict[str, Any], block: Block) -> bool:
     addr = entry.get("addr")
     return addr is not None and addr < block.end and block.start < addr + entry.get("size", 0)
@@ -847,13 +841,6 @@ def first_touches(words: list[Word], trace: list[dict[str, Any]], points: dict[i
             if p is not None:
                 first[a] = trace[p]
     return first
-
-
-def first_events(words: list[Word], events: list[dict[str, Any]] | None) -> dict[int, dict[str, Any]]:
-    """address -> the first alloc or free in events whose allocation holds it (one census)."""
-    if not events:
-        return {}
-    return first_touches(words, events, entries_at_points(events, (w.addr for w in words)), 0) or {}
 
 
 def captured_block(w: Word, current: Block | None, first: dict[str, Any] | None, traced: bool) -> Block | None:
