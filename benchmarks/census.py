@@ -18,7 +18,8 @@ import time
 import torch
 
 from common import emit
-from repro.diagnose.census import CensusBook, take_snapshot
+from repro.diagnose.allocator import take_snapshot
+from repro.diagnose.census import CensusBook
 from repro.config import load_preset, validate
 from repro.rank.dist import TP
 from repro.rank.graphs import capture

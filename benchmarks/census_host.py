@@ -29,17 +29,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit  # noqa: E402
 
 from repro.diagnose import census as C  # noqa: E402
+from repro.diagnose.allocator import TRACE_ENTRIES, PoolMap  # noqa: E402
+from repro.diagnose.captured import GraphCensus  # noqa: E402
+from repro.diagnose.cuda_driver import KernelNodeParams  # noqa: E402
+from repro.diagnose.graph_walk import read_graph  # noqa: E402
+from repro.diagnose.words import Deferred  # noqa: E402
 
 MiB = 1 << 20
 POOL = (1, 7)                       # the shared graph pool every graph captures into
 BASE = 0x7F00_0000_0000
-T0, TRACE_SPAN = 5000, C.TRACE_ENTRIES - 1   # trace stamps (us); the ring is not full: nothing lost
+T0, TRACE_SPAN = 5000, TRACE_ENTRIES - 1   # trace stamps (us); the ring is not full: nothing lost
 
 
 class StandInDriver:
     """The four driver answers read_graph needs, from host memory (no libcuda)."""
 
-    def __init__(self, graphs: dict[int, list[int]], params: dict[int, C.KernelNodeParams],
+    def __init__(self, graphs: dict[int, list[int]], params: dict[int, KernelNodeParams],
                  layouts: dict[int, list[tuple[int, int]]]):
         self.graphs, self.params, self.layouts = graphs, params, layouts
         self.function_cache: dict = {}
@@ -96,7 +101,7 @@ def build_graphs(args, segs: list[dict], rng: random.Random):
             blob = b"".join(w.to_bytes(8, "little") for w in words) + bytes(struct) + bytes(8)
             buf = ctypes.create_string_buffer(blob, len(blob))
             slots = (ctypes.c_void_p * 6)(*[ctypes.addressof(buf) + off for off, _ in layouts[1]])
-            p = C.KernelNodeParams()
+            p = KernelNodeParams()
             p.func, p.kernelParams = 1, ctypes.addressof(slots)
             keep += [buf, slots]
             params[node_id] = p
@@ -117,29 +122,29 @@ def trace_entries(segs: list[dict], n: int, rng: random.Random, t0: int) -> list
     return out
 
 
-def read_all(driver, pools: C.PoolMap, n_graphs: int) -> list[C.GraphCensus]:
+def read_all(driver, pools: PoolMap, n_graphs: int) -> list[GraphCensus]:
     out = []
     for g in range(n_graphs):
-        census = C.GraphCensus(label=f"g{g}", pool=POOL)
-        C.read_graph(driver, census, C.Deferred(pools, POOL, None), g)
+        census = GraphCensus(label=f"g{g}", pool=POOL)
+        read_graph(driver, census, Deferred(pools, POOL, None), g)
         census.marker = {"time_us": T0 + g * (TRACE_SPAN // (2 * n_graphs))}   # captures inside the trace
         out.append(census)
     return out
 
 
-def check_together(censuses: list[C.GraphCensus], snapshot: dict) -> float:
+def check_together(censuses: list[GraphCensus], snapshot: dict) -> float:
     book = C.CensusBook(rank=0, trace=C.Tracing.NONE)
-    book.capacity = C.TRACE_ENTRIES
+    book.capacity = TRACE_ENTRIES
     book.censuses = {c.label: c for c in censuses}
     t0 = time.perf_counter()
     book.findings_from(censuses, snapshot, 0, "bench")
     return time.perf_counter() - t0
 
 
-def check_one_by_one(censuses: list[C.GraphCensus], snapshot: dict) -> float:
+def check_one_by_one(censuses: list[GraphCensus], snapshot: dict) -> float:
     t0 = time.perf_counter()
     for census in censuses:
-        C.check_census(census, "bench", snapshot, device=0, capacity=C.TRACE_ENTRIES)
+        C.check_census(census, "bench", snapshot, device=0, capacity=TRACE_ENTRIES)
     return time.perf_counter() - t0
 
 
@@ -154,7 +159,7 @@ def main(argv=None) -> int:
     segs = segments(n_default=24, n_pool=40)
     driver, keep = build_graphs(args, segs, rng)
     snapshot = {"segments": segs, "device_traces": [trace_entries(segs, args.trace, rng, T0)]}
-    pools = C.PoolMap()
+    pools = PoolMap()
     pools.signature = ("bench",)
     pools.refresh(snapshot)
     pools.check = lambda: None

@@ -12,6 +12,17 @@ import dataclasses
 import pytest
 
 from repro.diagnose import census as C
+from repro.diagnose.allocator import Block, BlockIndex, PoolMap, blocks_of, segment_signature
+from repro.diagnose.captured import GraphCensus, Reference
+from repro.diagnose.cuda_driver import (CU_LAUNCH_PARAM_BUFFER_POINTER, CU_LAUNCH_PARAM_BUFFER_SIZE, CU_LAUNCH_PARAM_END,
+                                        DriverError, KernelNodeParams, Memcpy3D, MemsetParams, function_info,
+                                        param_chunks, param_layout)
+from repro.diagnose.fates import fate_of, traced_fate
+from repro.diagnose.graph_walk import read_graph, read_kernel
+from repro.diagnose.trace_index import events_since, marker_of, trace_of
+from repro.diagnose.words import (MAX_ADDR, MIN_ADDR, SERIAL_ELEMENTS, SERIAL_SEARCHES, SMALL_GRAPH_WORDS, Chunks,
+                                  Deferred, Matcher, aligned_words, plausible_address, plausible_words,
+                                  segment_positions)
 from repro.outcome import Finding, Status, finding_from_dict
 
 MiB = 1 << 20
@@ -62,18 +73,18 @@ LOCAL = SEG + 2 * MiB
 # ------------------------------------------------------------------ snapshot -> blocks
 
 def test_blocks_take_addresses_from_the_snapshot_or_from_running_sizes():
-    with_addr = C.blocks_of(AT_CAPTURE)
-    without = C.blocks_of(snapshot([segment(SEG, [(2 * MiB, "active_allocated"), (MiB, "active_allocated"),
-                                                  (MiB, "inactive")], with_addresses=False),
-                                    segment(POOL_SEG, [(MiB, "active_allocated"), (MiB, "inactive")],
-                                            pool=GRAPH_POOL, with_addresses=False)]))
+    with_addr = blocks_of(AT_CAPTURE)
+    without = blocks_of(snapshot([segment(SEG, [(2 * MiB, "active_allocated"), (MiB, "active_allocated"),
+                                                (MiB, "inactive")], with_addresses=False),
+                                  segment(POOL_SEG, [(MiB, "active_allocated"), (MiB, "inactive")],
+                                          pool=GRAPH_POOL, with_addresses=False)]))
     assert with_addr == without
     assert [(b.start - SEG, b.size) for b in with_addr[:3]] == [(0, 2 * MiB), (2 * MiB, MiB), (3 * MiB, MiB)]
     assert with_addr[3].pool == GRAPH_POOL and with_addr[0].pool == (0, 0)
 
 
 def test_block_index_finds_the_block_containing_an_address_and_nothing_outside():
-    index = C.BlockIndex.of(AT_CAPTURE)
+    index = BlockIndex.of(AT_CAPTURE)
     assert index.find(SEG).start == SEG
     assert index.find(SEG + 2 * MiB - 1).start == SEG                 # last byte of the weight
     assert index.find(LOCAL).start == LOCAL                           # first byte of the next block
@@ -85,8 +96,8 @@ def test_block_index_finds_the_block_containing_an_address_and_nothing_outside()
 def test_blocks_of_one_device_only():
     snap = snapshot([segment(SEG, [(MiB, "active_allocated")], device=0),
                      segment(SEG + 8 * MiB, [(MiB, "active_allocated")], device=1)])
-    assert [b.start for b in C.blocks_of(snap, 1)] == [SEG + 8 * MiB]
-    assert len(C.blocks_of(snap)) == 2
+    assert [b.start for b in blocks_of(snap, 1)] == [SEG + 8 * MiB]
+    assert len(blocks_of(snap)) == 2
 
 
 # ------------------------------------------------------------------ words -> references
@@ -94,19 +105,19 @@ def test_blocks_of_one_device_only():
 def test_aligned_words_follow_the_parameter_buffer_alignment():
     buf = bytes(range(24))
     # A parameter at buffer offset 4: its first aligned word starts 4 bytes in (offset 8).
-    words = C.aligned_words(buf, 4)
+    words = aligned_words(buf, 4)
     assert [off for off, _ in words] == [8, 16]
     assert words[0][1] == int.from_bytes(buf[4:12], "little")
-    assert [off for off, _ in C.aligned_words(buf, 0)] == [0, 8, 16]
-    assert C.aligned_words(b"\x01\x02\x03", 0) == []
+    assert [off for off, _ in aligned_words(buf, 0)] == [0, 8, 16]
+    assert aligned_words(b"\x01\x02\x03", 0) == []
 
 
 def matcher(snap=AT_CAPTURE, own=GRAPH_POOL, names=None, outside=None):
-    return C.Matcher(C.BlockIndex.of(snap), own, names or {}, outside)
+    return Matcher(BlockIndex.of(snap), own, names or {}, outside)
 
 
 def test_matcher_sorts_words_into_references_own_pool_and_outside():
-    census = C.GraphCensus(label="g", pool=GRAPH_POOL)
+    census = GraphCensus(label="g", pool=GRAPH_POOL)
     m = matcher(outside=lambda v: v == 0x7E00_0000_0000)
     m.add(census, 0, "kernel", "k", "param 0 +0", 0, LOCAL + 64)          # inside the local
     m.add(census, 0, "kernel", "k", "param 1 +0", 8, POOL_SEG + 16)       # own pool: safe
@@ -120,7 +131,7 @@ def test_matcher_sorts_words_into_references_own_pool_and_outside():
 
 
 def test_matcher_names_another_graphs_pool():
-    census = C.GraphCensus(label="B", pool=(1, 9))
+    census = GraphCensus(label="B", pool=(1, 9))
     matcher(own=(1, 9), names={GRAPH_POOL: "graph 'A'"}).add(census, 3, "kernel", "gemm", "extra +40", 40, POOL_SEG)
     assert census.foreign_pools == {"graph 'A'": 1}
     assert census.references[0].block.pool == GRAPH_POOL
@@ -130,55 +141,55 @@ def test_matcher_names_another_graphs_pool():
 
 def test_events_since_finds_the_marker_or_says_the_ring_wrapped():
     trace = [ev("alloc", 1 << 33, 512, t) for t in range(5)]
-    marker = C.marker_of(trace[:3])
-    assert C.events_since(trace, marker) == trace[3:]
-    assert C.events_since(trace[3:], marker) is None                # the marker fell off the ring
-    empty = C.marker_of([])
-    assert C.events_since(trace, empty, capacity=100) == trace      # nothing dropped yet
-    assert C.events_since(trace, empty, capacity=5) is None         # full ring: entries may be lost
-    assert C.events_since(trace, None) is None                      # no trace recorded at census
+    marker = marker_of(trace[:3])
+    assert events_since(trace, marker) == trace[3:]
+    assert events_since(trace[3:], marker) is None                # the marker fell off the ring
+    empty = marker_of([])
+    assert events_since(trace, empty, capacity=100) == trace      # nothing dropped yet
+    assert events_since(trace, empty, capacity=5) is None         # full ring: entries may be lost
+    assert events_since(trace, None) is None                      # no trace recorded at census
 
 
 def test_traced_fate_needs_a_free_before_an_alloc_counts_as_reuse():
-    block = C.Block(LOCAL, MiB, "active_allocated", (0, 0), SEG)
-    assert C.traced_fate(block, [ev("alloc", LOCAL, MiB, 3)]) is None          # ours, not reuse
-    assert C.traced_fate(block, [ev("free_requested", LOCAL, MiB, 3)]) == Status.FREED
-    assert C.traced_fate(block, [ev("free_completed", LOCAL, MiB, 3),
-                                 ev("alloc", LOCAL + 512, 512, 4)]) == Status.REUSED  # part of it taken
-    assert C.traced_fate(block, [ev("free_completed", LOCAL, MiB, 3),
-                                 ev("segment_free", SEG, 4 * MiB, 4)]) == Status.RELEASED
-    assert C.traced_fate(block, [ev("free_completed", SEG, 2 * MiB, 3),
-                                 ev("alloc", SEG, 2 * MiB, 4)]) is None         # the neighbour's life
+    block = Block(LOCAL, MiB, "active_allocated", (0, 0), SEG)
+    assert traced_fate(block, [ev("alloc", LOCAL, MiB, 3)]) is None          # ours, not reuse
+    assert traced_fate(block, [ev("free_requested", LOCAL, MiB, 3)]) == Status.FREED
+    assert traced_fate(block, [ev("free_completed", LOCAL, MiB, 3),
+                               ev("alloc", LOCAL + 512, 512, 4)]) == Status.REUSED  # part of it taken
+    assert traced_fate(block, [ev("free_completed", LOCAL, MiB, 3),
+                               ev("segment_free", SEG, 4 * MiB, 4)]) == Status.RELEASED
+    assert traced_fate(block, [ev("free_completed", SEG, 2 * MiB, 3),
+                               ev("alloc", SEG, 2 * MiB, 4)]) is None         # the neighbour's life
 
 
 def test_fate_reads_state_first_and_the_trace_for_reuse_at_the_same_address():
-    block = C.BlockIndex.of(AT_CAPTURE).find(LOCAL)
+    block = BlockIndex.of(AT_CAPTURE).find(LOCAL)
     # Same layout, block active again: only the trace can tell it was freed and taken.
     same = snapshot(AT_CAPTURE["segments"])
-    now = C.BlockIndex.of(same)
+    now = BlockIndex.of(same)
     reuse = [ev("free_completed", LOCAL, MiB, 3), ev("alloc", LOCAL, MiB, 4)]
-    assert C.fate_of(block, now, []) is None
-    fate = C.fate_of(block, now, reuse)
+    assert fate_of(block, now, []) is None
+    fate = fate_of(block, now, reuse)
     assert (fate.status, fate.how) == (Status.REUSED, "allocator trace")
-    assert C.fate_of(block, now, None) is None                      # trace lost, layout unchanged
-    freed = C.BlockIndex.of(snapshot([segment(SEG, [(2 * MiB, "active_allocated"), (2 * MiB, "inactive")])]))
-    assert C.fate_of(block, freed, []).status == Status.FREED            # merged with its free neighbour
-    released = C.BlockIndex.of(snapshot([segment(SEG + 64 * MiB, [(MiB, "active_allocated")])]))
-    fate = C.fate_of(block, released, [])
+    assert fate_of(block, now, None) is None                      # trace lost, layout unchanged
+    freed = BlockIndex.of(snapshot([segment(SEG, [(2 * MiB, "active_allocated"), (2 * MiB, "inactive")])]))
+    assert fate_of(block, freed, []).status == Status.FREED            # merged with its free neighbour
+    released = BlockIndex.of(snapshot([segment(SEG + 64 * MiB, [(MiB, "active_allocated")])]))
+    fate = fate_of(block, released, [])
     assert (fate.status, fate.current) == (Status.RELEASED, None)
-    moved = C.BlockIndex.of(snapshot([segment(SEG, [(2 * MiB + 512, "active_allocated"), (2 * MiB - 512, "active_allocated")])]))
-    assert C.fate_of(block, moved, None).status == Status.REUSED         # layout changed: proof without trace
+    moved = BlockIndex.of(snapshot([segment(SEG, [(2 * MiB + 512, "active_allocated"), (2 * MiB - 512, "active_allocated")])]))
+    assert fate_of(block, moved, None).status == Status.REUSED         # layout changed: proof without trace
 
 
 # ------------------------------------------------------------------ check_census
 
 def census_of_local(label="g"):
-    census = C.GraphCensus(label=label, pool=GRAPH_POOL)
+    census = GraphCensus(label=label, pool=GRAPH_POOL)
     m = matcher()
     m.add(census, 2, "kernel", "gather_kernel", "param 4 +0", 32, LOCAL)
     m.add(census, 5, "kernel", "gather_kernel", "param 4 +0", 32, LOCAL + 4096)
     m.add(census, 6, "kernel", "mul_kernel", "param 0 +0", 0, SEG)         # the live weight
-    census.marker = C.marker_of(C.trace_of(AT_CAPTURE))
+    census.marker = marker_of(trace_of(AT_CAPTURE))
     return census
 
 
@@ -211,7 +222,7 @@ def test_check_census_says_when_the_trace_no_longer_reaches_the_capture():
 
 
 def test_own_pool_blocks_are_never_findings():
-    census = C.GraphCensus(label="g", pool=GRAPH_POOL)
+    census = GraphCensus(label="g", pool=GRAPH_POOL)
     matcher().add(census, 0, "kernel", "k", "param 0 +0", 0, POOL_SEG + 8)
     gone = snapshot([segment(SEG, [(4 * MiB, "inactive")])])           # the pool segment is gone
     assert C.check_census(census, "x", gone, device=0) == [] and census.own_pool == 1
@@ -322,7 +333,7 @@ def kernel_node(values: list[bytes]):
     """kernelParams: an array of pointers to each parameter's bytes."""
     bufs = [ctypes.create_string_buffer(v, len(v)) for v in values]
     arr = (ctypes.c_void_p * len(bufs))(*[ctypes.addressof(b) for b in bufs])
-    p = C.KernelNodeParams()
+    p = KernelNodeParams()
     p.kernelParams = ctypes.addressof(arr)
     return p, (bufs, arr)
 
@@ -331,8 +342,8 @@ def test_read_kernel_finds_a_pointer_inside_a_struct_parameter():
     # param 0: int32 n (offset 0); param 1: struct {int64 len; float* data; int64 stride} (offset 8)
     struct = (7).to_bytes(8, "little") + (LOCAL + 256).to_bytes(8, "little") + (1).to_bytes(8, "little")
     p, keep = kernel_node([(5).to_bytes(4, "little"), struct])
-    census = C.GraphCensus(label="g", pool=GRAPH_POOL)
-    C.read_kernel(FakeDriver(p, [(0, 4), (8, 24)], "struct_kernel"), census, matcher(), 3, 0)
+    census = GraphCensus(label="g", pool=GRAPH_POOL)
+    read_kernel(FakeDriver(p, [(0, 4), (8, 24)], "struct_kernel"), census, matcher(), 3, 0)
     assert census.kernels == 1 and census.words == 3
     [ref] = census.references
     assert (ref.node, ref.where, ref.offset, ref.kernel) == (3, "param 1 +8", 16, "struct_kernel")
@@ -364,8 +375,8 @@ def test_read_graph_reads_a_kernel_node_with_one_call_and_the_same_census():
     got = {}
     for one_call in (False, True):
         driver = GraphDriver(p, [(0, 4), (8, 24)], "struct_kernel", one_call=one_call)
-        census = C.GraphCensus(label="g", pool=GRAPH_POOL)
-        C.read_graph(driver, census, matcher(), 0)
+        census = GraphCensus(label="g", pool=GRAPH_POOL)
+        read_graph(driver, census, matcher(), 0)
         got[one_call] = (census.nodes, census.kernels, dict(census.node_types), census.words,
                          [(r.addr, r.where) for r in census.references], driver.typed)
     assert got[False][:5] == got[True][:5]
@@ -378,37 +389,37 @@ def test_read_kernel_reads_the_extra_buffer_as_cublaslt_passes_it():
     buf[40:48] = (LOCAL + 8).to_bytes(8, "little")
     data = ctypes.create_string_buffer(bytes(buf), len(buf))
     size = ctypes.c_size_t(len(buf))
-    extra = (ctypes.c_void_p * 5)(C.CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(data),
-                                  C.CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size), C.CU_LAUNCH_PARAM_END)
-    p = C.KernelNodeParams()
+    extra = (ctypes.c_void_p * 5)(CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(data),
+                                  CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size), CU_LAUNCH_PARAM_END)
+    p = KernelNodeParams()
     p.extra = ctypes.addressof(extra)
-    census = C.GraphCensus(label="g", pool=None)
-    C.read_kernel(FakeDriver(p, []), census, matcher(own=None), 0, 0)
+    census = GraphCensus(label="g", pool=None)
+    read_kernel(FakeDriver(p, []), census, matcher(own=None), 0, 0)
     assert [(r.where, r.offset) for r in census.references] == [("extra +40", 40)]
     assert census.words == 8
 
 
 def test_unreadable_layouts_are_reported_never_guessed():
     p, keep = kernel_node([(LOCAL).to_bytes(8, "little")])
-    census = C.GraphCensus(label="g", pool=None)
-    C.read_kernel(FakeDriver(p, C.DriverError("cuFuncGetParamInfo: CUDA_ERROR_NOT_SUPPORTED"), "opaque"),
-                  census, matcher(own=None), 4, 0)
+    census = GraphCensus(label="g", pool=None)
+    read_kernel(FakeDriver(p, DriverError("cuFuncGetParamInfo: CUDA_ERROR_NOT_SUPPORTED"), "opaque"),
+                census, matcher(own=None), 4, 0)
     assert census.references == [] and census.words == 0
     assert census.unreadable == ["node 4 kernel opaque: cuFuncGetParamInfo: CUDA_ERROR_NOT_SUPPORTED"]
-    bad_extra = (ctypes.c_void_p * 2)(7, C.CU_LAUNCH_PARAM_END)
-    q = C.KernelNodeParams()
+    bad_extra = (ctypes.c_void_p * 2)(7, CU_LAUNCH_PARAM_END)
+    q = KernelNodeParams()
     q.extra = ctypes.addressof(bad_extra)
-    C.read_kernel(FakeDriver(q, []), census, matcher(own=None), 5, 0)
+    read_kernel(FakeDriver(q, []), census, matcher(own=None), 5, 0)
     assert "no CU_LAUNCH_PARAM_BUFFER_POINTER" in census.unreadable[1]
     del keep
 
 
 def test_kernel_node_params_struct_has_the_driver_layout():
     # CUDA_KERNEL_NODE_PARAMS_v2: func, 7 x uint, pad, kernelParams @40, extra @48, kern, ctx
-    assert ctypes.sizeof(C.KernelNodeParams) == 72
-    assert C.KernelNodeParams.kernelParams.offset == 40 and C.KernelNodeParams.extra.offset == 48
-    assert ctypes.sizeof(C.Memcpy3D) == 200 and C.Memcpy3D.dstDevice.offset == 136
-    assert ctypes.sizeof(C.MemsetParams) == 40
+    assert ctypes.sizeof(KernelNodeParams) == 72
+    assert KernelNodeParams.kernelParams.offset == 40 and KernelNodeParams.extra.offset == 48
+    assert ctypes.sizeof(Memcpy3D) == 200 and Memcpy3D.dstDevice.offset == 136
+    assert ctypes.sizeof(MemsetParams) == 40
 
 
 # ------------------------------------------------------------------ finding model
@@ -435,11 +446,11 @@ def test_recorded_h200_snapshots_give_the_verdicts_seen_on_the_gpu():
     import json
     from pathlib import Path
     data = json.loads((Path(__file__).parent / "data" / "census_snapshot_h200.json").read_text())
-    census = C.GraphCensus(label="probe", pool=tuple(data["own_pool"]))
-    m = C.Matcher(C.BlockIndex.of(data["at_capture"], 0), census.pool, {})
+    census = GraphCensus(label="probe", pool=tuple(data["own_pool"]))
+    m = Matcher(BlockIndex.of(data["at_capture"], 0), census.pool, {})
     for r in data["references"]:
         m.add(census, r["node"], "kernel", r["kernel"], r["where"], r["offset"], r["addr"])
-    census.marker = C.marker_of(C.trace_of(data["at_capture"], 0))
+    census.marker = marker_of(trace_of(data["at_capture"], 0))
     ptr = data["pointers"]
     assert {r.addr for r in census.references} == {ptr["keep"], ptr["local"], ptr["local2"], ptr["x"]}
     findings = C.check_census(census, "probe", data["later"], device=0)
@@ -453,8 +464,8 @@ def test_recorded_h200_snapshots_give_the_verdicts_seen_on_the_gpu():
 
 
 def test_census_line_counts_what_is_not_a_finding():
-    a = C.GraphCensus(label="A", pool=GRAPH_POOL, kernels=3, own_pool=4, outside=1, free_at_capture=2)
-    a.references.append(C.Reference(0, "kernel", "k", "param 0 +0", 0, LOCAL, C.BlockIndex.of(AT_CAPTURE).find(LOCAL)))
+    a = GraphCensus(label="A", pool=GRAPH_POOL, kernels=3, own_pool=4, outside=1, free_at_capture=2)
+    a.references.append(Reference(0, "kernel", "k", "param 0 +0", 0, LOCAL, BlockIndex.of(AT_CAPTURE).find(LOCAL)))
     a.foreign_pools["graph 'B'"] = 1
     line = C.census_line([a.summary()], ["graph 'C': no raw CUDA graph"])
     assert "1 graphs, 3 kernels, 1 captured addresses" in line
@@ -465,15 +476,15 @@ def test_census_line_counts_what_is_not_a_finding():
 # ------------------------------------------------------------------ no snapshot per capture
 
 def pools_of(snap):
-    pools = C.PoolMap(device=0)
+    pools = PoolMap(device=0)
     pools.refresh(snap)
     return pools
 
 
 def deferred_census(snap, words, own=GRAPH_POOL, capture_us=5):
     """A census taken the fast way: words sorted by segment pool, the rest pending."""
-    census = C.GraphCensus(label="g", pool=own)
-    d = C.Deferred(pools_of(snap), own, is_device_address=lambda v: v == 0x7E00_0000_0000)
+    census = GraphCensus(label="g", pool=own)
+    d = Deferred(pools_of(snap), own, is_device_address=lambda v: v == 0x7E00_0000_0000)
     for i, value in enumerate(words):
         d.add(census, 0, "kernel", "k", f"param {i} +0", 8 * i, value)
     census.marker = {"time_us": capture_us}
@@ -484,7 +495,7 @@ def test_pool_map_names_the_pool_of_a_segment_and_nothing_outside():
     pools = pools_of(AT_CAPTURE)
     assert pools.pool_of(LOCAL + 8) == (0, 0)
     assert pools.pool_of(POOL_SEG + MiB + 8) == GRAPH_POOL       # a free block: still the pool's segment
-    pools.signature = C.segment_signature(0)                      # nothing changed: a miss stays a miss
+    pools.signature = segment_signature(0)                      # nothing changed: a miss stays a miss
     assert pools.pool_of(0x7E00_0000_0000) is None
 
 
@@ -519,9 +530,9 @@ def test_pending_words_into_free_blocks_are_not_findings_when_the_trace_is_lost(
 
 def test_events_after_places_the_census_by_the_clock():
     trace = [ev("alloc", SEG, 64, t) for t in (1, 2, 3, 9)]
-    assert [e["time_us"] for e in C.events_since(trace, {"time_us": 2}, capacity=None)] == [3, 9]
-    assert C.events_since(trace, {"time_us": 0}, capacity=4) is None        # the ring wrapped past it
-    assert C.events_since(trace, {"time_us": 0}, capacity=8) == trace
+    assert [e["time_us"] for e in events_since(trace, {"time_us": 2}, capacity=None)] == [3, 9]
+    assert events_since(trace, {"time_us": 0}, capacity=4) is None        # the ring wrapped past it
+    assert events_since(trace, {"time_us": 0}, capacity=8) == trace
 
 
 def test_own_pool_segment_returned_to_the_driver_is_a_finding(monkeypatch):
@@ -547,30 +558,30 @@ def test_function_info_is_read_once_per_function():
             Driver.calls += 1
             return [(0, 8)]
 
-    p = C.KernelNodeParams()
+    p = KernelNodeParams()
     p.func, p.kernelParams = 0x1234, 0x10
     d = Driver()
-    first, again = C.function_info(d, p), C.function_info(d, p)
+    first, again = function_info(d, p), function_info(d, p)
     assert first == again and first[0] == "k" and first[1].pairs == ((0, 8),)
     assert Driver.calls == 2
 
 
 def test_param_chunks_read_one_contiguous_buffer_or_each_parameter():
-    layout = C.param_layout([(0, 4), (8, 8)])
+    layout = param_layout([(0, 4), (8, 8)])
     raw = (7).to_bytes(4, "little") + bytes(4) + (LOCAL).to_bytes(8, "little")
     buf = ctypes.create_string_buffer(raw, 16)
     base = ctypes.addressof(buf)
     contiguous = (ctypes.c_void_p * 2)(base, base + 8)
-    assert C.param_chunks(contiguous, layout) == ([(raw, 0)], None)
+    assert param_chunks(contiguous, layout) == ([(raw, 0)], None)
     apart = ctypes.create_string_buffer((LOCAL + 8).to_bytes(8, "little"), 8)
     scattered = (ctypes.c_void_p * 2)(base, ctypes.addressof(apart))
-    assert C.param_chunks(scattered, layout) == ([(raw[:4], 0), ((LOCAL + 8).to_bytes(8, "little"), 8)], None)
+    assert param_chunks(scattered, layout) == ([(raw[:4], 0), ((LOCAL + 8).to_bytes(8, "little"), 8)], None)
     missing = (ctypes.c_void_p * 2)(base, None)
-    assert C.param_chunks(missing, layout)[1] == "parameter 1 has no value"
+    assert param_chunks(missing, layout)[1] == "parameter 1 has no value"
 
 
 def test_chunks_keep_words_aligned_to_the_parameter_buffer_and_locate_them():
-    chunks = C.Chunks()
+    chunks = Chunks()
     assert chunks.add(3, "k", bytes(4) + (LOCAL).to_bytes(8, "little") + bytes(3), 4, str) == 1   # buf[4:12] is aligned
     assert chunks.add(4, "j", (LOCAL + 8).to_bytes(8, "little") * 2, 16, str) == 2
     assert chunks.add(5, "i", bytes(5), 0, str) == 0
@@ -579,14 +590,14 @@ def test_chunks_keep_words_aligned_to_the_parameter_buffer_and_locate_them():
     assert [(n, words) for n, _, _, words in chunks.each()] == [(3, [(8, LOCAL)]), (4, [(16, LOCAL + 8), (24, LOCAL + 8)])]
 
 
-@pytest.mark.parametrize("small,serial", [(0, C.SERIAL_ELEMENTS), (0, 50), (C.SMALL_GRAPH_WORDS, C.SERIAL_ELEMENTS)],
+@pytest.mark.parametrize("small,serial", [(0, SERIAL_ELEMENTS), (0, 50), (SMALL_GRAPH_WORDS, SERIAL_ELEMENTS)],
                          ids=["arrays", "arrays-in-slices", "word-by-word"])
 def test_deferred_sorts_a_graphs_words_at_once_as_one_by_one(small, serial, monkeypatch):
     """Every path of add_chunks (a large graph's words in one search, or in slices of `serial`
     words; a small graph's one by one) against add(), word by word: the same own-pool and
     outside counts, own segments and pending words, on random words."""
     import random
-    monkeypatch.setattr(C, "SERIAL_ELEMENTS", serial)
+    monkeypatch.setattr("repro.diagnose.words.SERIAL_ELEMENTS", serial)    # the global Deferred reads
     rng = random.Random(7)
     pools = pools_of(AT_CAPTURE)
     outside = 0x7E00_0000_0000
@@ -596,17 +607,17 @@ def test_deferred_sorts_a_graphs_words_at_once_as_one_by_one(small, serial, monk
             start, end, _ = rng.choice(pools.segments)
             return rng.randrange(start - 4096, end + 4096) & ~7
         return rng.choice([0, 5, 1 << 50, outside, outside + 64, rng.randrange(1 << 64)])
-    chunks, one = C.Chunks(), C.GraphCensus(label="g", pool=GRAPH_POOL)
-    d = C.Deferred(pools, GRAPH_POOL, is_device_address=lambda v: v >> 21 == outside >> 21, small=small)
-    layout = C.param_layout([(0, 8), (8, 64), (72, 4)])
+    chunks, one = Chunks(), GraphCensus(label="g", pool=GRAPH_POOL)
+    d = Deferred(pools, GRAPH_POOL, is_device_address=lambda v: v >> 21 == outside >> 21, small=small)
+    layout = param_layout([(0, 8), (8, 64), (72, 4)])
     for node in range(40):
         words = [value() for _ in range(9)]
         raw = b"".join(w.to_bytes(8, "little") for w in words) + bytes(4)
         chunks.add(node, f"k{node % 3}", raw, 0, layout.where)
         for i, w in enumerate(words):
-            if C.plausible_address(w):
+            if plausible_address(w):
                 d.add(one, node, "kernel", f"k{node % 3}", layout.where(8 * i), 8 * i, w)
-    many = C.GraphCensus(label="g", pool=GRAPH_POOL)
+    many = GraphCensus(label="g", pool=GRAPH_POOL)
     d.add_chunks(many, chunks)
     assert (many.own_pool, many.outside) == (one.own_pool, one.outside) and one.own_pool and one.outside
     assert many.pending == one.pending and len(one.pending) > 10
@@ -615,15 +626,15 @@ def test_deferred_sorts_a_graphs_words_at_once_as_one_by_one(small, serial, monk
 
 
 def test_param_layout_names_the_parameter_of_an_offset():
-    layout = C.param_layout([(0, 4), (8, 24), (32, 8)])
+    layout = param_layout([(0, 4), (8, 24), (32, 8)])
     assert (layout.first, layout.end, layout.rel) == (0, 40, (0, 8, 32))
     assert [layout.where(o) for o in (0, 16, 32)] == ["param 0 +0", "param 1 +8", "param 2 +0"]
 
 
 def test_plausible_words_keep_only_what_may_be_an_address_and_count_every_word():
     buf = b"".join(v.to_bytes(8, "little") for v in (5, LOCAL, 1 << 50, 0, LOCAL + 8))
-    assert C.plausible_words(buf, 0) == (5, [(8, LOCAL), (32, LOCAL + 8)])
-    assert C.plausible_words(b"\x00" * 4 + buf, 4) == (5, [(16, LOCAL), (40, LOCAL + 8)])   # buf[4:] is aligned
+    assert plausible_words(buf, 0) == (5, [(8, LOCAL), (32, LOCAL + 8)])
+    assert plausible_words(b"\x00" * 4 + buf, 4) == (5, [(16, LOCAL), (40, LOCAL + 8)])   # buf[4:] is aligned
 
 
 # ------------------------------------------------------------------ words the guard takes
@@ -645,7 +656,7 @@ def test_words_handed_to_the_guard_leave_the_census_and_are_counted_held():
     assert [f.disagreement for f in merged] == ["", "the census found no captured address in this storage"]
 
 
-@pytest.mark.parametrize("n", [0, 7, C.SERIAL_SEARCHES, C.SERIAL_SEARCHES + 1, 3 * C.SERIAL_SEARCHES + 5])
+@pytest.mark.parametrize("n", [0, 7, SERIAL_SEARCHES, SERIAL_SEARCHES + 1, 3 * SERIAL_SEARCHES + 5])
 def test_the_sliced_search_gives_what_one_search_gives(n):
     """segment_positions searches in slices small enough for torch to run each on the calling
     thread; the answer must be the one search's, slice edges included."""
@@ -653,7 +664,7 @@ def test_the_sliced_search_gives_what_one_search_gives(n):
 
     import torch
     rng = random.Random(n)
-    values = torch.tensor([rng.choice([0, 5, LOCAL, LOCAL + 8, 1 << 50, -5, C.MIN_ADDR, C.MAX_ADDR - 8])
+    values = torch.tensor([rng.choice([0, 5, LOCAL, LOCAL + 8, 1 << 50, -5, MIN_ADDR, MAX_ADDR - 8])
                            for _ in range(n)], dtype=torch.int64)
-    starts = torch.sort(torch.tensor([rng.randrange(C.MIN_ADDR, C.MAX_ADDR) for _ in range(50)] + [LOCAL])).values
-    assert torch.equal(C.segment_positions(torch, starts, values), torch.searchsorted(starts, values, right=True))
+    starts = torch.sort(torch.tensor([rng.randrange(MIN_ADDR, MAX_ADDR) for _ in range(50)] + [LOCAL])).values
+    assert torch.equal(segment_positions(torch, starts, values), torch.searchsorted(starts, values, right=True))

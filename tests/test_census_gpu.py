@@ -17,7 +17,8 @@ import os
 import pytest
 import torch
 
-from repro.diagnose.census import CensusBook, GraphCensus
+from repro.diagnose.captured import GraphCensus
+from repro.diagnose.census import CensusBook
 from repro.rank.graphs import capture
 from repro.diagnose.guard import CaptureGuard
 

@@ -197,7 +197,9 @@ def test_watch_mode_from_the_option_else_the_environment(monkeypatch, option, en
 
 def test_failure_text_of_a_census_finding_names_kernel_and_parameter():
     from repro.pytest.attribution import Phase, PhaseFinding
-    from repro.diagnose.census import Block, Fate, Reference, census_finding
+    from repro.diagnose.allocator import Block
+    from repro.diagnose.captured import Reference
+    from repro.diagnose.fates import Fate, census_finding
     from repro.outcome import to_jsonable
     from repro.pytest.watch import finding_text
 

@@ -11,6 +11,7 @@ import random
 
 from repro.diagnose import census as C
 from repro.diagnose import trace_index as T
+from repro.diagnose.captured import GraphCensus, Word
 
 KiB = 1 << 10
 BASE = 0x7F00_0000_0000
@@ -72,9 +73,9 @@ def test_one_check_of_many_graphs_finds_what_checking_each_alone_finds():
         def censuses():
             out = []
             for g in range(6):
-                c = C.GraphCensus(label=f"g{g}", pool=(1, g))
+                c = GraphCensus(label=f"g{g}", pool=(1, g))
                 rng_g = random.Random(g)
-                c.pending = [C.Word(i, "kernel", "k", f"param {i} +0", 0, BASE + rng_g.randrange(0, 32 * 4 * KiB), (0, 0))
+                c.pending = [Word(i, "kernel", "k", f"param {i} +0", 0, BASE + rng_g.randrange(0, 32 * 4 * KiB), (0, 0))
                              for i in range(12)]
                 c.marker = {"time_us": 10 * (g * 30)}
                 out.append(c)

@@ -1,4 +1,9 @@
-"""The allocator trace, indexed once per check: which entries touch which captured address.
+"""The allocator's alloc/free trace: where a census's part of it starts, and which entries touch
+which captured address.
+
+A census is placed in the trace by a marker (its last few entries, ``marker_of``, or the clock,
+``clock_marker``); ``Trace`` finds where that part starts in a later snapshot, or says that the
+bounded ring has wrapped past it.
 
 A census check asks, for every captured word of every graph checked, "what is the first alloc
 or free touching this address since that graph's capture?", and for every captured block "which
@@ -14,7 +19,9 @@ time_us); no torch, no CUDA.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 FREE_ACTIONS = ("free_requested", "free_completed")
@@ -22,6 +29,90 @@ RELEASE_ACTIONS = ("segment_free", "segment_unmap")
 ALLOC_ACTIONS = ("alloc",)
 POINT_ACTIONS = FREE_ACTIONS + ALLOC_ACTIONS          # what decides a word's captured block
 BLOCK_ACTIONS = FREE_ACTIONS + ALLOC_ACTIONS + RELEASE_ACTIONS
+
+
+def trace_of(snapshot: dict[str, Any], device: int = 0) -> list[dict[str, Any]]:
+    traces = snapshot.get("device_traces") or []
+    return traces[device] if device < len(traces) else []
+
+
+MARKER_ENTRIES = 4
+
+
+def marker_of(trace: list[dict[str, Any]]) -> dict[str, Any]:
+    """The trace position at census time: its last few entries (one alone can repeat exactly
+    when a same-size block is freed and taken again and the trace has no timestamps)."""
+    tail = [entry_key(e) for e in trace[-MARKER_ENTRIES:]]
+    return {"length": len(trace), "last": tail or None}
+
+
+def clock_marker() -> dict[str, Any]:
+    """The trace position at census time by the clock, with no snapshot taken: torch stamps
+    every trace entry with Unix time in microseconds (``time_us``)."""
+    return {"time_us": time.time_ns() // 1000}
+
+
+def entry_key(entry: dict[str, Any]) -> tuple:
+    return (entry.get("action"), entry.get("addr"), entry.get("size"), entry.get("stream"),
+            entry.get("time_us"))
+
+
+@dataclass
+class Trace:
+    """One snapshot's allocator trace, and where each census's part of it starts."""
+    entries: list[dict[str, Any]]
+    capacity: int | None = None            # the ring's max_entries (None: unknown or unbounded)
+    _times: list[int] | None = None
+
+    def start(self, marker: dict[str, Any] | None) -> int | None:
+        """Position of the first entry recorded after the marker; None when the ring has
+        wrapped past it (or there is no marker). A trace shorter than its capacity never
+        dropped an entry, so an empty marker (no entry at census time) means "from 0"."""
+        if marker is None:
+            return None
+        if "time_us" in marker:
+            return self.start_after(marker["time_us"])
+        last = marker.get("last")
+        trace = self.entries
+        if last is None:
+            return None if self.capacity is not None and len(trace) >= self.capacity else 0
+        # Search backwards: the marker is usually near the end.
+        n = len(last)
+        for i in range(len(trace) - 1, n - 2, -1):
+            if entry_key(trace[i]) == last[-1] and [entry_key(e) for e in trace[i - n + 1:i + 1]] == last:
+                return i + 1
+        return None
+
+    def start_after(self, time_us: int) -> int | None:
+        """Position of the first entry stamped after time_us; None when the ring (full) no
+        longer reaches back to it, or the entries carry no stamps (an old torch)."""
+        trace = self.entries
+        if not trace:
+            return 0
+        if "time_us" not in trace[0]:
+            return None
+        if self.capacity is not None and len(trace) >= self.capacity and trace[0]["time_us"] > time_us:
+            return None
+        if self._times is None:            # once per snapshot, however many censuses ask
+            self._times = [e["time_us"] for e in trace]
+        return bisect.bisect_right(self._times, time_us)
+
+    def since(self, marker: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+        start = self.start(marker)
+        return None if start is None else self.entries[start:]
+
+
+def events_since(trace: list[dict[str, Any]], marker: dict[str, Any] | None,
+                 capacity: int | None = None) -> list[dict[str, Any]] | None:
+    """Trace entries recorded after the marker; None when the ring has wrapped past it."""
+    return Trace(trace, capacity).since(marker)
+
+
+def overlaps(entry: dict[str, Any], start: int, end: int) -> bool:
+    """Whether the entry's range [addr, addr + size) overlaps [start, end); an entry without an
+    address overlaps nothing."""
+    addr = entry.get("addr")
+    return addr is not None and addr < end and start < addr + entry.get("size", 0)
 
 
 def ranges_of(trace: list[dict[str, Any]], actions: tuple[str, ...], begin: int = 0) -> list[tuple[int, int, int]]:

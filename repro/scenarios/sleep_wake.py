@@ -118,7 +118,7 @@ def discard(t: torch.Tensor) -> None:
     if t.device.type != "cuda":
         ctypes.memset(ptr, DISCARDED_BYTE, nbytes)
         return
-    from repro.diagnose.census import load_driver          # libcuda through ctypes, as the census reads graphs
+    from repro.diagnose.cuda_driver import load_driver     # libcuda through ctypes, as the census reads graphs
     memset = load_driver().lib.cuMemsetD8_v2
     memset.argtypes, memset.restype = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t], ctypes.c_int
     torch.cuda.synchronize(t.device)              # the program's work on it first, then the remap

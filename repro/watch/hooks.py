@@ -45,7 +45,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:       # annotations only: nothing here imports torch until the program does
     import torch
 
-    from repro.diagnose.census import CensusBook, GraphCensus, PoolMap
+    from repro.diagnose.allocator import PoolMap
+    from repro.diagnose.captured import GraphCensus
+    from repro.diagnose.census import CensusBook
     from repro.diagnose.guard import CaptureGuard, DropCount
     from repro.outcome import Finding
 
@@ -651,7 +653,7 @@ class Watcher:
             return
         try:
             if self.pools is None:
-                from repro.diagnose.census import PoolMap
+                from repro.diagnose.allocator import PoolMap
                 self.pools = self.book.pools if self.book is not None else PoolMap()
             if not checked:
                 self.pools.check()
