@@ -132,7 +132,7 @@ class Status(StrEnum):
 class Mechanism(StrEnum):
     """Which mechanism saw a finding."""
     GUARD = "guard"                        # the dispatch-mode guard (repro/guard.py)
-    CENSUS = "census"                      # the graph's own parameters (repro/census.py)
+    CENSUS = "census"                      # the graph's own parameters (repro/diagnose/census.py)
     BOTH = "both"
     # Findings taken from torch's own check_input_liveness (torch >= 2.13): the watch hooks
     # turn its error into one.
