@@ -21,6 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from repro.diagnose.trace_index import overlaps
+
 if TYPE_CHECKING:
     from repro.outcome import Finding
 
@@ -45,11 +47,6 @@ class AllocEvents:
         return self.free_requested is not None or self.free_completed is not None
 
 
-def covers(entry: dict[str, Any], ptr: int) -> bool:
-    addr = entry.get("addr")
-    return addr is not None and addr <= ptr < addr + entry.get("size", 0)
-
-
 def find_events(traces: list, ptr: int) -> AllocEvents | None:
     """The LAST alloc whose [addr, addr+size) covers ptr, and the frees of it that followed.
 
@@ -61,7 +58,7 @@ def find_events(traces: list, ptr: int) -> AllocEvents | None:
     for device, trace in enumerate(per_device):
         last = None
         for i, entry in enumerate(trace):
-            if entry.get("action") == "alloc" and covers(entry, ptr):
+            if entry.get("action") == "alloc" and overlaps(entry, ptr, ptr + 1):
                 last = i
         if last is not None:
             return events_after(device, trace, last, ptr)
@@ -77,7 +74,7 @@ def events_after(device: int, trace: list, index: int, ptr: int) -> AllocEvents:
             found.free_requested = found.free_requested or entry
         elif action == "free_completed" and entry.get("addr") == alloc["addr"]:
             found.free_completed = found.free_completed or entry
-        elif action == "segment_free" and found.freed and covers(entry, ptr):
+        elif action == "segment_free" and found.freed and overlaps(entry, ptr, ptr + 1):
             found.segment_free = found.segment_free or entry
     return found
 

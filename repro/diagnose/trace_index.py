@@ -3,7 +3,7 @@ which captured address.
 
 A census is placed in the trace by a marker (its last few entries, ``marker_of``, or the clock,
 ``clock_marker``); ``Trace`` finds where that part starts in a later snapshot, or says that the
-bounded ring has wrapped past it.
+bounded ring has wrapped past it. forensics.py reads the same entries (``overlaps``).
 
 A census check asks, for every captured word of every graph checked, "what is the first alloc
 or free touching this address since that graph's capture?", and for every captured block "which
