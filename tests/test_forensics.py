@@ -48,19 +48,27 @@ def test_find_events_alloc_and_frees():
     assert (found.device, found.alloc["addr"], found.alloc["size"]) == (0, SEG, 128 * MiB)
     assert found.free_requested["action"] == "free_requested"
     assert found.free_completed["action"] == "free_completed"
-    assert found.segment_free is None
+    assert found.released is None
     assert found.freed
 
 
 def test_find_events_segment_free_after_free_means_released():
     found = find_events([gemma_trace(release=True)], SEG)
-    assert found.segment_free is not None and found.segment_free["size"] == 256 * MiB
+    assert found.released is not None and found.released["size"] == 256 * MiB
+
+
+def test_an_unmapped_expandable_segment_means_released():
+    """Under expandable_segments:True the allocator gives memory back by unmapping pages of its one
+    segment (trace action segment_unmap), never segment_free."""
+    trace = gemma_trace() + [event("segment_unmap", SEG, 128 * MiB)]
+    found = find_events([trace], SEG + MiB)
+    assert found.released is not None and found.released["action"] == "segment_unmap"
 
 
 def test_segment_free_before_any_free_does_not_count():
     trace = [event("alloc", SEG, MiB, GATHER), event("segment_free", SEG, 2 * MiB)]
     found = find_events([trace], SEG)
-    assert not found.freed and found.segment_free is None
+    assert not found.freed and found.released is None
 
 
 def test_last_alloc_covering_the_address_wins_on_reuse():

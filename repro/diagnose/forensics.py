@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from repro.diagnose.trace_index import overlaps
+from repro.diagnose.trace_index import RELEASE_ACTIONS, overlaps
 
 if TYPE_CHECKING:
     from repro.outcome import Finding
@@ -40,7 +40,8 @@ class AllocEvents:
     alloc: dict[str, Any]
     free_requested: dict[str, Any] | None = None
     free_completed: dict[str, Any] | None = None
-    segment_free: dict[str, Any] | None = None   # the segment went back to the driver
+    # The memory went back to the driver: segment_free, or segment_unmap under expandable segments.
+    released: dict[str, Any] | None = None
 
     @property
     def freed(self) -> bool:
@@ -52,7 +53,8 @@ def find_events(traces: list, ptr: int) -> AllocEvents | None:
 
     traces: a snapshot's ``device_traces`` (a list per device) or one device's list.
     The last alloc wins: when the memory was reused, the newest owner is the one at that
-    address now. Frees match the alloc's address; a segment_free counts only after a free.
+    address now. Frees match the alloc's address; a release (segment_free, segment_unmap) counts
+    only after a free.
     """
     per_device = [traces] if traces and isinstance(traces[0], dict) else traces
     for device, trace in enumerate(per_device):
@@ -74,8 +76,8 @@ def events_after(device: int, trace: list, index: int, ptr: int) -> AllocEvents:
             found.free_requested = found.free_requested or entry
         elif action == "free_completed" and entry.get("addr") == alloc["addr"]:
             found.free_completed = found.free_completed or entry
-        elif action == "segment_free" and found.freed and overlaps(entry, ptr, ptr + 1):
-            found.segment_free = found.segment_free or entry
+        elif action in RELEASE_ACTIONS and found.freed and overlaps(entry, ptr, ptr + 1):
+            found.released = found.released or entry
     return found
 
 
@@ -121,7 +123,7 @@ def describe(events: AllocEvents, plumbing: frozenset[str] = frozenset()) -> dic
         "freed": events.freed,
         "alloc_stack": user_frames(events.alloc.get("frames"), plumbing=plumbing),
         "free_stack": user_frames(free.get("frames"), plumbing=plumbing) if free else [],
-        "released_to_driver": events.segment_free is not None,
+        "released_to_driver": events.released is not None,
     }
 
 
