@@ -19,9 +19,9 @@ from repro.diagnose.cuda_driver import (CU_LAUNCH_PARAM_BUFFER_POINTER, CU_LAUNC
                                         param_chunks, param_layout)
 from repro.diagnose.fates import fate_of, traced_fate
 from repro.diagnose.graph_walk import read_graph, read_kernel
-from repro.diagnose.trace_index import events_since, marker_of, trace_of
+from repro.diagnose.trace_index import Trace, marker_of, trace_of
 from repro.diagnose.words import (MAX_ADDR, MIN_ADDR, SERIAL_ELEMENTS, SERIAL_SEARCHES, SMALL_GRAPH_WORDS, Chunks,
-                                  Deferred, Matcher, aligned_words, plausible_address, plausible_words,
+                                  Deferred, Matcher, plausible_address, plausible_words,
                                   segment_positions)
 from repro.outcome import Finding, Status, finding_from_dict
 
@@ -102,14 +102,18 @@ def test_blocks_of_one_device_only():
 
 # ------------------------------------------------------------------ words -> references
 
-def test_aligned_words_follow_the_parameter_buffer_alignment():
-    buf = bytes(range(24))
-    # A parameter at buffer offset 4: its first aligned word starts 4 bytes in (offset 8).
-    words = aligned_words(buf, 4)
-    assert [off for off, _ in words] == [8, 16]
-    assert words[0][1] == int.from_bytes(buf[4:12], "little")
-    assert [off for off, _ in aligned_words(buf, 0)] == [0, 8, 16]
-    assert aligned_words(b"\x01\x02\x03", 0) == []
+def test_plausible_words_follow_the_parameter_buffer_alignment():
+    # Three words that all look like device addresses, as raw little-endian bytes.
+    values = [0x7F00_0000_0000 + i for i in range(3)]
+    buf = b"".join(v.to_bytes(8, "little") for v in values)
+    # A parameter at buffer offset 0: every word aligned, every one plausible.
+    assert plausible_words(buf, 0) == (3, [(0, values[0]), (8, values[1]), (16, values[2])])
+    # At buffer offset 4 the first aligned word starts 4 bytes in (offset 8): two words, and
+    # straddling bytes are no address.
+    n, words = plausible_words(buf, 4)
+    assert n == 2 and [off for off, _ in words] == [8, 16]
+    assert [v for _, v in words] == [int.from_bytes(buf[4:12], "little"), int.from_bytes(buf[12:20], "little")]
+    assert plausible_words(b"\x01\x02\x03", 0) == (0, [])
 
 
 def matcher(snap=AT_CAPTURE, own=GRAPH_POOL, names=None, outside=None):
@@ -139,15 +143,15 @@ def test_matcher_names_another_graphs_pool():
 
 # ------------------------------------------------------------------ trace logic
 
-def test_events_since_finds_the_marker_or_says_the_ring_wrapped():
+def test_trace_since_finds_the_marker_or_says_the_ring_wrapped():
     trace = [ev("alloc", 1 << 33, 512, t) for t in range(5)]
     marker = marker_of(trace[:3])
-    assert events_since(trace, marker) == trace[3:]
-    assert events_since(trace[3:], marker) is None                # the marker fell off the ring
+    assert Trace(trace).since(marker) == trace[3:]
+    assert Trace(trace[3:]).since(marker) is None                # the marker fell off the ring
     empty = marker_of([])
-    assert events_since(trace, empty, capacity=100) == trace      # nothing dropped yet
-    assert events_since(trace, empty, capacity=5) is None         # full ring: entries may be lost
-    assert events_since(trace, None) is None                      # no trace recorded at census
+    assert Trace(trace, 100).since(empty) == trace      # nothing dropped yet
+    assert Trace(trace, 5).since(empty) is None         # full ring: entries may be lost
+    assert Trace(trace).since(None) is None                      # no trace recorded at census
 
 
 def test_traced_fate_needs_a_free_before_an_alloc_counts_as_reuse():
@@ -528,11 +532,11 @@ def test_pending_words_into_free_blocks_are_not_findings_when_the_trace_is_lost(
     assert census.free_at_capture == 1 and "could not be told" in census.notes[0]
 
 
-def test_events_after_places_the_census_by_the_clock():
+def test_trace_since_places_the_census_by_the_clock():
     trace = [ev("alloc", SEG, 64, t) for t in (1, 2, 3, 9)]
-    assert [e["time_us"] for e in events_since(trace, {"time_us": 2}, capacity=None)] == [3, 9]
-    assert events_since(trace, {"time_us": 0}, capacity=4) is None        # the ring wrapped past it
-    assert events_since(trace, {"time_us": 0}, capacity=8) == trace
+    assert [e["time_us"] for e in Trace(trace, None).since({"time_us": 2})] == [3, 9]
+    assert Trace(trace, 4).since({"time_us": 0}) is None        # the ring wrapped past it
+    assert Trace(trace, 8).since({"time_us": 0}) == trace
 
 
 def test_own_pool_segment_returned_to_the_driver_is_a_finding(monkeypatch):

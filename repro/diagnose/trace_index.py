@@ -102,12 +102,6 @@ class Trace:
         return None if start is None else self.entries[start:]
 
 
-def events_since(trace: list[dict[str, Any]], marker: dict[str, Any] | None,
-                 capacity: int | None = None) -> list[dict[str, Any]] | None:
-    """Trace entries recorded after the marker; None when the ring has wrapped past it."""
-    return Trace(trace, capacity).since(marker)
-
-
 def overlaps(entry: dict[str, Any], start: int, end: int) -> bool:
     """Whether the entry's range [addr, addr + size) overlaps [start, end); an entry without an
     address overlaps nothing."""

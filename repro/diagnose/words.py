@@ -28,17 +28,6 @@ MIN_ADDR, MAX_ADDR = 1 << 32, 1 << 48
 SMALL_GRAPH_WORDS = 8192                   # up to this, a graph's words are sorted one by one
 
 
-def aligned_words(buf: bytes, base: int) -> list[tuple[int, int]]:
-    """(offset, value) of every 8-byte word of buf that is 8-byte aligned in the parameter
-    buffer; base is buf's offset in that buffer."""
-    first = -base % WORD
-    n = (len(buf) - first) // WORD
-    if n <= 0:
-        return []
-    values = memoryview(buf)[first:first + n * WORD].cast("Q")     # little-endian hosts only
-    return list(zip(range(base + first, base + first + n * WORD, WORD), values))
-
-
 def plausible_words(buf: bytes, base: int) -> tuple[int, list[tuple[int, int]]]:
     """(how many aligned words buf holds, (offset, value) of those that may be device
     addresses): the filter runs over every word of every kernel of every graph, so it is one
