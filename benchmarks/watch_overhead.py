@@ -89,8 +89,8 @@ def inner_decode() -> dict:
     watcher = watch_hooks.active()
     return {"us_per_replay_rounds": rounds, "us_per_replay": statistics.median(rounds),
             "watched": watcher is not None,
-            "captured_storages": len(watcher.guard.slots) if watcher and watcher.guard else None,
-            "replays_seen_by_hooks": watcher.counters.replays if watcher else None}
+            "captured_storages": len(watcher.tools.guard.slots) if watcher and watcher.tools.guard else None,
+            "replays_seen_by_hooks": watcher.log.counters.replays if watcher else None}
 
 
 def part_decode() -> dict:
@@ -117,14 +117,15 @@ def watched_graph_class(run_dir: str):
     import torch
     sys.path.insert(0, str(REPO))
     from repro.watch import hooks as watch_hooks
+    from repro.watch.hooks.patch import HOOKED
     watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(run_dir, "warn", "api"))
-    watcher.recorder = watch_hooks.Recorder(run_dir)
+    watcher.log.recorder = watch_hooks.Recorder(run_dir)
     if torch.cuda.is_available():
         graph_cls = type("TimedGraph", (torch.cuda.CUDAGraph,), {})
     else:
         def nothing(self):
             pass
-        graph_cls = type("TimedGraph", (), {m: nothing for m in watch_hooks.HOOKED})
+        graph_cls = type("TimedGraph", (), {m: nothing for m in HOOKED})
     watcher.patch(graph_cls)
     return watcher, graph_cls
 
@@ -158,13 +159,13 @@ def part_storages() -> dict:
             tensors = [torch.ones(16, device=device) for _ in range(n)]     # alive while timed
             acc = torch.zeros(16, device=device)
             graph = captured(graph_cls, tensors, acc)
-            slots = sum(1 for s in watcher.guard.slots if watcher.graphs[graph].label in s.graphs)
+            slots = sum(1 for s in watcher.tools.guard.slots if watcher.graphs[graph].label in s.graphs)
             t0 = time.perf_counter()
             for _ in range(CHECK_CALLS):
-                watcher.before_replay(graph)
+                watcher.checks.before_replay(graph)
             per_call = (time.perf_counter() - t0) / CHECK_CALLS * 1e6
             rows.append({"captured_storages": slots, "us_per_replay_check": per_call})
-            watcher.recorder.close()
+            watcher.log.recorder.close()
     return {"device": "cuda" if cuda else "cpu (stand-in graph class)", "rows": rows}
 
 
@@ -200,8 +201,8 @@ def part_wrapper(chain: int = WRAPPER_CHAIN, rounds: int = 15, calls: int = 2000
                 if device == "cuda":
                     torch.cuda.synchronize()
                 per_call[name].append((time.perf_counter() - t0) / (laps * chain) * 1e9)
-        settled = sum(watcher.graphs[g].fast_at == watcher.drops.n for g in graphs)
-        watcher.recorder.close()
+        settled = sum(watcher.graphs[g].fast_at == watcher.tools.drops.n for g in graphs)
+        watcher.log.recorder.close()
     med = {name: statistics.median(v) for name, v in per_call.items()}
     return {"device": device, "chain": chain, "rounds": rounds, "calls_per_round": laps * chain,
             "settled_graphs": settled, "ns_per_replay": med, "added_ns": med["hooked"] - med["bare"]}

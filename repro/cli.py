@@ -38,7 +38,7 @@ from repro.run.protocol import FAULTS
 from repro.run.ray_runner import RayUnavailable
 from repro.run.runner import Planned, RunResult, plan, run_planned
 from repro.scenarios import SCENARIOS, CpuCost, RunKeySpec, ScenarioSpec
-from repro.watch.hooks import OnFinding, Record
+from repro.watch.settings import OnFinding, Record
 
 EXIT_CODES = exit_codes_help(TRIAL_EXITS)
 MATRIX_EXIT_CODES = exit_codes_help(MATRIX_EXITS)

@@ -92,12 +92,13 @@ def test_usage_errors_exit_2_with_one_line(tmp_path):
 
 def test_record_choice_reaches_every_process_and_a_bad_one_falls_back(tmp_path, capsys):
     from repro.watch import command as watch_mod
-    from repro.watch import hooks as watch_hooks
+    from repro.watch import settings as watch_settings
     env = watch_mod.watch_env({}, tmp_path, "warn", "ops")
-    assert env[watch_hooks.ENV_RECORD] == "ops" and watch_hooks.ENV_RECORD not in watch_mod.watch_env({}, tmp_path, "warn")
-    assert watch_hooks.settings_from_env(env, "api").record == "ops"
-    assert watch_hooks.settings_from_env({watch_hooks.ENV_ON: "1"}, "api").record == "graph"
-    bad = watch_hooks.settings_from_env({watch_hooks.ENV_ON: "1", watch_hooks.ENV_RECORD: "all"}, "api")
+    assert env[watch_settings.ENV_RECORD] == "ops"
+    assert watch_settings.ENV_RECORD not in watch_mod.watch_env({}, tmp_path, "warn")
+    assert watch_settings.settings_from_env(env, "api").record == "ops"
+    assert watch_settings.settings_from_env({watch_settings.ENV_ON: "1"}, "api").record == "graph"
+    bad = watch_settings.settings_from_env({watch_settings.ENV_ON: "1", watch_settings.ENV_RECORD: "all"}, "api")
     assert bad.record == "graph" and "REPRO_WATCH_RECORD='all' is not one of graph, ops" in capsys.readouterr().err
 
 
@@ -303,7 +304,7 @@ def test_reset_marks_other_graphs_for_a_deep_check_plumbing(tmp_path, monkeypatc
         pass
 
     watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "warn", "api"))
-    watcher.recorder = watch_hooks.Recorder(str(tmp_path))
+    watcher.log.recorder = watch_hooks.Recorder(str(tmp_path))
     watcher.patch(Graph)
     a, b = Graph(), Graph()
     kept = torch.ones(3)
@@ -312,16 +313,16 @@ def test_reset_marks_other_graphs_for_a_deep_check_plumbing(tmp_path, monkeypatc
     with capture(b):
         kept.sum()
     a.replay(), b.replay()
-    assert watcher.counters.checks_deep == 2
+    assert watcher.log.counters.checks_deep == 2
     b.reset()
     a.replay()
-    assert watcher.counters.checks_deep == 3 and watcher.graphs[a].replays == 2
-    assert watcher.counters.findings == 0
-    watcher.recorder.close()
+    assert watcher.log.counters.checks_deep == 3 and watcher.graphs[a].replays == 2
+    assert watcher.log.counters.findings == 0
+    watcher.log.recorder.close()
 
 
 def test_graphs_captured_by_cudagraph_trees_are_counted_not_checked():
-    from repro.watch.hooks import capture_site
+    from repro.watch.hooks.capture import capture_site
     code = compile("def f(get):\n    return get()\n", os.path.join("x", "torch", "_inductor", "cudagraph_trees.py"), "exec")
     namespace: dict = {}
     exec(code, namespace)
@@ -365,13 +366,13 @@ def test_fast_path_catches_a_free_between_replays_plumbing(tmp_path):
                 self.cache.add_(1)
 
     watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "raise", "api"))
-    watcher.recorder = watch_hooks.Recorder(str(tmp_path))
+    watcher.log.recorder = watch_hooks.Recorder(str(tmp_path))
     watcher.patch(Graph)
     engine, graph = Engine(), Graph()
     engine.capture(graph)
     for _ in range(3):
         graph.replay()                                        # deep once, then the fast path
-    assert watcher.counters.findings == 0 and watcher.graphs[graph].live is not None
+    assert watcher.log.counters.findings == 0 and watcher.graphs[graph].live is not None
     engine.cache = torch.zeros(8, 4)                          # rebinding frees the captured cache
     from repro.diagnose.guard import StaleCaptureError
     with pytest.raises(StaleCaptureError) as err:
@@ -379,11 +380,11 @@ def test_fast_path_catches_a_free_between_replays_plumbing(tmp_path):
     (finding,) = err.value.findings
     assert finding.slot == "Engine.cache" and finding.status == "freed" and finding.when == "before replay"
     assert finding.new_ptr == engine.cache.data_ptr()         # the owner's name points elsewhere now
-    lines = [json.loads(line) for line in Path(watcher.recorder.path).read_text().splitlines()]
+    lines = [json.loads(line) for line in Path(watcher.log.recorder.path).read_text().splitlines()]
     assert [r["finding"]["slot"] for r in lines if r["kind"] == "finding"] == ["Engine.cache"]
     graph.replay()                                            # reported once, not at every replay
-    assert watcher.counters.findings == 1
-    watcher.recorder.close()
+    assert watcher.log.counters.findings == 1
+    watcher.log.recorder.close()
 
 
 def test_fast_path_tests_storages_only_after_a_captured_storage_died_plumbing(tmp_path):
@@ -398,7 +399,7 @@ def test_fast_path_tests_storages_only_after_a_captured_storage_died_plumbing(tm
             self.cache, self.other = torch.zeros(4, 4), torch.zeros(4)
 
     watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "warn", "api"))
-    watcher.recorder = watch_hooks.Recorder(str(tmp_path))
+    watcher.log.recorder = watch_hooks.Recorder(str(tmp_path))
     watcher.patch(Graph)
     engine, graph, other = Engine(), Graph(), Graph()
     with capture(graph):
@@ -408,20 +409,20 @@ def test_fast_path_tests_storages_only_after_a_captured_storage_died_plumbing(tm
     graph.replay()
     other.replay()                                            # deep checks: live handles noted
     tested = []
-    real = watcher.expired
-    watcher.expired = lambda h: tested.append(h) or real(h)
+    real = watcher.tools.expired
+    watcher.tools.expired = lambda h: tested.append(h) or real(h)
     for _ in range(3):
         graph.replay()
     assert len(tested) == 1                                   # once: live is new since the deep check
     for _ in range(3):
         graph.replay()
-    assert len(tested) == 1 and watcher.counters.replays == 8
+    assert len(tested) == 1 and watcher.log.counters.replays == 8
     engine.other = torch.zeros(4)                             # other's storage dies
-    assert watcher.guard.drops.n == 1
+    assert watcher.tools.guard.drops.n == 1
     graph.replay()
     graph.replay()
-    assert len(tested) == 2 and watcher.counters.findings == 0
-    watcher.recorder.close()
+    assert len(tested) == 2 and watcher.log.counters.findings == 0
+    watcher.log.recorder.close()
 
 
 def test_a_settled_graph_replays_past_the_checking_path_until_something_asks_for_a_check_plumbing(tmp_path):
@@ -432,7 +433,7 @@ def test_a_settled_graph_replays_past_the_checking_path_until_something_asks_for
     Graph, capture = fake_graph_class()
     cache, other_cache = torch.zeros(4), torch.zeros(4)
     watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "warn", "api"))
-    watcher.recorder = watch_hooks.Recorder(str(tmp_path))
+    watcher.log.recorder = watch_hooks.Recorder(str(tmp_path))
     watcher.patch(Graph)
     graph, other = Graph(), Graph()
     with capture(graph):
@@ -440,32 +441,33 @@ def test_a_settled_graph_replays_past_the_checking_path_until_something_asks_for
     with capture(other):
         other_cache.add_(1)
     entered = []
-    real = watcher.before_replay
-    watcher.before_replay = lambda g: entered.append(g) or real(g)
+    real = watcher.checks.before_replay
+    watcher.checks.before_replay = lambda g: entered.append(g) or real(g)
     for _ in range(4):
         graph.replay()
     assert entered == [graph, graph]                     # the deep check, then the storages tested once
-    assert watcher.graphs[graph].fast_at == watcher.drops.n and watcher.counters.replays == 4
+    assert watcher.graphs[graph].fast_at == watcher.tools.drops.n and watcher.log.counters.replays == 4
     other.reset()
     graph.replay()
-    assert entered[-1] is graph and watcher.counters.checks_deep == 2   # deep again after the reset
+    assert entered[-1] is graph and watcher.log.counters.checks_deep == 2   # deep again after the reset
     graph.replay()
     graph.replay()
     assert len(entered) == 4                                 # tested once more, then settled again
-    watcher.recorder.close()
+    watcher.log.recorder.close()
 
 
 def test_a_replay_that_takes_arguments_gets_them_and_is_still_checked_plumbing(tmp_path):
     import torch
     from repro.watch import hooks as watch_hooks
+    from repro.watch.hooks.patch import takes_only_self
     from repro.diagnose.guard import StaleCaptureError
     Graph, capture = fake_graph_class()
     seen = []
     Graph = type("StreamGraph", (Graph,), {"replay": lambda self, stream=None: seen.append(stream)})
     watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "raise", "api"))
-    watcher.recorder = watch_hooks.Recorder(str(tmp_path))
+    watcher.log.recorder = watch_hooks.Recorder(str(tmp_path))
     watcher.patch(Graph)
-    assert not watch_hooks.takes_only_self(Graph.replay.__wrapped__)
+    assert not takes_only_self(Graph.replay.__wrapped__)
     holder = {"cache": torch.zeros(4)}
     graph = Graph()
     with capture(graph):
@@ -477,11 +479,11 @@ def test_a_replay_that_takes_arguments_gets_them_and_is_still_checked_plumbing(t
     with pytest.raises(StaleCaptureError):
         graph.replay(stream="s2")
     assert seen == ["s1", None]                              # raise mode: the stale replay never ran
-    watcher.recorder.close()
+    watcher.log.recorder.close()
 
 
 def test_takes_only_self_is_torchs_replay_signature():
-    from repro.watch.hooks import takes_only_self
+    from repro.watch.hooks.patch import takes_only_self
 
     class G:
         def replay(self):
@@ -528,6 +530,7 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
     recording stand-in (no CUDA on CPU); the real one is exercised by the GPU runs."""
     import torch
     from repro.watch import hooks as watch_hooks
+    from repro.watch.hooks import tools as hooks_tools
     from repro.outcome import Finding
 
     class Graph:
@@ -593,9 +596,9 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
     fake.CensusBook, fake.merge_findings = Book, merge_findings
     marks = iter(range(100))
     fake.clock_marker = lambda: {"time_us": next(marks)}
-    monkeypatch.setattr(watch_hooks, "load_census", lambda: fake)
+    monkeypatch.setattr(hooks_tools, "load_census", lambda: fake)
     watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "warn", "api"))
-    watcher.recorder = watch_hooks.Recorder(str(tmp_path))
+    watcher.log.recorder = watch_hooks.Recorder(str(tmp_path))
     watcher.patch(Graph)
     a, b = Graph(), Graph(keep_graph=True)
     assert a.keep_graph and b.keep_graph                      # forced where the program did not ask
@@ -609,28 +612,28 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
     # Each census reads the trace from its capture's start; nothing was recorded at the
     # dispatcher (the census makes the slots: here it read none).
     assert [c for c in calls if c[0] == "add"] == [("add", label_a, 0, {"time_us": 0}), ("add", label_b, 0, {"time_us": 1})]
-    assert watcher.guard.slots == [] and watcher.guard.index_builds == 0
+    assert watcher.tools.guard.slots == [] and watcher.tools.guard.index_builds == 0
     assert [c for c in calls if c[0] == "hand_over"] == [("hand_over", 0, 0)] * 2
-    assert watcher.counters.internal_errors == 0
+    assert watcher.log.counters.internal_errors == 0
     for _ in range(3):
         a.replay()
     checks = [c for c in calls if c[0] == "check"]
     # One census check for every graph captured since the last one, at the first replay after them.
     assert checks == [("check", (label_a, label_b), "first replay after capture (replay 1)")]
     b.reset()                                                 # b's census goes; a is due again
-    assert label_b not in watcher.book.censuses
+    assert label_b not in watcher.tools.census.book.censuses
     a.replay()
     assert [c[1] for c in calls if c[0] == "check"] == [(label_a, label_b), (label_a,)]
     a.replay()                                                # nothing new: no census check
     assert len([c for c in calls if c[0] == "check"]) == 2
-    assert watcher.counters.findings == 2
+    assert watcher.log.counters.findings == 2
     # The trace rests after each census check and resumes when a capture begins.
     assert [c[0] for c in calls if c[0] in ("pause", "resume")][:3] == ["resume", "resume", "pause"]
-    lines = [json.loads(line) for line in Path(watcher.recorder.path).read_text().splitlines()]
+    lines = [json.loads(line) for line in Path(watcher.log.recorder.path).read_text().splitlines()]
     assert {r["mechanism"] for r in lines if r["kind"] == "finding"} == {"census"}
     watcher.on_exit()
-    assert json.loads(Path(watcher.recorder.path).read_text().splitlines()[-1])["census"].startswith("active")
-    watcher.recorder.close()
+    assert json.loads(Path(watcher.log.recorder.path).read_text().splitlines()[-1])["census"].startswith("active")
+    watcher.log.recorder.close()
 
 
 @pytest.mark.parametrize("path", ["guard", "census"])
@@ -725,23 +728,24 @@ def test_an_object_reached_under_two_names_is_watched_once_per_name_not_per_capt
     import types as _types
     import torch
     from repro.watch import hooks as watch_hooks
+    from repro.watch.hooks.tools import plumbing_files
     from repro.diagnose.guard import CaptureGuard
     watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "warn", "api"))
-    watcher.guard = CaptureGuard("warn", plumbing=[watch_hooks.__file__])
+    watcher.tools.guard = CaptureGuard("warn", plumbing=plumbing_files())
 
     class Runner:
         def __init__(self, model):
             self.model = model
 
         def capture(self):
-            watcher.watch_owners(sys._getframe())
-            return watcher.guard.adopt("g", [_types.SimpleNamespace(addr=self.model.weight.data_ptr(),
-                                                                   describe=lambda: "node 0 kernel k param 0 +0")])
+            watcher.captures.owners.watch(watcher.tools.guard, sys._getframe())
+            return watcher.tools.guard.adopt("g", [_types.SimpleNamespace(addr=self.model.weight.data_ptr(),
+                                                                         describe=lambda: "node 0 kernel k param 0 +0")])
 
     model = torch.nn.Linear(4, 4)
     runner = Runner(model)
     for _ in range(5):
         assert runner.capture() == []
-    assert watcher.guard.index_builds == 1
-    assert {o.name for o in watcher.guard._owners} >= {"Runner", "Runner.model", "model"}
-    assert watcher.guard.slots[0].name in ("Runner.model.weight", "model.weight")
+    assert watcher.tools.guard.index_builds == 1
+    assert {o.name for o in watcher.tools.guard._owners} >= {"Runner", "Runner.model", "model"}
+    assert watcher.tools.guard.slots[0].name in ("Runner.model.weight", "model.weight")

@@ -33,7 +33,7 @@ class WatchMode(StrEnum):
     WARN = "warn"                 # nothing: findings are listed at the end
 
 
-ENV_ON = "REPRO_WATCH"            # repro.watch_hooks.ENV_ON (not imported: this module stays bare)
+ENV_ON = "REPRO_WATCH"            # repro.watch.settings.ENV_ON (not imported: this module stays bare)
 MARKER_HELP = ("repro_watch(off=False, expect=None): off=True: findings in this test do not fail "
                "it; expect='glob' or a list of globs (matched against the tensor name or the "
                "finding's text): findings this test must produce (a missing one fails it)")

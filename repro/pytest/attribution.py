@@ -22,7 +22,7 @@ from typing import Any
 from repro.outcome import Mechanism, as_member
 
 MARKER = "test"
-OWNER_KEY = "REPRO_WATCH_OWNER"   # repro.watch.hooks.ENV_OWNER, in a process record's "env"
+OWNER_KEY = "REPRO_WATCH_OWNER"   # repro.watch.settings.ENV_OWNER, in a process record's "env"
 
 
 class Stage(StrEnum):

@@ -26,10 +26,12 @@ from typing import Any
 
 import pytest
 
-from repro.watch import hooks as watch_hooks
 from repro.pytest import WatchMode
 from repro.pytest.attribution import OUTSIDE, Attribution, Phase, PhaseFinding, RunStats, Stage, all_findings, run_stats
 from repro.watch.command import watch_env
+from repro.watch.hooks import activate
+from repro.watch.settings import (ENV_DIR, ENV_ON_FINDING, ENV_OWNER, ENV_RECORD, ENV_SITE, ENV_VARS, OnFinding, Origin,
+                                  Record, WatchSettings, choice_from_env)
 
 REPORT_ATTR = "repro_watch"       # on TestReport: list of PhaseFinding dicts
 PROPERTY = "repro_watch_finding"  # junit user property, one per finding
@@ -113,21 +115,20 @@ class WatchSession:
     @classmethod
     def start(cls, config: pytest.Config, mode: WatchMode) -> WatchSession:
         run_dir = Path(config.getoption("repro_watch_dir", None)
-                       or os.environ.get(watch_hooks.ENV_DIR)
+                       or os.environ.get(ENV_DIR)
                        or tempfile.mkdtemp(prefix="repro-watch-pytest-")).resolve()
-        saved = {k: os.environ.get(k) for k in (*watch_hooks.ENV_VARS, watch_hooks.ENV_OWNER, "PYTHONPATH")}
-        record = watch_hooks.choice_from_env(os.environ, watch_hooks.ENV_RECORD, watch_hooks.Record.GRAPH)
-        env = watch_env(dict(os.environ), run_dir, os.environ.get(watch_hooks.ENV_ON_FINDING) or watch_hooks.OnFinding.WARN,
-                        record)
-        if saved[watch_hooks.ENV_SITE] == env[watch_hooks.ENV_SITE]:
+        saved = {k: os.environ.get(k) for k in (*ENV_VARS, ENV_OWNER, "PYTHONPATH")}
+        record = choice_from_env(os.environ, ENV_RECORD, Record.GRAPH)
+        env = watch_env(dict(os.environ), run_dir, os.environ.get(ENV_ON_FINDING) or OnFinding.WARN, record)
+        if saved[ENV_SITE] == env[ENV_SITE]:
             env["PYTHONPATH"] = saved["PYTHONPATH"] or ""     # started under `repro watch`: on the path already
-        for key in (*watch_hooks.ENV_VARS, "PYTHONPATH"):
+        for key in (*ENV_VARS, "PYTHONPATH"):
             os.environ[key] = env[key]
-        watcher = watch_hooks.activate(watch_hooks.WatchSettings(
-            run_dir=str(run_dir), on_finding=watch_hooks.OnFinding.WARN, origin=watch_hooks.Origin.PYTEST, record=record))
+        watcher = activate(WatchSettings(run_dir=str(run_dir), on_finding=OnFinding.WARN, origin=Origin.PYTEST,
+                                         record=record))
         run_dir = Path(watcher.settings.run_dir)     # an earlier start (repro watch) decides
-        me = Path(watcher.recorder.path).stem
-        os.environ[watch_hooks.ENV_OWNER] = me        # processes tests start say whose they are
+        me = Path(watcher.log.recorder.path).stem
+        os.environ[ENV_OWNER] = me         # processes tests start say whose they are
         return cls(config=config, mode=mode, run_dir=run_dir, watcher=watcher, saved_env=saved,
                    attribution=Attribution(run_dir, me=me), root=me)
 
@@ -139,11 +140,11 @@ class WatchSession:
     def mark(self, phase: Phase) -> None:
         if os.getpid() != self.pid:              # a forked child (pytest-forked): its own file
             self.pid = os.getpid()
-            self.attribution.me = Path(self.watcher.recorder.path).stem
-            os.environ[watch_hooks.ENV_OWNER] = self.attribution.me
+            self.attribution.me = Path(self.watcher.log.recorder.path).stem
+            os.environ[ENV_OWNER] = self.attribution.me
         at = time.time()
         self.attribution.note_phase(at, phase)
-        self.watcher.write({"kind": "test", "nodeid": phase.nodeid, "phase": phase.phase, "at": at})
+        self.watcher.log.write({"kind": "test", "nodeid": phase.nodeid, "phase": phase.phase, "at": at})
 
     # -- hooks ------------------------------------------------------------------------------------
 

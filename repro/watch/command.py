@@ -8,7 +8,7 @@ environment). What the command sees added to its environment, and nothing else:
                            sitecustomize it shadows, then removes itself from sys.path)
   REPRO_WATCH=1            the switch (also the vLLM plugin's)
   REPRO_WATCH_DIR          the run directory: one <host>-<pid>.jsonl per process
-  REPRO_WATCH_ON_FINDING   warn | raise (watch_hooks.OnFinding)
+  REPRO_WATCH_ON_FINDING   warn | raise (repro.watch.settings.OnFinding)
   REPRO_WATCH_SITE         the directory prepended to PYTHONPATH
   RAY_RUNTIME_ENV_HOOK     repro.watch.ray.runtime_env_hook: a `ray.init()` in any of them gets the
                            hooks into every Ray worker on every node (repro/watch/ray.py); a hook
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from repro.output import Exit
-from repro.watch.hooks import ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_RECORD, ENV_SITE, OnFinding, Record
 from repro.watch.ray import node_dirs, node_notes, ray_env
 from repro.watch.report import WatchReport, load_report, record_files
+from repro.watch.settings import ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_RECORD, ENV_SITE, OnFinding, Record
 
 GRACE_S = 10.0    # after a forwarded Ctrl-C, how long CMD's group gets before SIGKILL
 

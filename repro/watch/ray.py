@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from repro.watch.hooks import (ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_SITE, OnFinding, Origin, WatchSettings, activate,
-                               choice_from_env, settings_from_env)
+from repro.watch.settings import (ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_SITE, OnFinding, Origin, WatchSettings,
+                                  choice_from_env, settings_from_env)
 
 ENV_HOOK = "RAY_RUNTIME_ENV_HOOK"
 HOOK = "repro.watch.ray.runtime_env_hook"
@@ -121,6 +121,7 @@ def setup_worker() -> None:
     if not root:
         return                         # the collector and its sweeps: not watched
     import ray
+    from repro.watch.hooks import activate      # the worker's own: `repro watch` reads the settings only
     run_dir = os.path.join(root, ray.get_runtime_context().get_node_id())
     site = str(SITE_DIR)
     old = os.environ.get("PYTHONPATH", "")

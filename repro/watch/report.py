@@ -26,7 +26,7 @@ from repro.report.groups import FindingGroup, group_findings
 from repro.report.jsonfile import json_text, write_document
 from repro.report.junit import junit_document, watch_suite
 from repro.report.view import BAD, OK, WARN, Cell, Column, Fact, TableView, table_rows
-from repro.watch.hooks import OnFinding, Origin
+from repro.watch.settings import OnFinding, Origin
 
 SCHEMA = "repro.watch/1"
 MAX_GROUPS_SHOWN = 10         # groups shown in full; the rest are counted (all are in --json)

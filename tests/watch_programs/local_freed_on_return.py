@@ -19,6 +19,7 @@ import torch
 gc.disable()                  # before anything of the hooks is imported
 
 from repro.watch import hooks as watch_hooks  # noqa: E402  (imports no torch, nothing of the guard yet)
+from repro.watch.hooks import tools as hooks_tools  # noqa: E402
 
 
 class Graph:
@@ -101,15 +102,15 @@ def capture(dst):
 
 def main(argv):
     if argv[:1] == ["census"]:
-        watch_hooks.load_census = stand_in_census
+        hooks_tools.load_census = stand_in_census
     watcher = watch_hooks.activate(watch_hooks.WatchSettings(tempfile.mkdtemp(), "warn", "api"))
     watcher.patch(Graph)
     graph = capture(torch.zeros(4))
     frames = sum(1 for o in gc.get_objects()
                  if type(o).__name__ == "frame" and o.f_code is capture.__code__)
-    slots = [s.name for s in watcher.guard.slots]
+    slots = [s.name for s in watcher.tools.guard.slots]
     print(f"alive={refs['src']() is not None} frames={frames} kept={getattr(graph, 'keep_graph')} "
-          f"slots={','.join(slots).replace(' ', '_')} internal={watcher.counters.internal_errors}")
+          f"slots={','.join(slots).replace(' ', '_')} internal={watcher.log.counters.internal_errors}")
     return 0
 
 

@@ -1,0 +1,111 @@
+"""Patching torch: the wrappers put in place of four CUDAGraph methods (and its __init__).
+
+  capture_begin  where the census runs, note the time only; elsewhere record what the
+                 capture touches (repro.diagnose.guard's dispatch-mode recording)
+  capture_end    take the graph census, and make the guard's slots from what it read (the
+                 storages owners and the capturing frames' locals hold); or stop recording
+  replay         liveness check before every replay; deep check (+ census check) at the first
+                 replay after a capture and after any graph's reset
+  reset          marks every other graph for a deep check
+
+The wrappers replace the methods on the class in place, so ``torch.cuda.graph(...)`` and every
+subclass go through them; each hands over to capture.py or checks.py, except the replay of a
+settled graph, which the replay wrapper lets through itself. They are on the stack whenever
+the program captures or replays: this file is among the guard's plumbing (tools.plumbing_files).
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from repro.watch.hooks.capture import Captures
+    from repro.watch.hooks.checks import Checks
+
+HOOKED = ("capture_begin", "capture_end", "replay", "reset")
+
+
+def patch_graph_class(cls: type, captures: Captures, checks: Checks) -> None:
+    """Wrap capture_begin / capture_end / replay / reset of ``cls`` in place."""
+    originals = {name: getattr(cls, name) for name in HOOKED}
+
+    @functools.wraps(originals["capture_begin"])
+    def capture_begin(graph, *args, **kwargs):
+        captures.prepare()                # imports happen before the capture, not inside it
+        originals["capture_begin"](graph, *args, **kwargs)
+        captures.begin(graph, sys._getframe(1), kwargs.get("pool", args[0] if args else None))
+
+    @functools.wraps(originals["capture_end"])
+    def capture_end(graph, *args, **kwargs):
+        captures.stop_recording(graph)
+        out = originals["capture_end"](graph, *args, **kwargs)
+        captures.end(graph, sys._getframe(1))
+        return out
+
+    original_replay, states, log, tools = originals["replay"], checks.graphs.by_id, checks.log, checks.tools
+
+    # The per-replay path, inline: a settled graph (GraphState.fast_at) costs one dict
+    # lookup and one compare while no captured storage died; anything else goes through
+    # before_replay. `tools.drops` is set wherever a state exists (states are made after
+    # the guard). torch's replay takes only `self`: a wrapper of that very signature saves
+    # packing *args/**kwargs (~0.1 us of the ~0.2 us the fast path costs on a 2-core host).
+    if takes_only_self(original_replay):
+        @functools.wraps(original_replay)
+        def replay(graph):
+            entry = states.get(id(graph))
+            if entry is not None and entry[1].fast_at == tools.drops.n and entry[0]() is graph:
+                entry[1].replays += 1
+                log.counters.replays += 1
+            else:
+                checks.before_replay(graph)
+            try:
+                return original_replay(graph)
+            except RuntimeError as e:
+                checks.on_replay_error(graph, e)
+                raise
+    else:
+        @functools.wraps(original_replay)
+        def replay(graph, *args, **kwargs):
+            checks.before_replay(graph)
+            try:
+                return original_replay(graph, *args, **kwargs)
+            except RuntimeError as e:
+                checks.on_replay_error(graph, e)
+                raise
+
+    @functools.wraps(originals["reset"])
+    def reset(graph, *args, **kwargs):
+        out = originals["reset"](graph, *args, **kwargs)
+        checks.on_reset(graph)
+        return out
+
+    for name, wrapper in (("capture_begin", capture_begin), ("capture_end", capture_end),
+                          ("replay", replay), ("reset", reset)):
+        setattr(cls, name, wrapper)
+
+
+def patch_keep_graph(cls: type, captures: Captures) -> None:
+    """Where the census runs, graphs must keep their cudaGraph_t past capture_end; we then
+    instantiate at the end of capture_end ourselves, exactly where torch would have.
+    keep_graph reaches the C++ graph through __init__ (pybind's constructor; torch's
+    Python __new__ passes it on but pybind's __new__ ignores it), so __init__ is wrapped."""
+    original_init = cls.__init__
+    tools, kept = captures.tools, captures.kept
+
+    def __init__(graph, *args, **kwargs):
+        if not tools.census_ready():
+            return original_init(graph, *args, **kwargs)      # exactly the program's call
+        asked = bool(args[0]) if args else bool(kwargs.pop("keep_graph", False))
+        original_init(graph, True, *args[1:], **kwargs)
+        kept[graph] = not asked
+
+    cls.__init__ = functools.wraps(original_init)(__init__)
+
+
+def takes_only_self(fn) -> bool:
+    """Whether a Python function's signature is exactly `(self)` (torch's CUDAGraph.replay)."""
+    code = getattr(fn, "__code__", None)
+    varargs = 0x04 | 0x08                                  # CO_VARARGS | CO_VARKEYWORDS
+    return code is not None and code.co_argcount == 1 and not code.co_kwonlyargcount \
+        and not code.co_flags & varargs
