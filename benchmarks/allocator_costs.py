@@ -8,6 +8,7 @@ entries, as the census records it): a full snapshot, a snapshot of one graph poo
 (``memory_snapshot(pool_id)`` where the torch has it), ``memory_stats()``, and the trace
 entry fields this torch gives. GPU only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,6 +38,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import torch
+
     if not torch.cuda.is_available():
         sys.stderr.write("allocator_costs: needs CUDA\n")
         return 3
@@ -50,16 +52,18 @@ def main(argv=None) -> int:
     for n in BLOCKS:
         while len(held) < n:
             held.append(torch.empty(1024 + 512 * (len(held) % 7), device="cuda"))
-        for i in range(9000):                       # fill the trace ring
+        for i in range(9000):  # fill the trace ring
             torch.empty(256, device="cuda")
         snap = torch.cuda.memory._snapshot(dev)
-        row = {"blocks_held": n,
-               "segments": len(snap["segments"]),
-               "blocks": sum(len(s["blocks"]) for s in snap["segments"]),
-               "trace": len(snap["device_traces"][dev]),
-               "snapshot_ms": 1e3 * timed(lambda: torch.cuda.memory._snapshot(dev)),
-               "memory_stats_us": 1e6 * timed(lambda: torch.cuda.memory_stats(dev), 50),
-               "raw_stats_us": 1e6 * timed(lambda: torch._C._cuda_memoryStats(dev), 50)}
+        row = {
+            "blocks_held": n,
+            "segments": len(snap["segments"]),
+            "blocks": sum(len(s["blocks"]) for s in snap["segments"]),
+            "trace": len(snap["device_traces"][dev]),
+            "snapshot_ms": 1e3 * timed(lambda: torch.cuda.memory._snapshot(dev)),
+            "memory_stats_us": 1e6 * timed(lambda: torch.cuda.memory_stats(dev), 50),
+            "raw_stats_us": 1e6 * timed(lambda: torch._C._cuda_memoryStats(dev), 50),
+        }
         try:
             row["pool_snapshot_ms"] = 1e3 * timed(lambda: torch.cuda.memory.memory_snapshot(pool))
             row["pool_snapshot_segments"] = len(torch.cuda.memory.memory_snapshot(pool))
@@ -72,18 +76,26 @@ def main(argv=None) -> int:
     probe = torch.empty(123457, device="cuda")
     after = time.time_ns() // 1000
     del probe
-    stamps = [e["time_us"] for e in torch.cuda.memory._snapshot(dev)["device_traces"][dev]
-              if e.get("action") == "alloc" and e.get("size", 0) >= 123457 * 4]
+    stamps = [
+        e["time_us"]
+        for e in torch.cuda.memory._snapshot(dev)["device_traces"][dev]
+        if e.get("action") == "alloc" and e.get("size", 0) >= 123457 * 4
+    ]
     clock = {"host_before_us": before, "host_after_us": after, "trace_us": stamps[-1] if stamps else None}
     if stamps:
         clock["offset_us"] = stamps[-1] - before
         clock["within"] = before - 1000 <= stamps[-1] <= after + 1000
     trace = torch.cuda.memory._snapshot(dev)["device_traces"][dev]
     seg = torch.cuda.memory._snapshot(dev)["segments"][0]
-    doc = {"torch": torch.__version__, "rows": rows, "clock": clock,
-           "trace_entry_keys": sorted(trace[-1].keys()) if trace else [],
-           "segment_keys": sorted(seg.keys()), "block_keys": sorted(seg["blocks"][0].keys()),
-           "trace_actions": sorted({e.get("action") for e in trace})}
+    doc = {
+        "torch": torch.__version__,
+        "rows": rows,
+        "clock": clock,
+        "trace_entry_keys": sorted(trace[-1].keys()) if trace else [],
+        "segment_keys": sorted(seg.keys()),
+        "block_keys": sorted(seg["blocks"][0].keys()),
+        "trace_actions": sorted({e.get("action") for e in trace}),
+    }
     del in_pool, graph
     emit(doc, args.json)
     return 0

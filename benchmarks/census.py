@@ -9,6 +9,7 @@ and reads every node; target <= 50 ms in total), one census check of one graph a
 (what the census needs) against a plain CUDAGraph of the same region, interleaved.
 Usage: PYTHONPATH=$PWD python3 benchmarks/census.py [--json PATH] [--rounds 20]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,11 +53,14 @@ def region_row(name: str, book: CensusBook, first_ms: float, graph: str, rounds:
     findings: list = []
     one, every = check_ms(book, graph, rounds, findings), check_ms(book, None, rounds, findings)
     return {
-        "region": name, "graphs": len(censuses), "first_snapshot_ms": first_ms,
+        "region": name,
+        "graphs": len(censuses),
+        "first_snapshot_ms": first_ms,
         "census_total_ms": ms(sum(c.seconds for c in censuses)),
         "census_per_graph_ms": [ms(c.seconds) for c in censuses],
         "snapshot_ms_now": first_snapshot_ms(),
-        "check_one_graph_ms": one, "check_all_graphs_ms": every,
+        "check_one_graph_ms": one,
+        "check_all_graphs_ms": every,
         "findings": [f.message for f in findings],
         "censuses": [c.summary() for c in censuses],
         "unreadable_samples": [u for c in censuses for u in c.unreadable][:5],
@@ -66,6 +70,7 @@ def region_row(name: str, book: CensusBook, first_ms: float, graph: str, rounds:
 
 def bench_gemma(rounds: int) -> dict:
     from repro.scenarios.gemma4_mtp import Gemma4Drafter, Proposer, graph_label
+
     dims = validate(load_preset("gemma4-e2b")).model
     dev = torch.device("cuda", 0)
     book = CensusBook()
@@ -77,14 +82,18 @@ def bench_gemma(rounds: int) -> dict:
     plain = Proposer(drafter, [16], CaptureGuard("off"), dev)
     plain.setup_centroid_graphs()
     h = torch.randn(16, dims.hidden_size, device=dev, dtype=torch.bfloat16)
-    row["replay_us_bs16"] = interleaved({"keep_graph + instantiate": with_census.graphs[16].replay,
-                                         "plain CUDAGraph": plain.graphs[16].replay}, rounds, 50)
+    row["replay_us_bs16"] = interleaved(
+        {"keep_graph + instantiate": with_census.graphs[16].replay, "plain CUDAGraph": plain.graphs[16].replay},
+        rounds,
+        50,
+    )
     del h
     return row
 
 
 def bench_moe(rounds: int) -> dict:
     from repro.scenarios import nvfp4_moe as moe
+
     dims = validate(load_preset("qwen3-30b-a3b-moe")).model
     dev, dtype = torch.device("cuda", 0), torch.bfloat16
     book = CensusBook()
@@ -94,8 +103,9 @@ def bench_moe(rounds: int) -> dict:
     with_census = capture(layer, (x,), "moe forward", CaptureGuard("off"), census=book)
     row = region_row("nvfp4 moe forward (Qwen3-30B-A3B)", book, first, "moe forward", rounds)
     plain = capture(layer, (x,), "moe forward plain", CaptureGuard("off"))
-    row["replay_us"] = interleaved({"keep_graph + instantiate": with_census.replay,
-                                    "plain CUDAGraph": plain.replay}, max(3, rounds // 4), 10)
+    row["replay_us"] = interleaved(
+        {"keep_graph + instantiate": with_census.replay, "plain CUDAGraph": plain.replay}, max(3, rounds // 4), 10
+    )
     return row
 
 
@@ -106,8 +116,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     rows = [bench_gemma(args.rounds), bench_moe(args.rounds)]
-    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0),
-           "rounds": args.rounds}
+    env = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(0),
+        "rounds": args.rounds,
+    }
     emit({"environment": env, "rows": rows, "targets": {"census_total_ms": 50, "check_ms": 5}}, args.json)
 
 

@@ -16,6 +16,7 @@ check (one check of every graph against one snapshot: pending words matched, blo
 graph and per kernel node, and the same check done graph by graph (one pass over the trace per
 graph, as before the shared trace index) for contrast.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,16 +37,20 @@ from repro.diagnose.graph_walk import read_graph  # noqa: E402
 from repro.diagnose.words import Deferred  # noqa: E402
 
 MiB = 1 << 20
-POOL = (1, 7)                       # the shared graph pool every graph captures into
+POOL = (1, 7)  # the shared graph pool every graph captures into
 BASE = 0x7F00_0000_0000
-T0, TRACE_SPAN = 5000, TRACE_ENTRIES - 1   # trace stamps (us); the ring is not full: nothing lost
+T0, TRACE_SPAN = 5000, TRACE_ENTRIES - 1  # trace stamps (us); the ring is not full: nothing lost
 
 
 class StandInDriver:
     """The four driver answers read_graph needs, from host memory (no libcuda)."""
 
-    def __init__(self, graphs: dict[int, list[int]], params: dict[int, KernelNodeParams],
-                 layouts: dict[int, list[tuple[int, int]]]):
+    def __init__(
+        self,
+        graphs: dict[int, list[int]],
+        params: dict[int, KernelNodeParams],
+        layouts: dict[int, list[tuple[int, int]]],
+    ):
         self.graphs, self.params, self.layouts = graphs, params, layouts
         self.function_cache: dict = {}
 
@@ -73,8 +78,7 @@ def segments(n_default: int, n_pool: int) -> list[dict]:
     for i in range(n_default + n_pool):
         pool = POOL if i >= n_default else (0, 0)
         blocks = [{"address": addr + k * MiB, "size": MiB, "state": "active_allocated"} for k in range(16)]
-        out.append({"address": addr, "total_size": 16 * MiB, "device": 0, "segment_pool_id": pool,
-                    "blocks": blocks})
+        out.append({"address": addr, "total_size": 16 * MiB, "device": 0, "segment_pool_id": pool, "blocks": blocks})
         addr += 32 * MiB
     return out
 
@@ -89,15 +93,23 @@ def build_graphs(args, segs: list[dict], rng: random.Random):
     for g in range(args.graphs):
         nodes = []
         for _ in range(args.nodes):
-            words = [rng.choice(weights) + 64 * rng.randrange(8),                 # a weight
-                     rng.choice(pooled)["address"] + rng.randrange(16) * MiB,      # own-pool input
-                     rng.choice(pooled)["address"] + rng.randrange(16) * MiB]      # own-pool output
+            words = [
+                rng.choice(weights) + 64 * rng.randrange(8),  # a weight
+                rng.choice(pooled)["address"] + rng.randrange(16) * MiB,  # own-pool input
+                rng.choice(pooled)["address"] + rng.randrange(16) * MiB,
+            ]  # own-pool output
             struct = bytearray(512)
             for k in range(0, 512, 8):
                 r = rng.random()
-                value = (rng.choice(pooled)["address"] + 4096 if r < 0.2 else    # stale struct bytes
-                         rng.randrange(1, 4096) if r < 0.6 else 0)
-                struct[k:k + 8] = value.to_bytes(8, "little")
+                value = (
+                    rng.choice(pooled)["address"] + 4096
+                    if r < 0.2
+                    # stale struct bytes
+                    else rng.randrange(1, 4096)
+                    if r < 0.6
+                    else 0
+                )
+                struct[k : k + 8] = value.to_bytes(8, "little")
             blob = b"".join(w.to_bytes(8, "little") for w in words) + bytes(struct) + bytes(8)
             buf = ctypes.create_string_buffer(blob, len(blob))
             slots = (ctypes.c_void_p * 6)(*[ctypes.addressof(buf) + off for off, _ in layouts[1]])
@@ -117,8 +129,15 @@ def trace_entries(segs: list[dict], n: int, rng: random.Random, t0: int) -> list
     out = []
     for i in range(n):
         b = rng.choice(blocks)
-        out.append({"action": "alloc" if i % 2 == 0 else "free_completed", "addr": b["address"] + 8 * MiB,
-                    "size": 4096, "stream": 0, "time_us": t0 + i})
+        out.append(
+            {
+                "action": "alloc" if i % 2 == 0 else "free_completed",
+                "addr": b["address"] + 8 * MiB,
+                "size": 4096,
+                "stream": 0,
+                "time_us": t0 + i,
+            }
+        )
     return out
 
 
@@ -127,7 +146,7 @@ def read_all(driver, pools: PoolMap, n_graphs: int) -> list[GraphCensus]:
     for g in range(n_graphs):
         census = GraphCensus(label=f"g{g}", pool=POOL)
         read_graph(driver, census, Deferred(pools, POOL, None), g)
-        census.marker = {"time_us": T0 + g * (TRACE_SPAN // (2 * n_graphs))}   # captures inside the trace
+        census.marker = {"time_us": T0 + g * (TRACE_SPAN // (2 * n_graphs))}  # captures inside the trace
         out.append(census)
     return out
 
@@ -171,12 +190,19 @@ def main(argv=None) -> int:
     again = read_all(driver, pools, args.graphs)
     one_by_one = check_one_by_one(again, snapshot)
     nodes = args.graphs * args.nodes
-    doc = {"graphs": args.graphs, "kernel_nodes": nodes, "trace_entries": args.trace,
-           "words": sum(c.words for c in censuses), "pending_words": pending,
-           "read_s": round(read_s, 3), "read_us_per_node": round(read_s / nodes * 1e6, 2),
-           "check_together_s": round(together, 3), "check_one_by_one_s": round(one_by_one, 3),
-           "check_together_ms_per_graph": round(together / args.graphs * 1e3, 3),
-           "note": "CPU only; the driver is a stand-in (no libcuda calls timed)"}
+    doc = {
+        "graphs": args.graphs,
+        "kernel_nodes": nodes,
+        "trace_entries": args.trace,
+        "words": sum(c.words for c in censuses),
+        "pending_words": pending,
+        "read_s": round(read_s, 3),
+        "read_us_per_node": round(read_s / nodes * 1e6, 2),
+        "check_together_s": round(together, 3),
+        "check_one_by_one_s": round(one_by_one, 3),
+        "check_together_ms_per_graph": round(together / args.graphs * 1e3, 3),
+        "note": "CPU only; the driver is a stand-in (no libcuda calls timed)",
+    }
     del keep
     emit(doc, args.json)
     return 0

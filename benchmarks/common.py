@@ -1,4 +1,5 @@
 """What every benchmark script shares: its JSON goes to stdout and, if asked, to a file."""
+
 import json
 import sys
 from pathlib import Path

@@ -6,6 +6,7 @@ alarm). Every trial is a full isolated trial (fresh processes, NCCL at TP=2), `-
 Usage: PYTHONPATH=$PWD python3 benchmarks/determinism.py --n 20 --jobs 12 --json OUT/det.json
        [--scenario gemma4-mtp --scenario nvfp4-reload] [--after-free keep release reuse poison]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,9 +50,15 @@ def tally(trials: list) -> list[dict]:
     rows = []
     for (scenario, af, mode), ts in groups.items():
         counts = collections.Counter(t.outcome.value for t in ts)
-        row = {"scenario": scenario, "after_free": af, "mode": mode, "n": len(ts), "outcomes": dict(counts),
-               "graph_replayed": sum(t.graph_replayed for t in ts),
-               "total_s_median": sorted(t.timings.get("total", 0.0) for t in ts)[len(ts) // 2]}
+        row = {
+            "scenario": scenario,
+            "after_free": af,
+            "mode": mode,
+            "n": len(ts),
+            "outcomes": dict(counts),
+            "graph_replayed": sum(t.graph_replayed for t in ts),
+            "total_s_median": sorted(t.timings.get("total", 0.0) for t in ts)[len(ts) // 2],
+        }
         if mode == "unfixed":
             row["reproduced"] = sum(t.outcome in REPRODUCED for t in ts)
             row["same_outcome"] = max(counts.values())
@@ -80,9 +87,15 @@ def main() -> None:
     def progress(trial) -> None:
         done.append(trial)
         r = trial.config["run"]
-        line = {"scenario": trial.scenario, "mode": trial.mode, "after_free": r["after_free"], "seed": r["seed"],
-                "outcome": trial.outcome.value, "total_s": trial.timings.get("total")}
-        if trial.first_failure:                    # keep the cause: the trial's files are temporary
+        line = {
+            "scenario": trial.scenario,
+            "mode": trial.mode,
+            "after_free": r["after_free"],
+            "seed": r["seed"],
+            "outcome": trial.outcome.value,
+            "total_s": trial.timings.get("total"),
+        }
+        if trial.first_failure:  # keep the cause: the trial's files are temporary
             line["detail"] = trial.first_failure.detail
             line["errors"] = [r.error or r.stderr_tail[-400:] for r in trial.ranks if not r.killed_by_harness]
         sys.stderr.write(f"[{len(done)}/{len(planned)}] {json.dumps(line)}\n")
@@ -93,8 +106,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         result = run_planned(planned, Path(tmp), on_done=progress, jobs=a.jobs)
     wall = time.perf_counter() - start
-    emit({"n": a.n, "jobs": a.jobs, "trials": len(planned), "wall_s": wall,
-          "environment": result.report.environment.get("summary"), "rows": tally(result.report.trials)}, a.json)
+    emit(
+        {
+            "n": a.n,
+            "jobs": a.jobs,
+            "trials": len(planned),
+            "wall_s": wall,
+            "environment": result.report.environment.get("summary"),
+            "rows": tally(result.report.trials),
+        },
+        a.json,
+    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ process, with and without the replay hook round by round (benchmarks/engine_step
 ratio is the noise floor). --profile also runs one watched process per case under cProfile
 (top functions by cumulative time, in --out). GPU only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,15 +44,27 @@ def env_with_repo() -> dict:
 
 
 def program_args(args, shape: str) -> list[str]:
-    return [str(PROGRAM), shape, "--sizes", str(args.sizes), "--layers", str(args.layers),
-            "--hidden", str(args.hidden), "--steps", str(args.steps)]
+    return [
+        str(PROGRAM),
+        shape,
+        "--sizes",
+        str(args.sizes),
+        "--layers",
+        str(args.layers),
+        "--hidden",
+        str(args.hidden),
+        "--steps",
+        str(args.steps),
+    ]
 
 
 def maxrss_cmd(cmd: list[str]) -> list[str]:
     """Run cmd under a tiny wrapper that prints the child's peak RSS (KiB) to stderr last."""
-    wrapper = ("import resource,subprocess,sys;r=subprocess.call(sys.argv[1:]);"
-               "sys.stderr.write('maxrss_kb=%d\\n'%resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss);"
-               "sys.exit(r)")
+    wrapper = (
+        "import resource,subprocess,sys;r=subprocess.call(sys.argv[1:]);"
+        "sys.stderr.write('maxrss_kb=%d\\n'%resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss);"
+        "sys.exit(r)"
+    )
     return [sys.executable, "-c", wrapper] + cmd
 
 
@@ -85,9 +98,12 @@ def watch_records(run_dir: Path) -> dict:
             elif r.get("kind") == "exit":
                 exits.append(r)
     top = sorted(names.items(), key=lambda kv: -kv[1])[:5]
-    return {"findings": findings, "top_names": top,
-            "hooks": exits[0].get("seconds") if exits else None,
-            "counters": exits[0].get("counters") if exits else None}
+    return {
+        "findings": findings,
+        "top_names": top,
+        "hooks": exits[0].get("seconds") if exits else None,
+        "counters": exits[0].get("counters") if exits else None,
+    }
 
 
 def run_once(args, shape: str, watched: bool, workdir: Path, tag: str) -> dict:
@@ -96,8 +112,7 @@ def run_once(args, shape: str, watched: bool, workdir: Path, tag: str) -> dict:
     if watched:
         run_dir = workdir / f"watch-{shape}-{tag}"
         cmd = [sys.executable, "-m", "repro", "watch", "--run-dir", str(run_dir), "--"] + cmd
-    proc = subprocess.run(maxrss_cmd(cmd), env=env_with_repo(), capture_output=True, text=True,
-                          timeout=args.timeout)
+    proc = subprocess.run(maxrss_cmd(cmd), env=env_with_repo(), capture_output=True, text=True, timeout=args.timeout)
     result.update(last_json(proc.stdout))
     result["maxrss_kb"] = maxrss(proc.stderr)
     result["exit"] = proc.returncode
@@ -109,8 +124,19 @@ def run_once(args, shape: str, watched: bool, workdir: Path, tag: str) -> dict:
 def step_once(args, shape: str, watched: bool, workdir: Path) -> dict:
     """benchmarks/engine_step.py in one process: decode rounds with and without the replay
     hook, alternating (watched), or the same replay twice (plain: the noise floor)."""
-    cmd = [sys.executable, str(REPO / "benchmarks" / "engine_step.py"), shape, "--sizes", str(args.sizes),
-           "--layers", str(args.layers), "--hidden", str(args.hidden), "--rounds", str(args.step_rounds)]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "engine_step.py"),
+        shape,
+        "--sizes",
+        str(args.sizes),
+        "--layers",
+        str(args.layers),
+        "--hidden",
+        str(args.hidden),
+        "--rounds",
+        str(args.step_rounds),
+    ]
     if watched:
         cmd = [sys.executable, "-m", "repro", "watch", "--run-dir", str(workdir / f"step-{shape}"), "--"] + cmd
     proc = subprocess.run(cmd, env=env_with_repo(), capture_output=True, text=True, timeout=args.timeout)
@@ -125,6 +151,7 @@ def profile_once(args, shape: str, workdir: Path) -> str:
     subprocess.run(cmd, env=env_with_repo(), capture_output=True, text=True, timeout=args.timeout)
     import io
     import pstats
+
     out = io.StringIO()
     stats = pstats.Stats(str(prof), stream=out)
     stats.sort_stats("cumulative").print_stats(45)
@@ -154,25 +181,35 @@ def summarize(shape: str, plain: list[dict], watched: list[dict]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| shape | graphs | capture plain / watch (x) | first round plain / watch (x) | "
-             "step plain / watch us (x) | findings | watch host KiB/graph |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| shape | graphs | capture plain / watch (x) | first round plain / watch (x) | "
+        "step plain / watch us (x) | findings | watch host KiB/graph |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         c, f, s = r["capture_s"], r["first_round_s"], r["step_us"]
-        lines.append(f"| {r['shape']} | {r['graphs']} | {c['plain']:.2f} / {c['watch']:.2f} s ({c['ratio']:.2f}x) | "
-                     f"{f['plain']:.2f} / {f['watch']:.2f} s ({f['ratio']:.2f}x) | "
-                     f"{s['plain']:.0f} / {s['watch']:.0f} ({s['ratio']:.3f}x) | {r['findings']} | "
-                     f"{r.get('watch_kib_per_graph', float('nan')):.1f} |")
+        lines.append(
+            f"| {r['shape']} | {r['graphs']} | {c['plain']:.2f} / {c['watch']:.2f} s ({c['ratio']:.2f}x) | "
+            f"{f['plain']:.2f} / {f['watch']:.2f} s ({f['ratio']:.2f}x) | "
+            f"{s['plain']:.0f} / {s['watch']:.0f} ({s['ratio']:.3f}x) | {r['findings']} | "
+            f"{r.get('watch_kib_per_graph', float('nan')):.1f} |"
+        )
     steps = [r for r in rows if r.get("step_in_process")]
     if steps:
-        lines += ["", "| shape | step in one process: with / without the replay hook, synced us (x) | "
-                  "pipelined us (x) | same process without watch, A/A (x) |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "| shape | step in one process: with / without the replay hook, synced us (x) | "
+            "pipelined us (x) | same process without watch, A/A (x) |",
+            "|---|---|---|---|",
+        ]
     for r in steps:
         w, aa = r["step_in_process"]["watch"], r["step_in_process"]["plain_aa"]
         s, q = w["step_us"], w["pipelined_us"]
-        lines.append(f"| {r['shape']} | {s['hooked']:.0f} / {s['bare']:.0f} ({s['ratio']:.4f}x) | "
-                     f"{q['hooked']:.0f} / {q['bare']:.0f} ({q['ratio']:.4f}x) | "
-                     f"synced {aa['step_us']['ratio']:.4f}x, pipelined {aa['pipelined_us']['ratio']:.4f}x |")
+        lines.append(
+            f"| {r['shape']} | {s['hooked']:.0f} / {s['bare']:.0f} ({s['ratio']:.4f}x) | "
+            f"{q['hooked']:.0f} / {q['bare']:.0f} ({q['ratio']:.4f}x) | "
+            f"synced {aa['step_us']['ratio']:.4f}x, pipelined {aa['pipelined_us']['ratio']:.4f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -186,8 +223,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default=None, help="folder for the JSON, the table and profiles")
-    p.add_argument("--step-rounds", type=int, default=20,
-                   help="rounds per variant of the in-process step measure (0: skip it)")
+    p.add_argument(
+        "--step-rounds", type=int, default=20, help="rounds per variant of the in-process step measure (0: skip it)"
+    )
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-cases", default="", help="profile only these shapes (comma-separated)")
     args = p.parse_args(argv)
@@ -196,16 +234,20 @@ def main(argv=None) -> int:
     rows, raw = [], {}
     for shape in args.cases.split(","):
         plain, watched = [], []
-        for i in range(args.repeats):                      # interleaved: drift hits both alike
+        for i in range(args.repeats):  # interleaved: drift hits both alike
             plain.append(run_once(args, shape, False, out, str(i)))
             watched.append(run_once(args, shape, True, out, str(i)))
-            sys.stderr.write(f"{shape} {i}: plain {plain[-1].get('capture_s')} s, "
-                             f"watch {watched[-1].get('capture_s')} s, findings {watched[-1].get('findings')}\n")
+            sys.stderr.write(
+                f"{shape} {i}: plain {plain[-1].get('capture_s')} s, "
+                f"watch {watched[-1].get('capture_s')} s, findings {watched[-1].get('findings')}\n"
+            )
         raw[shape] = {"plain": plain, "watch": watched}
         rows.append(summarize(shape, plain, watched))
         if args.step_rounds:
-            rows[-1]["step_in_process"] = {"watch": step_once(args, shape, True, out),
-                                           "plain_aa": step_once(args, shape, False, out)}
+            rows[-1]["step_in_process"] = {
+                "watch": step_once(args, shape, True, out),
+                "plain_aa": step_once(args, shape, False, out),
+            }
         if args.profile and (not args.profile_cases or shape in args.profile_cases.split(",")):
             (out / f"profile-{shape}.txt").write_text(profile_once(args, shape, out))
     doc = {"config": vars(args), "rows": rows, "raw": raw}

@@ -44,7 +44,7 @@ class Case:
 @dataclass
 class Result:
     case: Case
-    findings: list[dict] = field(default_factory=list)   # slot, status, mechanism, graph
+    findings: list[dict] = field(default_factory=list)  # slot, status, mechanism, graph
     groups: int = 0
     program: dict = field(default_factory=dict)
     exit: int | None = None
@@ -76,9 +76,24 @@ def judge(case: Case, names: list[str], captured: bool) -> tuple[bool, str]:
 def run_case(case: Case, out: Path, timeout: float) -> Result:
     tag = case.name.replace(" ", "-")
     report, run_dir = out / f"{tag}.json", out / tag
-    cmd = [sys.executable, "-m", "repro", "watch", "--run-dir", str(run_dir), "--json", str(report), "--",
-           sys.executable, str(PROGRAM), case.shape] + (["--bug"] if case.bug else []) + \
-          (["--alloc-conf", case.alloc_conf] if case.alloc_conf else [])
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "repro",
+            "watch",
+            "--run-dir",
+            str(run_dir),
+            "--json",
+            str(report),
+            "--",
+            sys.executable,
+            str(PROGRAM),
+            case.shape,
+        ]
+        + (["--bug"] if case.bug else [])
+        + (["--alloc-conf", case.alloc_conf] if case.alloc_conf else [])
+    )
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     res = Result(case)
@@ -104,8 +119,10 @@ def table(results: list[Result]) -> str:
     rows = ["| case | graphs | findings | groups | max err | verdict |", "|---|---|---|---|---|---|"]
     for r in results:
         err = r.program.get("max_abs_err")
-        rows.append(f"| {r.case.name} | {r.program.get('graphs', '-')} | {len(r.findings)} | {r.groups} | "
-                    f"{'-' if err is None else f'{err:.3g}'} | {'ok' if r.ok else 'FAIL'}: {r.verdict} |")
+        rows.append(
+            f"| {r.case.name} | {r.program.get('graphs', '-')} | {len(r.findings)} | {r.groups} | "
+            f"{'-' if err is None else f'{err:.3g}'} | {'ok' if r.ok else 'FAIL'}: {r.verdict} |"
+        )
     return "\n".join(rows)
 
 

@@ -14,6 +14,7 @@ one H200, between fresh processes of the same program) does not enter the ratio.
 median step with and without the hook, their ratio, and the same for pipelined rounds (one
 synchronize per round: the host's work hidden behind the GPU's where it can be). GPU only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,6 +86,7 @@ def measure(torch, step, sizes, rounds: int, hooked, bare) -> dict:
 def main(argv=None) -> int:
     args = parse(argv)
     import torch
+
     if not torch.cuda.is_available():
         print(json.dumps({"shape": args.shape, "cuda": False, "note": "no CUDA device: nothing was captured"}))
         return 0
@@ -101,14 +103,17 @@ def main(argv=None) -> int:
     else:
         engine.capture_pieces(sizes)
         step = engine.replay_pieces
-    for b in sizes:                      # first replays: where watch's deep checks run
+    for b in sizes:  # first replays: where watch's deep checks run
         step(b)
     torch.cuda.synchronize()
     hooked = torch.cuda.CUDAGraph.replay
     bare = getattr(hooked, "__wrapped__", hooked)
     result = measure(torch, step, sizes, args.rounds, hooked, bare)
-    print(json.dumps({"shape": args.shape, "graphs": engine.graphs, "hook": bare is not hooked,
-                      "rounds": args.rounds, **result}))
+    print(
+        json.dumps(
+            {"shape": args.shape, "graphs": engine.graphs, "hook": bare is not hooked, "rounds": args.rounds, **result}
+        )
+    )
     return 0
 
 

@@ -15,6 +15,7 @@ CUDA graph on cuda, the dry-run recording on cpu). Reported, in seconds:
 Regions up to FULL_BYTES are summed whole, larger ones at SAMPLES fixed words, so above 1 MiB
 the cost stops growing with the size. Tests never assert these times.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,10 +67,10 @@ def record(guard: CaptureGuard, inputs: list[torch.Tensor]):
     if device.type != "cuda":
         with guard.recording(LABEL):
             read_all(inputs)
-        for slot in guard.slots:        # recording() fingerprints at its end: timed separately here
+        for slot in guard.slots:  # recording() fingerprints at its end: timed separately here
             slot.contents = None
         return None
-    read_all(inputs)                    # warm-up, as a capture asks
+    read_all(inputs)  # warm-up, as a capture asks
     sync(device)
     graph = torch.cuda.CUDAGraph()
     with guard.capture(graph, LABEL, fingerprint=False):
@@ -87,15 +88,24 @@ def row(count: int, size: int, device: torch.device, repeats: int) -> dict:
     printed = sum(s.contents is not None for s in guard.slots)
     deep_check = median(lambda: guard.check("deep", deep=True), device, repeats)
     liveness = median(lambda: guard.check("replay", deep=False), device, repeats)
-    out = {"count": count, "size_bytes": size, "sampled": size > fingerprint.FULL_BYTES,
-           "fingerprinted": printed, "capture_end_s": capture_end, "deep_check_s": deep_check,
-           "deep_pointers_s": deep_pointers, "liveness_s": liveness,
-           "capture_end_us_per_input": capture_end / count * 1e6,
-           "deep_extra_us_per_input": (deep_check - deep_pointers) / count * 1e6}
+    out = {
+        "count": count,
+        "size_bytes": size,
+        "sampled": size > fingerprint.FULL_BYTES,
+        "fingerprinted": printed,
+        "capture_end_s": capture_end,
+        "deep_check_s": deep_check,
+        "deep_pointers_s": deep_pointers,
+        "liveness_s": liveness,
+        "capture_end_us_per_input": capture_end / count * 1e6,
+        "deep_extra_us_per_input": (deep_check - deep_pointers) / count * 1e6,
+    }
     if graph is not None:
+
         def first() -> None:
             with guard.replaying(LABEL):
                 graph.replay()
+
         out["first_replay_extra_s"] = timed(first, device) - median(graph.replay, device, repeats)
     return out
 
@@ -110,8 +120,12 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--counts", type=int, nargs="+", default=[16, 256, 1024])
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 1 << 18, 1 << 22, 1 << 26])
-    p.add_argument("--max-bytes", type=int, default=None,
-                   help="skip rows above this many input bytes (default 2 GiB on cpu, 32 GiB on cuda)")
+    p.add_argument(
+        "--max-bytes",
+        type=int,
+        default=None,
+        help="skip rows above this many input bytes (default 2 GiB on cpu, 32 GiB on cuda)",
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -123,9 +137,17 @@ def main(argv=None) -> int:
     with torch.no_grad():
         warm_up(device)
         rows = [row(c, s, device, args.repeats) for c in args.counts for s in args.sizes if c * s <= limit]
-    emit({"device": str(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
-          "torch": torch.__version__, "full_bytes": fingerprint.FULL_BYTES, "samples": fingerprint.SAMPLES,
-          "skipped_above_bytes": limit, "rows": rows}, args.json)
+    emit(
+        {
+            "device": str(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
+            "torch": torch.__version__,
+            "full_bytes": fingerprint.FULL_BYTES,
+            "samples": fingerprint.SAMPLES,
+            "skipped_above_bytes": limit,
+            "rows": rows,
+        },
+        args.json,
+    )
     return 0
 
 

@@ -7,6 +7,7 @@ them (guard / census / both).
 Usage: PYTHONPATH=$PWD python3 benchmarks/guard_off.py --scenario nvfp4-reload [--tp N]
        [--steps N] [--seed S] [--jobs 8] [--json OUT.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,31 +25,44 @@ GUARDS = ("warn", "off")
 
 
 def planned_trials(scenario: str, run: dict, knobs: list[str]) -> list:
-    return [plan(scenario, None, {**run, "after_free": knob, "guard": guard}, [], gpus.gpu_count())
-            for knob in knobs for guard in GUARDS]
+    return [
+        plan(scenario, None, {**run, "after_free": knob, "guard": guard}, [], gpus.gpu_count())
+        for knob in knobs
+        for guard in GUARDS
+    ]
 
 
 def row_of(t) -> dict:
     mechanisms = collections.Counter(f.mechanism for f in t.guard_findings)
     after_free = t.details.get("after_free", {})
-    return {"after_free": t.config["run"]["after_free"], "guard": t.config["run"]["guard"],
-            "outcome": t.outcome.value,
-            "first_failure": t.first_failure.detail if t.first_failure else "",
-            "findings": dict(mechanisms), "after_free_blocks": after_free.get("blocks"),
-            "after_free_landed": after_free.get("landed"), "after_free_note": after_free.get("note", ""),
-            "finding_list": [finding_row(f) for f in t.guard_findings]}
+    return {
+        "after_free": t.config["run"]["after_free"],
+        "guard": t.config["run"]["guard"],
+        "outcome": t.outcome.value,
+        "first_failure": t.first_failure.detail if t.first_failure else "",
+        "findings": dict(mechanisms),
+        "after_free_blocks": after_free.get("blocks"),
+        "after_free_landed": after_free.get("landed"),
+        "after_free_note": after_free.get("note", ""),
+        "finding_list": [finding_row(f) for f in t.guard_findings],
+    }
 
 
 def finding_row(f) -> dict:
     c = f.census or {}
-    return {"mechanism": f.mechanism, "status": f.status, "slot": f.slot, "when": f.when,
-            "block": [c.get("block_start"), c.get("block_size")] if c else None,
-            "site": (c.get("sites") or [""])[0] if c else "", "disagreement": f.disagreement}
+    return {
+        "mechanism": f.mechanism,
+        "status": f.status,
+        "slot": f.slot,
+        "when": f.when,
+        "block": [c.get("block_start"), c.get("block_size")] if c else None,
+        "site": (c.get("sites") or [""])[0] if c else "",
+        "disagreement": f.disagreement,
+    }
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| after-free | guard on (warn) | guard off | same | findings on / off |",
-             "|---|---|---|---|---|"]
+    lines = ["| after-free | guard on (warn) | guard off | same | findings on / off |", "|---|---|---|---|---|"]
     by = {(r["after_free"], r["guard"]): r for r in rows}
     for knob in dict.fromkeys(r["after_free"] for r in rows):
         on, off = by.get((knob, "warn")), by.get((knob, "off"))
@@ -79,8 +93,12 @@ def main() -> None:
         result = run_planned(planned_trials(args.scenario, run, args.after_free), Path(tmp), jobs=args.jobs)
     rows = [row_of(t) for t in result.report.trials]
     sys.stderr.write(table(rows) + "\n")
-    same = all(r_on["outcome"] == r_off["outcome"] for r_on in rows for r_off in rows
-               if r_on["after_free"] == r_off["after_free"])
+    same = all(
+        r_on["outcome"] == r_off["outcome"]
+        for r_on in rows
+        for r_off in rows
+        if r_on["after_free"] == r_off["after_free"]
+    )
     emit({"scenario": args.scenario, "run": run, "rows": rows, "all_same": same}, args.json)
 
 

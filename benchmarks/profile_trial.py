@@ -7,6 +7,7 @@ Usage: PYTHONPATH=$PWD python3 benchmarks/profile_trial.py [--scenario nvfp4-rel
 --graphs times each capture and each graph's first replay instead of profiling (cProfile's
 own cost would be in every figure).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,8 @@ from pathlib import Path
 
 t_process = time.perf_counter()
 
-from repro.env import gpus                       # noqa: E402  (the clock above starts first)
-from repro.run.runner import plan                # noqa: E402
+from repro.env import gpus  # noqa: E402  (the clock above starts first)
+from repro.run.runner import plan  # noqa: E402
 from repro.run.protocol import TrialSpec  # noqa: E402
 from repro.rank.worker import run_rank  # noqa: E402
 
@@ -52,6 +53,7 @@ class GraphClock:
     def install(self) -> None:
         import repro.rank.graphs as graphs
         from repro.scenarios import SCENARIOS, load_scenario
+
         original_capture, original_replay = graphs.capture, graphs.Captured.replay
         clock = self
 
@@ -80,13 +82,15 @@ class GraphClock:
         graphs.Captured.replay = timed_replay
 
     def lines(self) -> list[str]:
-        return ([f"capture {label}: {sec * 1e3:.1f} ms" for label, sec in self.captures]
-                + [f"first replay {label}: {sec * 1e3:.2f} ms" for label, sec in self.first_replays.items()])
+        return [f"capture {label}: {sec * 1e3:.1f} ms" for label, sec in self.captures] + [
+            f"first replay {label}: {sec * 1e3:.2f} ms" for label, sec in self.first_replays.items()
+        ]
 
 
 def sync(tensor) -> None:
     if tensor.is_cuda:
         import torch
+
         torch.cuda.synchronize(tensor.device)
 
 
@@ -111,9 +115,9 @@ def main() -> None:
             clock.install()
         prof = cProfile.Profile()
         t0 = time.perf_counter()
-        if not clock:                     # the clock times the work itself, not cProfile's cost
+        if not clock:  # the clock times the work itself, not cProfile's cost
             prof.enable()
-        code = run_rank(spec, 0)          # a failing rank calls os._exit: profile passing trials
+        code = run_rank(spec, 0)  # a failing rank calls os._exit: profile passing trials
         prof.disable()
         total = time.perf_counter() - t0
         phases = [line for line in (Path(tmp) / "rank0.jsonl").read_text().splitlines() if '"phase"' in line]
@@ -125,8 +129,10 @@ def main() -> None:
     stats = None if clock else pstats.Stats(prof, stream=out).sort_stats("cumulative")
     if stats:
         stats.print_stats(a.top)
-    sys.stdout.write(f"{a.scenario} on {p.device}: rank exit {code}, {total:.2f} s in run_rank "
-                     f"({t0 - t_process:.2f} s before it)\n" + "\n".join(phases) + "\n" + out.getvalue())
+    sys.stdout.write(
+        f"{a.scenario} on {p.device}: rank exit {code}, {total:.2f} s in run_rank "
+        f"({t0 - t_process:.2f} s before it)\n" + "\n".join(phases) + "\n" + out.getvalue()
+    )
     if a.out and stats:
         stats.dump_stats(a.out)
 

@@ -5,6 +5,7 @@
 Runs examples/engine_shapes.py SHAPE under `repro watch` and cProfile (the watched process
 itself) and prints the top of its cumulative- and own-time tables. GPU only.
 """
+
 import argparse
 import sys
 import tempfile

@@ -16,6 +16,7 @@ The entry point is declared by a dist-info written to a temporary directory on P
 variant, the ratios off / no_plugin and on / no_plugin of both, the least CPU time of each
 variant, and the import time of repro.pytest alone (`python -X importtime`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,15 +61,26 @@ def run_once(root: Path, env: dict[str, str], extra: list[str]) -> tuple[float, 
     """(wall s, CPU s of the session process): CPU time is what other load on the machine
     disturbs least."""
     start, cpu = time.perf_counter(), children_cpu_s()
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, "test_many.py"],
-                   cwd=root, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, "test_many.py"],
+        cwd=root,
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return time.perf_counter() - start, children_cpu_s() - cpu
 
 
 def import_time_us(env: dict[str, str]) -> int:
     """Cumulative import time of repro.pytest, pytest already imported (as in a session)."""
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "import pytest, repro.pytest"],
-                          env=env, capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import pytest, repro.pytest"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     for line in proc.stderr.splitlines():
         parts = [p.strip() for p in line.removeprefix("import time:").split("|")]
         if len(parts) == 3 and parts[2] == "repro.pytest":
@@ -86,14 +98,14 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         write_suite(root, args.tests)
         env = session_env(root)
-        for extra in VARIANTS.values():          # warm the file cache and bytecode once each
+        for extra in VARIANTS.values():  # warm the file cache and bytecode once each
             run_once(root, env, extra)
         times: dict[str, list[float]] = {name: [] for name in VARIANTS}
         cpu: dict[str, list[float]] = {name: [] for name in VARIANTS}
         names = list(VARIANTS)
         for r in range(args.runs):
             # Rotate the order each round: no variant always runs right after another.
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 wall, used = run_once(root, env, VARIANTS[name])
                 times[name].append(wall)
                 cpu[name].append(used)
@@ -101,18 +113,22 @@ def main(argv: list[str] | None = None) -> int:
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     cpu_medians = {name: statistics.median(ts) for name, ts in cpu.items()}
     base = medians["no_plugin"]
-    doc = {"benchmark": "pytest_plugin_off", "runs": args.runs, "tests": args.tests,
-           "python": sys.version.split()[0],
-           "median_s": {k: round(v, 4) for k, v in medians.items()},
-           "ratio_off_vs_no_plugin": round(medians["off"] / base, 4),
-           "ratio_on_vs_no_plugin": round(medians["on"] / base, 4),
-           "spread_no_plugin_s": round(max(times["no_plugin"]) - min(times["no_plugin"]), 4),
-           "median_cpu_s": {k: round(v, 4) for k, v in cpu_medians.items()},
-           "cpu_ratio_off_vs_no_plugin": round(cpu_medians["off"] / cpu_medians["no_plugin"], 4),
-           "cpu_ratio_on_vs_no_plugin": round(cpu_medians["on"] / cpu_medians["no_plugin"], 4),
-           # The least disturbed run of each: on a shared machine load only ever adds time.
-           "min_cpu_s": {k: round(min(ts), 4) for k, ts in cpu.items()},
-           "import_repro_pytest_us": imported_us}
+    doc = {
+        "benchmark": "pytest_plugin_off",
+        "runs": args.runs,
+        "tests": args.tests,
+        "python": sys.version.split()[0],
+        "median_s": {k: round(v, 4) for k, v in medians.items()},
+        "ratio_off_vs_no_plugin": round(medians["off"] / base, 4),
+        "ratio_on_vs_no_plugin": round(medians["on"] / base, 4),
+        "spread_no_plugin_s": round(max(times["no_plugin"]) - min(times["no_plugin"]), 4),
+        "median_cpu_s": {k: round(v, 4) for k, v in cpu_medians.items()},
+        "cpu_ratio_off_vs_no_plugin": round(cpu_medians["off"] / cpu_medians["no_plugin"], 4),
+        "cpu_ratio_on_vs_no_plugin": round(cpu_medians["on"] / cpu_medians["no_plugin"], 4),
+        # The least disturbed run of each: on a shared machine load only ever adds time.
+        "min_cpu_s": {k: round(min(ts), 4) for k, ts in cpu.items()},
+        "import_repro_pytest_us": imported_us,
+    }
     emit(doc, args.json)
     return 0
 

@@ -13,6 +13,7 @@ Two timings per variant:
               when the host runs ahead of the GPU (host work hides behind the GPU's)
 Usage: PYTHONPATH=$PWD python3 benchmarks/replay.py [--json PATH] [--rounds 30] [--block 50]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,7 @@ from repro.diagnose.guard import CaptureGuard
 from repro.scenarios.gemma4_mtp import Gemma4Drafter, Proposer, graph_label
 
 GUARD_BATCHES = (1, 64)
-DEVICE = "cuda"                  # a module constant so a CPU smoke run can swap it
+DEVICE = "cuda"  # a module constant so a CPU smoke run can swap it
 
 
 def synced_us(fn: Callable[[], object], block: int) -> float:
@@ -56,7 +57,7 @@ def pipelined_us(fn: Callable[[], object], block: int) -> float:
 
 def interleaved(variants: dict[str, Callable[[], object]], rounds: int, block: int) -> dict[str, dict]:
     """Each round times every variant once with each timer; the result is the median of rounds."""
-    for fn in variants.values():              # warm-up: lazy kernel loading, allocator
+    for fn in variants.values():  # warm-up: lazy kernel loading, allocator
         for _ in range(10):
             fn()
     got = {name: {"synced": [], "pipelined": []} for name in variants}
@@ -80,16 +81,26 @@ def bench_gemma(rounds: int, block: int) -> list[dict]:
     for batch in dims.batch_sizes:
         h = torch.randn(batch, dims.hidden_size, device=dev, dtype=torch.bfloat16)
         label = graph_label(batch)
-        variants = {"eager": lambda: drafter.masked_embedding.get_top_tokens(h, weight),
-                    "replay": lambda: proposer.greedy_sample(h)}
+        variants = {
+            "eager": lambda: drafter.masked_embedding.get_top_tokens(h, weight),
+            "replay": lambda: proposer.greedy_sample(h),
+        }
         if batch in GUARD_BATCHES:
-            variants["replay + check (deep)"] = lambda: (guard.check("bench", graph=label, deep=True),
-                                                         proposer.greedy_sample(h))
-            variants["replay + check (liveness)"] = lambda: (guard.check("bench", graph=label, deep=False),
-                                                             proposer.greedy_sample(h))
+            variants["replay + check (deep)"] = lambda: (
+                guard.check("bench", graph=label, deep=True),
+                proposer.greedy_sample(h),
+            )
+            variants["replay + check (liveness)"] = lambda: (
+                guard.check("bench", graph=label, deep=False),
+                proposer.greedy_sample(h),
+            )
         times = interleaved(variants, rounds, block)
-        row = {"region": "gemma4 centroids", "batch": batch,
-               "slots_checked": sum(label in s.graphs for s in guard.slots), "us": times}
+        row = {
+            "region": "gemma4 centroids",
+            "batch": batch,
+            "slots_checked": sum(label in s.graphs for s in guard.slots),
+            "us": times,
+        }
         for timer in ("synced", "pipelined"):
             replay = times["replay"][timer]
             row[f"speedup_{timer}"] = times["eager"][timer] / replay
@@ -106,21 +117,25 @@ def bench_moe(rounds: int) -> list[dict]:
     """The MoE forward at the real shape: eager vs replay; and one reload (quantize + copy-back)."""
     from repro.rank.graphs import capture
     from repro.scenarios import nvfp4_moe as moe
+
     dims = validate(load_preset("qwen3-30b-a3b-moe")).model
     dev, dtype = torch.device("cuda", 0), torch.bfloat16
     layer = moe.build_layer(dims, moe.MODES["fixed"], moe.make_checkpoint(dims, 0, -1, dtype, dev), dtype, dev)
     x = torch.randn(dims.tokens, dims.hidden_size, device=dev, dtype=dtype)
     captured = capture(layer, (x,), "moe forward", CaptureGuard(mode="off"))
     times = interleaved({"eager": lambda: layer(x), "replay": captured.replay}, max(3, rounds // 6), 5)
-    row = {"region": "nvfp4 moe forward", "batch": dims.tokens, "us": times,
-           "speedup_synced": times["eager"]["synced"] / times["replay"]["synced"],
-           "speedup_pipelined": times["eager"]["pipelined"] / times["replay"]["pipelined"]}
+    row = {
+        "region": "nvfp4 moe forward",
+        "batch": dims.tokens,
+        "us": times,
+        "speedup_synced": times["eager"]["synced"] / times["replay"]["synced"],
+        "speedup_pipelined": times["eager"]["pipelined"] / times["replay"]["pipelined"],
+    }
     ckpt = moe.make_checkpoint(dims, 0, 0, dtype, dev)
     bf16_bytes = sum(t.numel() * t.element_size() for t in ckpt.values())
     moe.reload_weights(layer, ckpt)
     reload_us = synced_us(lambda: moe.reload_weights(layer, ckpt), 5)
-    row.update(reload_us=reload_us, reload_bf16_bytes=bf16_bytes,
-               reload_gb_per_s=bf16_bytes / (reload_us * 1e-6) / 1e9)
+    row.update(reload_us=reload_us, reload_bf16_bytes=bf16_bytes, reload_gb_per_s=bf16_bytes / (reload_us * 1e-6) / 1e9)
     return [row]
 
 
@@ -132,8 +147,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     rows = bench_gemma(args.rounds, args.block) + bench_moe(args.rounds)
-    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0),
-           "rounds": args.rounds, "block": args.block}
+    env = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(0),
+        "rounds": args.rounds,
+        "block": args.block,
+    }
     emit({"environment": env, "rows": rows}, args.json)
 
 

@@ -8,6 +8,7 @@ memcheck's first report lines. Memcheck sees accesses to memory the driver no lo
 `keep` the freed block stays in PyTorch's cache, still mapped, and memcheck has nothing to see.
 Usage: PYTHONPATH=$PWD python3 benchmarks/sanitizer.py --json out.json [--scenario gemma4-mtp]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,17 @@ from repro.run.protocol import Event, log_path, read_records
 from repro.run.runner import plan
 
 # API errors (NCCL probes kernels it has no image for) are noise here: only memory errors count.
-MEMCHECK = ["compute-sanitizer", "--tool", "memcheck", "--report-api-errors", "no", "--print-limit", "10",
-            "--show-backtrace", "no"]
+MEMCHECK = [
+    "compute-sanitizer",
+    "--tool",
+    "memcheck",
+    "--report-api-errors",
+    "no",
+    "--print-limit",
+    "10",
+    "--show-backtrace",
+    "no",
+]
 MEMORY_ERROR = re.compile(r"Invalid __(global|shared|local)__ (read|write)|is out of bounds|is misaligned")
 
 
@@ -38,7 +48,7 @@ def first_memory_error(out_dir: Path, world: int) -> list[str] | None:
         lines = path.read_text(errors="replace").splitlines() if path.exists() else []
         for i, line in enumerate(lines):
             if MEMORY_ERROR.search(line):
-                return [l.strip() for l in lines[i:i + 5]]
+                return [l.strip() for l in lines[i : i + 5]]
     return None
 
 
@@ -47,12 +57,18 @@ def first_finding_at(out_dir: Path, world: int) -> float | None:
     return min(times) if times else None
 
 
-def one(scenario: str, preset: str | None, after_free: str, steps: int, tp: int, memcheck: bool,
-        deadline: float) -> dict:
+def one(
+    scenario: str, preset: str | None, after_free: str, steps: int, tp: int, memcheck: bool, deadline: float
+) -> dict:
     """One trial; a memcheck trial is stopped as soon as memcheck has reported a memory error
     (its diagnosis is then complete: memcheck goes on slowly through every later bad access)."""
-    run = {"mode": "unfixed", "after_free": after_free, "steps": steps, "deadline_s": deadline,
-           "guard": "off" if memcheck else "warn"}
+    run = {
+        "mode": "unfixed",
+        "after_free": after_free,
+        "steps": steps,
+        "deadline_s": deadline,
+        "guard": "off" if memcheck else "warn",
+    }
     if scenario == "gemma4-mtp":
         run["tp"] = tp
     p = plan(scenario, preset, run, [], gpus.gpu_count())
@@ -69,22 +85,36 @@ def one(scenario: str, preset: str | None, after_free: str, steps: int, tp: int,
                 if report:
                     seen.update(report=report, at=time.perf_counter() - t0)
                     stop.set()
+
         try:
-            trial = run_trial(p.cfg, p.device, Path(tmp), "s", wrapper=MEMCHECK if memcheck else None,
-                              on_tick=watch, stop=stop)
+            trial = run_trial(
+                p.cfg, p.device, Path(tmp), "s", wrapper=MEMCHECK if memcheck else None, on_tick=watch, stop=stop
+            )
         except Interrupted as e:
             trial = e.trial
         wall = time.perf_counter() - t0
         found_at = first_finding_at(out_dir, world)
         report = seen.get("report") or first_memory_error(out_dir, world)
-    row = {"scenario": scenario, "after_free": after_free, "tool": "memcheck" if memcheck else "guard",
-           "outcome": trial.outcome.value, "wall_s": wall}
+    row = {
+        "scenario": scenario,
+        "after_free": after_free,
+        "tool": "memcheck" if memcheck else "guard",
+        "outcome": trial.outcome.value,
+        "wall_s": wall,
+    }
     if memcheck:
-        row.update(detected=report is not None, diagnosis_s=seen.get("at", wall if report else None),
-                   stopped_early="at" in seen, report=report)
+        row.update(
+            detected=report is not None,
+            diagnosis_s=seen.get("at", wall if report else None),
+            stopped_early="at" in seen,
+            report=report,
+        )
     else:
-        row.update(detected=found_at is not None, diagnosis_s=None if found_at is None else found_at - t_spawn,
-                   finding=trial.guard_findings[0].slot if trial.guard_findings else None)
+        row.update(
+            detected=found_at is not None,
+            diagnosis_s=None if found_at is None else found_at - t_spawn,
+            finding=trial.guard_findings[0].slot if trial.guard_findings else None,
+        )
     return row
 
 

@@ -12,6 +12,7 @@ of propose + verify + accept (synchronized), the scenario's step schedule (every
 Usage: PYTHONPATH=$PWD python3 benchmarks/specdec.py [--tp 2] [--share-gpu] [--config gemma4-e2b]
            [--rounds 5] [--steps 14] [--json PATH]     (--device cpu: a smoke run, no graphs)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,9 +79,17 @@ def rank_main(rank: int, args, rendezvous: str, queue) -> None:
         sizes = [b for b in g.SCHEDULE if b <= max(dims.batch_sizes)]
         schedule = [sizes[i % len(sizes)] for i in range(args.steps)]
         dtype = getattr(torch, dims.dtype)
-        for name, sample in variants.items():                     # warm-up: lazy loading, allocator
-            time_block(target, sample, g.Sequences(*target.initial(max(dims.batch_sizes), args.seed + 1)),
-                       schedule[:3], args.k, dtype, tp, dev)
+        for name, sample in variants.items():  # warm-up: lazy loading, allocator
+            time_block(
+                target,
+                sample,
+                g.Sequences(*target.initial(max(dims.batch_sizes), args.seed + 1)),
+                schedule[:3],
+                args.k,
+                dtype,
+                tp,
+                dev,
+            )
         got = {name: {"seconds": [], "stats": SpecStats()} for name in variants}
         for _ in range(args.rounds):
             for name, sample in variants.items():
@@ -92,10 +101,18 @@ def rank_main(rank: int, args, rendezvous: str, queue) -> None:
                 total.accepted += stats.accepted
                 total.emitted += stats.emitted
                 got[name].setdefault("tokens_per_s", []).append(stats.emitted / seconds)
-        rows = [{"variant": name, "tokens_per_s_median": statistics.median(r["tokens_per_s"]),
-                 "tokens_per_s_rounds": r["tokens_per_s"], "acceptance_rate": r["stats"].acceptance_rate,
-                 "mean_accepted_length": r["stats"].mean_accepted_length, "emitted": r["stats"].emitted,
-                 "seconds": sum(r["seconds"])} for name, r in got.items()]
+        rows = [
+            {
+                "variant": name,
+                "tokens_per_s_median": statistics.median(r["tokens_per_s"]),
+                "tokens_per_s_rounds": r["tokens_per_s"],
+                "acceptance_rate": r["stats"].acceptance_rate,
+                "mean_accepted_length": r["stats"].mean_accepted_length,
+                "emitted": r["stats"].emitted,
+                "seconds": sum(r["seconds"]),
+            }
+            for name, r in got.items()
+        ]
         if rank == 0:
             queue.put(rows)
         del keep
@@ -126,16 +143,29 @@ def main() -> None:
         for p in procs:
             p.join(timeout=120)
     by_name = {r["variant"]: r for r in rows}
-    ratios = {"graphs_over_eager": by_name["fixed graphs"]["tokens_per_s_median"]
-              / by_name["fixed eager"]["tokens_per_s_median"]}
+    ratios = {
+        "graphs_over_eager": by_name["fixed graphs"]["tokens_per_s_median"]
+        / by_name["fixed eager"]["tokens_per_s_median"]
+    }
     if "unfixed reuse graphs" in by_name:
-        ratios["unfixed_reuse_over_fixed"] = (by_name["unfixed reuse graphs"]["tokens_per_s_median"]
-                                              / by_name["fixed graphs"]["tokens_per_s_median"])
-    env = {"torch": torch.__version__, "cuda": torch.version.cuda,
-           "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-           "transport": ("gloo, ranks share one GPU (not NCCL)" if args.share_gpu and args.tp > 1 else
-                         "nccl" if args.device == "cuda" and args.tp > 1 else "gloo" if args.tp > 1 else "none"),
-           **{k: v for k, v in vars(args).items() if k != "json"}}
+        ratios["unfixed_reuse_over_fixed"] = (
+            by_name["unfixed reuse graphs"]["tokens_per_s_median"] / by_name["fixed graphs"]["tokens_per_s_median"]
+        )
+    env = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+        "transport": (
+            "gloo, ranks share one GPU (not NCCL)"
+            if args.share_gpu and args.tp > 1
+            else "nccl"
+            if args.device == "cuda" and args.tp > 1
+            else "gloo"
+            if args.tp > 1
+            else "none"
+        ),
+        **{k: v for k, v in vars(args).items() if k != "json"},
+    }
     emit({"environment": env, "rows": rows, "ratios": ratios}, args.json)
 
 

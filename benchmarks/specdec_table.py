@@ -2,11 +2,14 @@
 tokens/s, trial s) from gemma4-mtp JSON reports, for docs/RESULTS.md.
 Usage: python3 benchmarks/specdec_table.py REPORT.json [REPORT.json ...]
 """
+
 import json
 import sys
 
-HEAD = ("| mode | TP | after-free | lifecycle | outcome | acceptance | mean accepted length | lossless "
-        "| tokens/s | first failure | trial s |\n|---|---|---|---|---|---|---|---|---|---|---|")
+HEAD = (
+    "| mode | TP | after-free | lifecycle | outcome | acceptance | mean accepted length | lossless "
+    "| tokens/s | first failure | trial s |\n|---|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def fmt(value, spec):
@@ -21,9 +24,11 @@ def row(t: dict) -> str:
     ff = t.get("first_failure") or {}
     where = f"step {ff['step']}: " if ff.get("step") is not None else ""
     failure = (where + ff.get("detail", ""))[:70] if ff else "-"
-    return (f"| {t['mode']} | {tp} | {run['after_free']} | {life} | {t['outcome']} | {fmt(t.get('acceptance_rate'), '.1%')} "
-            f"| {fmt(t.get('mean_accepted_length'), '.2f')} | {lossless} | {fmt(t.get('tokens_per_s'), '.0f')} "
-            f"| {failure} | {t['timings'].get('total', 0):.1f} |")
+    return (
+        f"| {t['mode']} | {tp} | {run['after_free']} | {life} | {t['outcome']} | {fmt(t.get('acceptance_rate'), '.1%')} "
+        f"| {fmt(t.get('mean_accepted_length'), '.2f')} | {lossless} | {fmt(t.get('tokens_per_s'), '.0f')} "
+        f"| {failure} | {t['timings'].get('total', 0):.1f} |"
+    )
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ Per run: the CLI wall, `harness` (wall minus the trial: the parent's start-up, p
 report), the trial's phases (slowest rank), and per rank a timeline from its records: when
 it started (after the parent's spawn request) and when each phase ended.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,26 +53,47 @@ def run_once(args: list[str], tree: str, cache: str | None) -> dict:
         if cache:
             env["XDG_CACHE_HOME"] = cache
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "repro", *args, "--json", str(out), "--artifacts", tmp],
-                              capture_output=True, text=True, env=env, cwd=tree)
+        proc = subprocess.run(
+            [sys.executable, "-m", "repro", *args, "--json", str(out), "--artifacts", tmp],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tree,
+        )
         wall = time.perf_counter() - t0
         if not out.exists():
             return {"exit": proc.returncode, "wall": wall, "outcome": "NO REPORT", "error": proc.stderr[-500:]}
         trial = json.loads(out.read_text())["trials"][0]
         timings = trial["timings"]
         trial_dir = next((p.parent for p in Path(tmp).rglob("rank0.jsonl")), None)
-        starts = [r["t"] for r in map(json.loads, (trial_dir / "rank0.jsonl").read_text().splitlines())
-                  if r["event"] == "start"] if trial_dir else []
+        starts = (
+            [
+                r["t"]
+                for r in map(json.loads, (trial_dir / "rank0.jsonl").read_text().splitlines())
+                if r["event"] == "start"
+            ]
+            if trial_dir
+            else []
+        )
         spawned = starts[0] - timings.get("start", 0.0) if starts else None
         ranks = rank_timeline(trial_dir, spawned) if trial_dir and spawned else {}
     # harness: the CLI's own time outside the trial (interpreter, imports, planning, report).
-    return {"exit": proc.returncode, "wall": wall, "outcome": trial["outcome"], **timings,
-            "harness": wall - timings["total"], "ranks": ranks}
+    return {
+        "exit": proc.returncode,
+        "wall": wall,
+        "outcome": trial["outcome"],
+        **timings,
+        "harness": wall - timings["total"],
+        "ranks": ranks,
+    }
 
 
 def summarize(samples: list[dict]) -> dict:
-    row: dict = {"outcomes": sorted({s["outcome"] for s in samples}), "exits": sorted({s["exit"] for s in samples}),
-                 "runs": len(samples)}
+    row: dict = {
+        "outcomes": sorted({s["outcome"] for s in samples}),
+        "exits": sorted({s["exit"] for s in samples}),
+        "runs": len(samples),
+    }
     for key in ("wall", "harness", *PHASES):
         values = [s[key] for s in samples if key in s]
         if values:
@@ -82,8 +104,11 @@ def summarize(samples: list[dict]) -> dict:
             for mark, t in marks.items():
                 ranks.setdefault(rank, {}).setdefault(mark, []).append(t)
     row["rank timelines (median s after spawn)"] = {
-        rank: {m: round(statistics.median(v), 3) for m, v in sorted(marks.items(), key=lambda kv: statistics.median(kv[1]))}
-        for rank, marks in ranks.items()}
+        rank: {
+            m: round(statistics.median(v), 3) for m, v in sorted(marks.items(), key=lambda kv: statistics.median(kv[1]))
+        }
+        for rank, marks in ranks.items()
+    }
     errors = [s["error"] for s in samples if "error" in s]
     if errors:
         row["errors"] = errors[:2]
@@ -108,8 +133,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--json")
-    ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
-                    help="a checkout to time (default: this one); repeat to compare, interleaved")
+    ap.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="a checkout to time (default: this one); repeat to compare, interleaved",
+    )
     ap.add_argument("--cold", action="store_true", help="first one run per tree and command on an empty cache")
     ap.add_argument("commands", nargs=argparse.REMAINDER)
     a = ap.parse_args()
@@ -120,8 +150,9 @@ def main() -> None:
         for name, tree in trees.items():
             for g in groups:
                 with tempfile.TemporaryDirectory() as cache:
-                    doc.setdefault("cold (empty cache, first run)", {})[f"{name}: {' '.join(g)}"] = \
-                        summarize([run_once(g, tree, cache)])
+                    doc.setdefault("cold (empty cache, first run)", {})[f"{name}: {' '.join(g)}"] = summarize(
+                        [run_once(g, tree, cache)]
+                    )
     samples: dict[tuple[str, str], list[dict]] = {}
     for _ in range(a.runs):
         for name, tree in trees.items():
@@ -131,9 +162,14 @@ def main() -> None:
     if len(trees) > 1:
         first, *rest = trees
         doc["ratios (median wall / first tree's)"] = {
-            f"{other}: {' '.join(g)}": round(doc["warm"][f"{other}: {' '.join(g)}"]["wall"]["median"]
-                                              / doc["warm"][f"{first}: {' '.join(g)}"]["wall"]["median"], 3)
-            for other in rest for g in groups}
+            f"{other}: {' '.join(g)}": round(
+                doc["warm"][f"{other}: {' '.join(g)}"]["wall"]["median"]
+                / doc["warm"][f"{first}: {' '.join(g)}"]["wall"]["median"],
+                3,
+            )
+            for other in rest
+            for g in groups
+        }
     emit(doc, a.json)
 
 

@@ -38,6 +38,7 @@ Each program prints one JSON line: shape, bug, graphs captured, capture seconds,
 and steady decode step times, and max |graph - eager| (0 for a correct twin). Without CUDA it
 says so and exits 0 (nothing is captured).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,12 +65,16 @@ def parse(argv):
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--context", type=int, default=128, help="KV cache positions")
     p.add_argument("--steps", type=int, default=3, help="decode rounds over every size")
-    p.add_argument("--alloc-conf", default="", help="PYTORCH_CUDA_ALLOC_CONF, set before CUDA starts "
-                   "(e.g. expandable_segments:True)")
+    p.add_argument(
+        "--alloc-conf",
+        default="",
+        help="PYTORCH_CUDA_ALLOC_CONF, set before CUDA starts (e.g. expandable_segments:True)",
+    )
     return p.parse_args(argv)
 
 
 # -- the decoder stand-in ----------------------------------------------------------------------
+
 
 def build_model(torch, layers: int, hidden: int, context: int):
     nn = torch.nn
@@ -83,7 +88,7 @@ def build_model(torch, layers: int, hidden: int, context: int):
             self.o = nn.Linear(hidden, hidden, bias=False)
             self.up = nn.Linear(hidden, 2 * hidden, bias=False)
             self.down = nn.Linear(2 * hidden, hidden, bias=False)
-            self.register_buffer("rotary", 1 + 0.1 * torch.randn(context, hidden))   # [T, H]
+            self.register_buffer("rotary", 1 + 0.1 * torch.randn(context, hidden))  # [T, H]
 
     class Model(nn.Module):
         def __init__(self):
@@ -95,7 +100,7 @@ def build_model(torch, layers: int, hidden: int, context: int):
 
 class KVCache:
     def __init__(self, torch, layers: int, context: int, hidden: int):
-        self.k = torch.zeros(layers, context, hidden, device="cuda", dtype=torch.bfloat16)   # [L, T, H]
+        self.k = torch.zeros(layers, context, hidden, device="cuda", dtype=torch.bfloat16)  # [L, T, H]
         self.v = torch.zeros_like(self.k)
 
     def grow(self, torch, context: int) -> None:
@@ -121,13 +126,13 @@ def attend(torch, q, k, v, kv, i: int, pos):
     """Single-head decode attention over layer i's static cache; row 0 writes at pos. [b, H]"""
     kv.k[i].index_copy_(0, pos, k[:1])
     kv.v[i].index_copy_(0, pos, v[:1])
-    scores = (q @ kv.k[i].t()) / math.sqrt(q.shape[-1])             # [b, T]
+    scores = (q @ kv.k[i].t()) / math.sqrt(q.shape[-1])  # [b, T]
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ kv.v[i]
 
 
 def post(torch, layer, x, a):
     x = x + a @ layer.o.weight.t()
-    if hasattr(layer, "lora_a"):                                  # the lora shape's adapter
+    if hasattr(layer, "lora_a"):  # the lora shape's adapter
         x = x + (a @ layer.lora_a.t()) @ layer.lora_b.t()
     h = rms(torch, x, layer.norm2)
     return x + torch.nn.functional.gelu(h @ layer.up.weight.t()) @ layer.down.weight.t()
@@ -141,6 +146,7 @@ def full_step(torch, model, kv, x, pos):
 
 
 # -- capture helpers ---------------------------------------------------------------------------
+
 
 def alias(torch, t):
     """A tensor over t's memory that does not own it (vLLM's weak_ref_tensors)."""
@@ -162,11 +168,12 @@ class Engine:
         self.torch, self.args, self.model, self.kv = torch, args, model, kv
         self.pool = torch.cuda.graph_pool_handle()
         self.pos = torch.zeros(1, dtype=torch.long, device="cuda")
-        self.inputs = {b: torch.randn(b, args.hidden, device="cuda", dtype=torch.bfloat16)
-                       for b in vllm_sizes(args.sizes)}
-        self.full: dict[int, tuple] = {}           # size -> (graph, output)
-        self.pieces: dict[int, list] = {}          # size -> [(graph, aliases of its outputs)]
-        self.static_attn: dict[int, list] = {}     # split-op: size -> static output per layer
+        self.inputs = {
+            b: torch.randn(b, args.hidden, device="cuda", dtype=torch.bfloat16) for b in vllm_sizes(args.sizes)
+        }
+        self.full: dict[int, tuple] = {}  # size -> (graph, output)
+        self.pieces: dict[int, list] = {}  # size -> [(graph, aliases of its outputs)]
+        self.static_attn: dict[int, list] = {}  # split-op: size -> static output per layer
         self.graphs = 0
 
     # full: one graph per size
@@ -174,7 +181,7 @@ class Engine:
         torch = self.torch
         for b in sizes:
             x = self.inputs[b]
-            full_step(torch, self.model, self.kv, x, self.pos)            # warm up, as engines do
+            full_step(torch, self.model, self.kv, x, self.pos)  # warm up, as engines do
             graph, out = capture(torch, lambda: full_step(torch, self.model, self.kv, x, self.pos), self.pool)
             self.full[b] = (graph, out)
             self.graphs += 1
@@ -193,12 +200,12 @@ class Engine:
         if j == len(layers):
             return (x,)
         q, k, v = pre(torch, layers[j], x, self.pos)
-        return x, q, k, v, torch.empty_like(q)       # the split op's output, made in the pool
+        return x, q, k, v, torch.empty_like(q)  # the split op's output, made in the pool
 
     def split(self, j: int, b: int, q, k, v, a_buf, fresh: bool):
         attn = attend(self.torch, q, k, v, self.kv, j, self.pos)
         if fresh:
-            return attn                               # #53915: a fresh tensor every step
+            return attn  # #53915: a fresh tensor every step
         target = self.static_attn[b][j] if self.static_attn else a_buf
         target.copy_(attn)
         return target
@@ -207,9 +214,10 @@ class Engine:
         torch = self.torch
         for b in sizes:
             if static_split:
-                self.static_attn[b] = [torch.empty(b, self.args.hidden, device="cuda", dtype=torch.bfloat16)
-                                       for _ in self.model.layers]
-            full_step(torch, self.model, self.kv, self.inputs[b], self.pos)   # warm up
+                self.static_attn[b] = [
+                    torch.empty(b, self.args.hidden, device="cuda", dtype=torch.bfloat16) for _ in self.model.layers
+                ]
+            full_step(torch, self.model, self.kv, self.inputs[b], self.pos)  # warm up
             chain, x, a, outs = [], self.inputs[b], None, []
             for j in range(len(self.model.layers) + 1):
                 graph, out = capture(torch, lambda: self.piece(j, x, a), self.pool)  # noqa: F821 (deleted below, on purpose)
@@ -237,6 +245,7 @@ class Engine:
 
 # -- the shapes --------------------------------------------------------------------------------
 
+
 def decode(torch, args, step_fn, sizes, reference) -> dict:
     """`steps` rounds over every size; timings, and the worst |graph - eager| (compared on the
     first round, after the timed rounds so comparing costs no replay time)."""
@@ -258,8 +267,7 @@ def decode(torch, args, step_fn, sizes, reference) -> dict:
         got = step_fn(b).float()
         want = reference(b).float()
         worst = max(worst, (got - want).abs().max().item())
-    return {"first_round_s": first_round, "step_us": 1e6 * statistics.median(per_step),
-            "max_abs_err": worst}
+    return {"first_round_s": first_round, "step_us": 1e6 * statistics.median(per_step), "max_abs_err": worst}
 
 
 def run_full(torch, args, engine) -> dict:
@@ -307,8 +315,8 @@ def shape_mixed(torch, args, engine):
     sizes = vllm_sizes(args.sizes)
     small = [b for b in sizes if b <= 8] or sizes[-1:]
     t0 = time.perf_counter()
-    engine.capture_pieces(sizes)                      # piecewise for every size (the big ones)
-    engine.capture_full(small)                        # full graphs for the small ones
+    engine.capture_pieces(sizes)  # piecewise for every size (the big ones)
+    engine.capture_full(small)  # full graphs for the small ones
     capture_s = time.perf_counter() - t0
     if args.bug:
         engine.kv.grow(torch, 2 * args.context)
@@ -321,23 +329,25 @@ def shape_compiled(torch, args, engine):
     """torch's cudagraph trees (managed: watch counts them) and vLLM's shape: an inductor-
     compiled step captured by hand into the shared pool."""
     import torch._dynamo
+
     sizes = vllm_sizes(min(args.sizes, 3))
     model, kv, pos = engine.model, engine.kv, engine.pos
     step = lambda x: full_step(torch, model, kv, x, pos)
     t0 = time.perf_counter()
     for mode in ("reduce-overhead", "cudagraphs"):
         torch._dynamo.reset()
-        compiled = torch.compile(step, mode=mode) if mode == "reduce-overhead" else \
-            torch.compile(step, backend="cudagraphs")
+        compiled = (
+            torch.compile(step, mode=mode) if mode == "reduce-overhead" else torch.compile(step, backend="cudagraphs")
+        )
         for b in sizes:
-            for _ in range(3):                    # trees record on the second call, replay after
+            for _ in range(3):  # trees record on the second call, replay after
                 out = compiled(engine.inputs[b].clone())
             torch.cuda.synchronize()
         del out
     torch._dynamo.reset()
     inductor = torch.compile(step, dynamic=False)
     for b in sizes:
-        inductor(engine.inputs[b])                # compile and warm up outside the capture
+        inductor(engine.inputs[b])  # compile and warm up outside the capture
         graph, out = capture(torch, lambda: inductor(engine.inputs[b]), engine.pool)
         engine.full[b] = (graph, out)
         engine.graphs += 1
@@ -366,6 +376,7 @@ def shape_mempool(torch, args, engine):
         graph, out = graphs[b]
         graph.replay()
         return out
+
     ref = lambda b: full_step(torch, engine.model, engine.kv, engine.inputs[b], engine.pos) * scale
     result = {"capture_s": capture_s, **decode(torch, args, step, sizes, ref)}
     graphs.clear()
@@ -376,7 +387,7 @@ def capture_scaled(torch, engine, b, scale, outside: bool):
     """Capture step * scale; the twin multiplies by a copy made outside the pool, held by a
     local only (freed when this returns)."""
     x = engine.inputs[b]
-    factor = scale.clone() if outside else scale          # clone: default pool, outside capture
+    factor = scale.clone() if outside else scale  # clone: default pool, outside capture
     body = lambda: full_step(torch, engine.model, engine.kv, x, engine.pos) * factor
     body()
     graph, out = capture(torch, body, engine.pool)
@@ -402,13 +413,14 @@ def shape_side_stream(torch, args, engine):
     def ref(b):
         x = full_step(torch, engine.model, engine.kv, engine.inputs[b], engine.pos)
         return x + x @ engine.model.layers[-1].o.weight.t()
+
     return {"capture_s": capture_s, **decode(torch, args, step, sizes, ref)}
 
 
 def capture_forked(torch, engine, b, side, local_weight: bool):
     x = engine.inputs[b]
     w = engine.model.layers[-1].o.weight
-    weight = w.clone() if local_weight else w              # the twin: a copy held by a local
+    weight = w.clone() if local_weight else w  # the twin: a copy held by a local
 
     def body():
         h = full_step(torch, engine.model, engine.kv, x, engine.pos)
@@ -417,6 +429,7 @@ def capture_forked(torch, engine, b, side, local_weight: bool):
             extra = h @ weight.t()
         torch.cuda.current_stream().wait_stream(side)
         return h + extra
+
     body()
     torch.cuda.synchronize()
     graph, out = capture(torch, body, engine.pool)
@@ -439,8 +452,7 @@ def shape_lora(torch, args, engine):
 
 
 def adapter(torch, rows: int, cols: int):
-    return torch.nn.Parameter(0.01 * torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16),
-                              requires_grad=False)
+    return torch.nn.Parameter(0.01 * torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16), requires_grad=False)
 
 
 def swap_adapters(torch, model, rebind: bool) -> None:
@@ -464,8 +476,8 @@ def shape_churn(torch, args, engine):
     rounds = max(args.steps, 300)
     for r in range(rounds):
         b = sizes[r % len(sizes)]
-        _out = engine.replay_full(b)        # held until the next step, as an engine holds its output
-        for n in range(16):                                        # eager churn, every step
+        _out = engine.replay_full(b)  # held until the next step, as an engine holds its output
+        for n in range(16):  # eager churn, every step
             torch.empty(64 + (r * 977 + n * 131) % 65536, device="cuda")
         if args.bug and r == rounds - 20:
             layer = engine.model.layers[0]
@@ -488,9 +500,17 @@ BUGS = {
     "churn": ("*layers.0.up.weight",),
 }
 
-SHAPES = {"full": shape_full, "piecewise": shape_piecewise, "split-op": shape_split_op,
-          "mixed": shape_mixed, "compiled": shape_compiled, "mempool": shape_mempool,
-          "side-stream": shape_side_stream, "lora": shape_lora, "churn": shape_churn}
+SHAPES = {
+    "full": shape_full,
+    "piecewise": shape_piecewise,
+    "split-op": shape_split_op,
+    "mixed": shape_mixed,
+    "compiled": shape_compiled,
+    "mempool": shape_mempool,
+    "side-stream": shape_side_stream,
+    "lora": shape_lora,
+    "churn": shape_churn,
+}
 
 
 def main(argv=None) -> int:
@@ -498,9 +518,13 @@ def main(argv=None) -> int:
     if args.alloc_conf:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf
     import torch
+
     if not torch.cuda.is_available():
-        print(json.dumps({"shape": args.shape, "bug": args.bug, "cuda": False,
-                          "note": "no CUDA device: nothing was captured"}))
+        print(
+            json.dumps(
+                {"shape": args.shape, "bug": args.bug, "cuda": False, "note": "no CUDA device: nothing was captured"}
+            )
+        )
         return 0
     torch.manual_seed(0)
     torch.set_grad_enabled(False)
@@ -508,9 +532,19 @@ def main(argv=None) -> int:
     kv = KVCache(torch, args.layers, args.context, args.hidden)
     engine = Engine(torch, args, model, kv)
     result = SHAPES[args.shape](torch, args, engine)
-    print(json.dumps({"shape": args.shape, "bug": args.bug, "graphs": engine.graphs,
-                      "sizes": args.sizes, "layers": args.layers, "hidden": args.hidden,
-                      **{k: round(v, 6) if isinstance(v, float) else v for k, v in result.items()}}))
+    print(
+        json.dumps(
+            {
+                "shape": args.shape,
+                "bug": args.bug,
+                "graphs": engine.graphs,
+                "sizes": args.sizes,
+                "layers": args.layers,
+                "hidden": args.hidden,
+                **{k: round(v, 6) if isinstance(v, float) else v for k, v in result.items()},
+            }
+        )
+    )
     return 0
 
 

@@ -9,6 +9,7 @@ not change the program's results. Prints the max difference to eager; exits 1 if
 
 Without CUDA it says so and exits 0.
 """
+
 import sys
 
 import torch
@@ -20,8 +21,9 @@ def main() -> int:
         return 0
     torch.manual_seed(0)
     torch.set_grad_enabled(False)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU())
-                                  for _ in range(6)]).cuda()
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU()) for _ in range(6)]
+    ).cuda()
     compiled = torch.compile(model, mode="reduce-overhead")
     worst = 0.0
     for step in range(20):

@@ -12,6 +12,7 @@ and handed to the next allocation, so later steps silently compute on garbage.
 
 Without CUDA it runs the same decode loop eagerly (no graph, nothing to find) and says so.
 """
+
 import argparse
 import sys
 
@@ -35,7 +36,7 @@ class Model(torch.nn.Module):
 
 class KVCache:
     def __init__(self, layers: int, max_len: int, hidden: int, device: str):
-        self.k = torch.zeros(layers, max_len, hidden, device=device)   # [L, T, H]
+        self.k = torch.zeros(layers, max_len, hidden, device=device)  # [L, T, H]
         self.v = torch.zeros(layers, max_len, hidden, device=device)
 
     def grow(self, max_len: int) -> None:
@@ -53,7 +54,7 @@ def decode_step(model: Model, cache: KVCache, x: torch.Tensor, pos: torch.Tensor
     for i, layer in enumerate(model.layers):
         cache.k[i].index_copy_(0, pos, layer.k(h))
         cache.v[i].index_copy_(0, pos, layer.v(h))
-        scores = (layer.q(h) @ cache.k[i].t()) / h.shape[-1] ** 0.5      # [1, T]
+        scores = (layer.q(h) @ cache.k[i].t()) / h.shape[-1] ** 0.5  # [1, T]
         h = h + layer.o(torch.softmax(scores, dim=-1) @ cache.v[i])
     return h
 
@@ -63,7 +64,7 @@ def capture(model, cache, x, pos):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        decode_step(model, cache, x, pos)                 # warm up on a side stream, as usual
+        decode_step(model, cache, x, pos)  # warm up on a side stream, as usual
     torch.cuda.current_stream().wait_stream(stream)
     with torch.cuda.graph(graph):
         out = decode_step(model, cache, x, pos)
@@ -88,7 +89,7 @@ def run(fixed: bool, steps: int = 16, layers: int = 4, hidden: int = 256, max_le
             # the next allocations of that size take the freed blocks (best fit in the cache)
             filler = [torch.full((layers, max_len, hidden), 1e4, device="cuda") for _ in range(2)]
             if fixed:
-                graph, out = capture(model, cache, x, pos)     # the fix: re-capture after it
+                graph, out = capture(model, cache, x, pos)  # the fix: re-capture after it
         x.copy_(torch.randn(1, hidden, device="cuda"))
         pos.fill_(step)
         graph.replay()
@@ -113,8 +114,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         run_cpu()
-        print("no CUDA device: ran the decode loop eagerly; no CUDA graph was captured, "
-              "so there is nothing stale to find")
+        print(
+            "no CUDA device: ran the decode loop eagerly; no CUDA graph was captured, so there is nothing stale to find"
+        )
         return 0
     err = run(args.fixed)
     print(f"{'fixed' if args.fixed else 'unfixed'}: max |graph - eager| after the resize = {err:.3g}")

@@ -11,6 +11,7 @@ the guard alone reports nothing here, and that is the expected blind spot, not a
 
 Without CUDA or Triton it says so and exits 0.
 """
+
 import sys
 
 import torch
@@ -29,24 +30,25 @@ def build_kernel():
     def launch(src: torch.Tensor, dst: torch.Tensor) -> None:
         n = src.numel()
         scale[(triton.cdiv(n, 1024),)](src, dst, n, BLOCK=1024)
+
     return launch
 
 
 def capture(launch, dst, n):
-    src = torch.arange(n, device="cuda", dtype=torch.float32)   # held by this local only
-    launch(src, dst)                                             # compile + warm up
+    src = torch.arange(n, device="cuda", dtype=torch.float32)  # held by this local only
+    launch(src, dst)  # compile + warm up
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         launch(src, dst)
-    return graph                                                 # src is freed here
+    return graph  # src is freed here
 
 
 def run(n: int = 1 << 16) -> float:
     launch = build_kernel()
     dst = torch.zeros(n, device="cuda")
     graph = capture(launch, dst, n)
-    reuse = torch.full((n,), -1.0, device="cuda")                # takes src's freed block
+    reuse = torch.full((n,), -1.0, device="cuda")  # takes src's freed block
     graph.replay()
     torch.cuda.synchronize()
     expected = torch.arange(n, device="cuda", dtype=torch.float32) * 2

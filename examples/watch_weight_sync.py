@@ -12,6 +12,7 @@ keeps the captured addresses and is correct.
 
 Without CUDA it runs the syncs and eager forwards only and says so.
 """
+
 import argparse
 import sys
 
@@ -28,17 +29,16 @@ def make_policy(layers: int, hidden: int, device: str) -> torch.nn.Sequential:
 def trainer_weights(policy: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """New tensors, as a trainer (or a broadcast from it) would deliver them."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    return {name: (torch.randn(p.shape, generator=gen) * 0.05).to(p.device)
-            for name, p in policy.state_dict().items()}
+    return {name: (torch.randn(p.shape, generator=gen) * 0.05).to(p.device) for name, p in policy.state_dict().items()}
 
 
 def sync_weights(policy: torch.nn.Module, new: dict[str, torch.Tensor], in_place: bool) -> None:
     if in_place:
         with torch.no_grad():
             for name, p in policy.state_dict().items():
-                p.copy_(new[name])                      # captured addresses stay valid
+                p.copy_(new[name])  # captured addresses stay valid
     else:
-        policy.load_state_dict(new, assign=True)        # rebinds: the graph keeps the old ones
+        policy.load_state_dict(new, assign=True)  # rebinds: the graph keeps the old ones
 
 
 def capture(policy, static_in):
@@ -80,8 +80,10 @@ def main(argv=None) -> int:
         policy = make_policy(2, 32, "cpu")
         sync_weights(policy, trainer_weights(policy, seed=1), args.in_place)
         policy(torch.randn(4, 32))
-        print("no CUDA device: synced weights and ran the policy eagerly; no CUDA graph was "
-              "captured, so there is nothing stale to find")
+        print(
+            "no CUDA device: synced weights and ran the policy eagerly; no CUDA graph was "
+            "captured, so there is nothing stale to find"
+        )
         return 0
     err = run(args.in_place)
     print(f"{'in-place' if args.in_place else 'assign=True'}: max |graph - eager| after syncs = {err:.3g}")

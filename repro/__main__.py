@@ -6,20 +6,24 @@ started next, before the CLI imports Typer, Rich and the report code: the server
 import (seconds) overlaps the parent's own start-up, planning and NVML queries
 (repro/run/launch.py).
 """
+
 import sys
 
 
 def main() -> None:
     from repro.run.interrupts import Interrupts, checkpoint
+
     interrupts = Interrupts()
     interrupts.install()
     checkpoint("start")
     from repro.run.launch import prestart
     from repro.scenarios import SCENARIOS
+
     server = prestart(sys.argv[1:], frozenset(SCENARIOS) | {"matrix"})
     checkpoint("server")
     try:
         from repro.cli import main as cli_main
+
         cli_main(server, interrupts)
     finally:
         if server is not None:

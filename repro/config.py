@@ -5,6 +5,7 @@ table (mode, tp, steps, ...). Every validation error is a ConfigError whose text
 line naming the file, the key, the bad value and what is allowed; the CLI prints it and
 exits 2.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,18 +39,19 @@ class ConfigError(ValueError):
 @dataclass
 class CommonRun:
     """The [run] keys of every scenario; RunConfig adds each scenario's own (RunKeySpec)."""
+
     mode: str = "unfixed"
     tp: int = 1
     steps: int = 8
     seed: int = 0
-    after_free: str = ""              # "" -> the scenario's default
-    guard: str = "warn"               # a GuardMode's string (a plain str: coerce types values by the default's)
+    after_free: str = ""  # "" -> the scenario's default
+    guard: str = "warn"  # a GuardMode's string (a plain str: coerce types values by the default's)
     device: str = "auto"
-    deadline_s: float = 180.0         # the whole trial's budget: past it, DEADLINE (or HANG if stuck)
-    stall_s: float = 60.0             # no record from any rank this long: HANG (the progress watchdog)
+    deadline_s: float = 180.0  # the whole trial's budget: past it, DEADLINE (or HANG if stuck)
+    stall_s: float = 60.0  # no record from any rank this long: HANG (the progress watchdog)
     forensics: bool = False
-    share_gpu: bool = False           # TP ranks share one GPU over gloo (NCCL refuses two ranks on one GPU)
-    expect: str = ""                  # "" -> unfixed: reproduced, otherwise clean
+    share_gpu: bool = False  # TP ranks share one GPU over gloo (NCCL refuses two ranks on one GPU)
+    expect: str = ""  # "" -> unfixed: reproduced, otherwise clean
 
 
 def run_fields(specs: list[ScenarioSpec]) -> list[tuple[str, Any, Any]]:
@@ -57,8 +59,9 @@ def run_fields(specs: list[ScenarioSpec]) -> list[tuple[str, Any, Any]]:
     (and after the scenario keys already placed there), so a trial's config lists its [run]
     keys in the order schema repro.report/1 fixed."""
     common = [f.name for f in dataclasses.fields(CommonRun)]
-    fields: list[tuple[str, Any, Any]] = [(f.name, f.type, dataclasses.field(default=f.default))
-                                          for f in dataclasses.fields(CommonRun)]
+    fields: list[tuple[str, Any, Any]] = [
+        (f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(CommonRun)
+    ]
     for key in (k for s in specs for k in s.run_keys):
         at = [name for name, _, _ in fields].index(key.after) + 1
         while at < len(fields) and fields[at][0] not in common:
@@ -70,25 +73,30 @@ def run_fields(specs: list[ScenarioSpec]) -> list[tuple[str, Any, Any]]:
 # One dataclass for every [run] key, the scenarios' too: presets, --set, matrices and trial
 # records treat them alike, and a trial of another scenario carries them off (validate checks).
 RunConfig = dataclasses.make_dataclass("RunConfig", run_fields(list(SCENARIOS.values())))
-RunConfig.__module__ = __name__     # pickles (Ray) find it here; make_dataclass takes no module= before 3.12
+RunConfig.__module__ = __name__  # pickles (Ray) find it here; make_dataclass takes no module= before 3.12
 
 
 @dataclass
 class TrialConfig:
     scenario: str
-    preset: str                       # preset name or path it came from
-    model: Any                        # the scenario's dims (ScenarioSpec.dims)
+    preset: str  # preset name or path it came from
+    model: Any  # the scenario's dims (ScenarioSpec.dims)
     run: RunConfig
 
     def to_dict(self) -> dict[str, Any]:
-        return {"scenario": self.scenario, "preset": self.preset,
-                "model": dataclasses.asdict(self.model), "run": dataclasses.asdict(self.run)}
+        return {
+            "scenario": self.scenario,
+            "preset": self.preset,
+            "model": dataclasses.asdict(self.model),
+            "run": dataclasses.asdict(self.run),
+        }
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "TrialConfig":
         spec = SCENARIOS[d["scenario"]]
-        return TrialConfig(scenario=d["scenario"], preset=d["preset"],
-                           model=spec.dims(**d["model"]), run=RunConfig(**d["run"]))
+        return TrialConfig(
+            scenario=d["scenario"], preset=d["preset"], model=spec.dims(**d["model"]), run=RunConfig(**d["run"])
+        )
 
 
 def bare_config(spec: ScenarioSpec) -> TrialConfig:
@@ -100,8 +108,9 @@ def resolve_preset_path(name_or_path: str) -> Path:
     """A preset name ('gemma4-e2b') or a path to a TOML file."""
     p = Path(name_or_path)
     if p.is_dir():
-        raise ConfigError(f"config {name_or_path} is a directory; give a preset name (`repro presets` "
-                          "lists them) or a TOML file")
+        raise ConfigError(
+            f"config {name_or_path} is a directory; give a preset name (`repro presets` lists them) or a TOML file"
+        )
     if p.suffix == ".toml" or p.parent != Path("."):
         if not p.is_file():
             raise ConfigError(f"config file {name_or_path} does not exist")
@@ -134,7 +143,7 @@ def first_sentence(text: str, limit: int = 44) -> str:
     head = text.split(". ", 1)[0].rstrip(".")
     if len(head) <= limit:
         return head
-    return head[:limit - 3].rsplit(" ", 1)[0].rstrip(" ,;:(") + "..."
+    return head[: limit - 3].rsplit(" ", 1)[0].rstrip(" ,;:(") + "..."
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -144,8 +153,10 @@ def read_toml(path: Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: malformed TOML: {e}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
-                          "TOML files must be UTF-8: re-save it as UTF-8") from None
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+            "TOML files must be UTF-8: re-save it as UTF-8"
+        ) from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
 
@@ -188,17 +199,22 @@ def load_preset(name_or_path: str, scenario: str | None = None) -> TrialConfig:
     data = read_toml(path)
     unknown = set(data) - {"scenario", "description", "model", "run"}
     if "trial" in data and "scenario" not in data:
-        raise ConfigError(f"{where}: a matrix, not a scenario preset; run it with `repro matrix --config "
-                          f"{name_or_path}`, or give a {scenario or 'scenario'} preset (`repro presets` lists them)")
+        raise ConfigError(
+            f"{where}: a matrix, not a scenario preset; run it with `repro matrix --config "
+            f"{name_or_path}`, or give a {scenario or 'scenario'} preset (`repro presets` lists them)"
+        )
     if unknown:
-        raise ConfigError(f"{where}: unknown top-level key {sorted(unknown)[0]!r}; "
-                          "allowed: scenario, description, [model], [run]")
+        raise ConfigError(
+            f"{where}: unknown top-level key {sorted(unknown)[0]!r}; allowed: scenario, description, [model], [run]"
+        )
     name = data.get("scenario")
     if name not in SCENARIOS:
         raise ConfigError(f"{where}: scenario = {name!r} is not one of {', '.join(SCENARIOS)}")
     if scenario is not None and name != scenario:
-        raise ConfigError(f"{where}: preset is for scenario {name!r}, not {scenario!r}; "
-                          f"use a {scenario} preset such as {SCENARIOS[scenario].default_preset}")
+        raise ConfigError(
+            f"{where}: preset is for scenario {name!r}, not {scenario!r}; "
+            f"use a {scenario} preset such as {SCENARIOS[scenario].default_preset}"
+        )
     for section in ("model", "run"):
         if not isinstance(data.get(section, {}), dict):
             raise ConfigError(f"{where}: [{section}] must be a table")
@@ -248,8 +264,11 @@ def flag_of(key: str) -> str:
 def override_sources(run: dict[str, Any], sets: list[str]) -> dict[str, str]:
     """[run] key -> where the command line set it ("--tp 0", "--set run.tp=0"): an error in a
     value the user typed names the flag, not the preset it overrode."""
-    sources = {key: f"{flag_of(key)} {value}" for key, value in run.items()
-               if value is not None and not isinstance(value, bool)}
+    sources = {
+        key: f"{flag_of(key)} {value}"
+        for key, value in run.items()
+        if value is not None and not isinstance(value, bool)
+    }
     sources.update({key: flag_of(key) for key, value in run.items() if isinstance(value, bool)})
     for item in sets:
         section, key, _ = parse_set(item)
@@ -268,29 +287,54 @@ def validate(cfg: TrialConfig, sources: dict[str, str] | None = None) -> TrialCo
     sources: [run] keys the command line set (override_sources), named in their errors."""
     spec = SCENARIOS[cfg.scenario]
     r, m, w = cfg.run, cfg.model, cfg.preset
-    at = (lambda key: (sources or {}).get(key, w))
-    check(r.mode in spec.mode_names, at("mode"),
-          f"mode = {r.mode!r} is not one of {', '.join(spec.mode_names)} for {spec.name}")
+    at = lambda key: (sources or {}).get(key, w)
+    check(
+        r.mode in spec.mode_names,
+        at("mode"),
+        f"mode = {r.mode!r} is not one of {', '.join(spec.mode_names)} for {spec.name}",
+    )
     check(r.tp >= 1, at("tp"), f"tp = {r.tp} must be >= 1")
     check(spec.tensor_parallel or r.tp == 1, at("tp"), f"tp = {r.tp}: {spec.name} runs one rank; use tp = 1")
     check(r.steps >= 1, at("steps"), f"steps = {r.steps} must be >= 1")
     check(r.seed >= 0, at("seed"), f"seed = {r.seed} must be >= 0")
-    check(math.isfinite(r.deadline_s) and 0 < r.deadline_s <= MAX_DEADLINE_S, at("deadline_s"),
-          f"deadline_s = {r.deadline_s} must be > 0 and at most {MAX_DEADLINE_S:g} seconds (one week)")
-    check(math.isfinite(r.stall_s) and 0 < r.stall_s <= MAX_DEADLINE_S, at("stall_s"),
-          f"stall_s = {r.stall_s} must be > 0 and at most {MAX_DEADLINE_S:g} seconds (one week)")
+    check(
+        math.isfinite(r.deadline_s) and 0 < r.deadline_s <= MAX_DEADLINE_S,
+        at("deadline_s"),
+        f"deadline_s = {r.deadline_s} must be > 0 and at most {MAX_DEADLINE_S:g} seconds (one week)",
+    )
+    check(
+        math.isfinite(r.stall_s) and 0 < r.stall_s <= MAX_DEADLINE_S,
+        at("stall_s"),
+        f"stall_s = {r.stall_s} must be > 0 and at most {MAX_DEADLINE_S:g} seconds (one week)",
+    )
     check(r.guard in tuple(GuardMode), at("guard"), f"guard = {r.guard!r} is not one of {', '.join(GuardMode)}")
     check(r.device in DEVICES, at("device"), f"device = {r.device!r} is not one of {', '.join(DEVICES)}")
-    check(not (r.share_gpu and r.device == "cpu"), at("share_gpu"),
-          "share_gpu = true with device = cpu: CPU ranks always share the host over gloo; drop --share-gpu "
-          "or use --device cuda")
+    check(
+        not (r.share_gpu and r.device == "cpu"),
+        at("share_gpu"),
+        "share_gpu = true with device = cpu: CPU ranks always share the host over gloo; drop --share-gpu "
+        "or use --device cuda",
+    )
     if r.after_free == "":
         r.after_free = spec.default_after_free
-    check(r.after_free in AFTER_FREE, at("after_free"), f"after_free = {r.after_free!r} is not one of {', '.join(AFTER_FREE)}")
+    check(
+        r.after_free in AFTER_FREE,
+        at("after_free"),
+        f"after_free = {r.after_free!r} is not one of {', '.join(AFTER_FREE)}",
+    )
     for key in sorted(SCENARIO_RUN_KEYS - set(spec.run_key_names)):
-        check(not getattr(r, key), at(key), f"{key} does not apply to {spec.name} (it belongs to "
-              + ", ".join(s.name for s in SCENARIOS.values() if key in s.run_key_names) + ")")
-    check(m.dtype in ("bfloat16", "float16", "float32"), w, f"model.dtype = {m.dtype!r} is not bfloat16, float16 or float32")
+        check(
+            not getattr(r, key),
+            at(key),
+            f"{key} does not apply to {spec.name} (it belongs to "
+            + ", ".join(s.name for s in SCENARIOS.values() if key in s.run_key_names)
+            + ")",
+        )
+    check(
+        m.dtype in ("bfloat16", "float16", "float32"),
+        w,
+        f"model.dtype = {m.dtype!r} is not bfloat16, float16 or float32",
+    )
     spec.validate(m, r, lambda ok, key, message: check(ok, at(key) if key else w, message))
     if r.expect:
         try:

@@ -3,6 +3,7 @@
 A reader (CI uploading artifacts, a watcher) must see the old file or the new one, never half
 of one, even if the harness is killed mid-write.
 """
+
 from __future__ import annotations
 
 import os

@@ -5,6 +5,7 @@ Without numpy, `import torch` warns "Failed to initialize NumPy: No module named
 nothing; but every rank and the doctor print it, and it filled the stderr tails that HANG and
 CRASH reports and JUnit system-err show. Only that message is filtered.
 """
+
 from __future__ import annotations
 
 import warnings

@@ -4,6 +4,7 @@ Everything here is plain data: workers write these records (as JSON lines), the 
 reads them back, classifies, and the report renders them. No torch import: the parent
 process must stay free of CUDA state.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,32 +17,45 @@ E = TypeVar("E", bound=Enum)
 
 
 class Outcome(str, Enum):
-    CLEAN = "CLEAN"                      # replays ran, finite, equal to the reference
+    CLEAN = "CLEAN"  # replays ran, finite, equal to the reference
     ILLEGAL_ADDRESS = "ILLEGAL_ADDRESS"  # CUDA error 700 on any rank
-    DEVICE_ASSERT = "DEVICE_ASSERT"      # CUDA error 710 / device-side assert
-    NONFINITE = "NONFINITE"              # NaN/Inf in outputs
-    MISMATCH = "MISMATCH"                # finite but different from the reference
-    STALE_CAPTURE = "STALE_CAPTURE"      # guard found a dead/moved captured tensor, no symptom
-    HANG = "HANG"                        # no progress (no record from any rank) for --stall s, or none by
-                                         # the deadline; the group was killed, the stuck rank blamed
-    DEADLINE = "DEADLINE"                # the overall deadline came while the trial still progressed:
-                                         # too slow for its budget, not stuck; no verdict, never a pass
-    CRASH = "CRASH"                      # any other abnormal exit
-    UNSUPPORTED = "UNSUPPORTED"          # the environment cannot run it: never a pass
-    INTERRUPTED = "INTERRUPTED"          # cut short by Ctrl-C / SIGTERM: no verdict, never a pass
+    DEVICE_ASSERT = "DEVICE_ASSERT"  # CUDA error 710 / device-side assert
+    NONFINITE = "NONFINITE"  # NaN/Inf in outputs
+    MISMATCH = "MISMATCH"  # finite but different from the reference
+    STALE_CAPTURE = "STALE_CAPTURE"  # guard found a dead/moved captured tensor, no symptom
+    HANG = "HANG"  # no progress (no record from any rank) for --stall s, or none by
+    # the deadline; the group was killed, the stuck rank blamed
+    DEADLINE = "DEADLINE"  # the overall deadline came while the trial still progressed:
+    # too slow for its budget, not stuck; no verdict, never a pass
+    CRASH = "CRASH"  # any other abnormal exit
+    UNSUPPORTED = "UNSUPPORTED"  # the environment cannot run it: never a pass
+    INTERRUPTED = "INTERRUPTED"  # cut short by Ctrl-C / SIGTERM: no verdict, never a pass
 
 
 # What "the bug reproduced" means for an unfixed mode: a symptom, or the guard's latent finding.
-REPRODUCED = frozenset({
-    Outcome.ILLEGAL_ADDRESS, Outcome.DEVICE_ASSERT, Outcome.NONFINITE,
-    Outcome.MISMATCH, Outcome.STALE_CAPTURE,
-})
+REPRODUCED = frozenset(
+    {
+        Outcome.ILLEGAL_ADDRESS,
+        Outcome.DEVICE_ASSERT,
+        Outcome.NONFINITE,
+        Outcome.MISMATCH,
+        Outcome.STALE_CAPTURE,
+    }
+)
 
 # When ranks disagree, the trial takes the most severe outcome; a hard CUDA error outranks
 # the numbers that led up to it.
 SEVERITY = [
-    Outcome.INTERRUPTED, Outcome.DEADLINE, Outcome.UNSUPPORTED, Outcome.CLEAN, Outcome.STALE_CAPTURE, Outcome.MISMATCH,
-    Outcome.NONFINITE, Outcome.HANG, Outcome.CRASH, Outcome.DEVICE_ASSERT,
+    Outcome.INTERRUPTED,
+    Outcome.DEADLINE,
+    Outcome.UNSUPPORTED,
+    Outcome.CLEAN,
+    Outcome.STALE_CAPTURE,
+    Outcome.MISMATCH,
+    Outcome.NONFINITE,
+    Outcome.HANG,
+    Outcome.CRASH,
+    Outcome.DEVICE_ASSERT,
     Outcome.ILLEGAL_ADDRESS,
 ]
 
@@ -77,19 +91,20 @@ def parse_expectation(text: str) -> list[Outcome]:
 @dataclass
 class StepRecord:
     """One step of a scenario (a decode step, a reload and replay, ...) on one rank."""
+
     step: int
     rank: int
-    batch: int                      # tokens fed to the captured region
-    replayed: bool                  # False on CPU: the eager path stood in for the graph
-    numel: int = 0                  # output elements checked for finiteness
+    batch: int  # tokens fed to the captured region
+    replayed: bool  # False on CPU: the eager path stood in for the graph
+    numel: int = 0  # output elements checked for finiteness
     nonfinite: int = 0
-    compared: int = 0               # tokens or elements compared to the oracle
+    compared: int = 0  # tokens or elements compared to the oracle
     mismatches: int = 0
     max_abs_err: float | None = None
     rel_err: float | None = None
     tolerance: float | None = None
     seconds: float = 0.0
-    label: str = ""                 # e.g. "graph bs=16", "reload 3 (changed)"
+    label: str = ""  # e.g. "graph bs=16", "reload 3 (changed)"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def outcome(self) -> Outcome:
@@ -108,9 +123,10 @@ class StepRecord:
 class GuardMode(StrEnum):
     """The stale-capture guard's mode: [run] guard, --guard, CaptureGuard(mode=...). Here, with
     the findings it governs, so the config (parent side) and the guard (rank side) share it."""
-    OFF = "off"                   # records nothing
-    WARN = "warn"                 # findings are recorded and the run goes on (the real symptom still shows)
-    RAISE = "raise"               # check() raises StaleCaptureError at the first finding
+
+    OFF = "off"  # records nothing
+    WARN = "warn"  # findings are recorded and the run goes on (the real symptom still shows)
+    RAISE = "raise"  # check() raises StaleCaptureError at the first finding
 
 
 class Status(StrEnum):
@@ -118,12 +134,13 @@ class Status(StrEnum):
 
     One set for both mechanisms and the reports; a word means the same whoever says it.
     """
-    FREED = "freed"                        # dead: its memory is free (guard), cached but inactive (census)
-    MOVED = "moved"                        # guard: the same storage now lives elsewhere (resized / re-pointed)
-    REBOUND = "rebound"                    # guard: the owner's name points at another tensor, the old one lives
+
+    FREED = "freed"  # dead: its memory is free (guard), cached but inactive (census)
+    MOVED = "moved"  # guard: the same storage now lives elsewhere (resized / re-pointed)
+    REBOUND = "rebound"  # guard: the owner's name points at another tensor, the old one lives
     CONTENTS_CHANGED = "contents-changed"  # guard: same address, new bytes, no torch write (repro/fingerprint.py)
-    RELEASED = "released"                  # census: the block's segment went back to the driver
-    REUSED = "reused"                      # census: freed, then allocated again
+    RELEASED = "released"  # census: the block's segment went back to the driver
+    REUSED = "reused"  # census: freed, then allocated again
     # The guard's verdict for a storage none of the above happened to; counted in a Manifest,
     # never a finding's status.
     UNCHANGED = "unchanged"
@@ -131,8 +148,9 @@ class Status(StrEnum):
 
 class Mechanism(StrEnum):
     """Which mechanism saw a finding."""
-    GUARD = "guard"                        # the dispatch-mode guard (repro/guard.py)
-    CENSUS = "census"                      # the graph's own parameters (repro/diagnose/census.py)
+
+    GUARD = "guard"  # the dispatch-mode guard (repro/guard.py)
+    CENSUS = "census"  # the graph's own parameters (repro/diagnose/census.py)
     BOTH = "both"
     # Findings taken from torch's own check_input_liveness (torch >= 2.13): the watch hooks
     # turn its error into one.
@@ -155,36 +173,38 @@ class Finding:
     One model for both mechanisms; the fields after `free_stack` are new and default so older
     JSON still loads (and older readers ignore them).
     """
-    slot: str                       # readable name, e.g. "drafter.<local lm_head_weight>"
-    graph: str                      # label of the capture that recorded it
-    status: Status                  # guard: freed, moved, rebound, contents-changed;
-                                    # census: freed, released, reused
-    when: str                       # e.g. "before replay, step 0"
+
+    slot: str  # readable name, e.g. "drafter.<local lm_head_weight>"
+    graph: str  # label of the capture that recorded it
+    status: Status  # guard: freed, moved, rebound, contents-changed;
+    # census: freed, released, reused
+    when: str  # e.g. "before replay, step 0"
     rank: int
     shape: list[int]
     dtype: str
     nbytes: int
     old_ptr: int
     new_ptr: int | None = None
-    created_at: str | None = None   # "file:line in func" of the op that made the storage
-    freed_at: str | None = None     # where the last Python reference was dropped, when known
+    created_at: str | None = None  # "file:line in func" of the op that made the storage
+    freed_at: str | None = None  # where the last Python reference was dropped, when known
     message: str = ""
     alloc_stack: list[str] = field(default_factory=list)  # from memory history (CUDA)
     free_stack: list[str] = field(default_factory=list)
     mechanism: Mechanism = Mechanism.GUARD
-    census: dict[str, Any] | None = None   # block, kernel, node, param offset, references
-    disagreement: str = ""          # what the other mechanism said, when it differs
+    census: dict[str, Any] | None = None  # block, kernel, node, param offset, references
+    disagreement: str = ""  # what the other mechanism said, when it differs
 
 
 @dataclass
 class Manifest:
     """Counts of captured storages after a reload (vLLM RFC #48312's check)."""
+
     when: str
     rank: int
     freed: int
     rebound: int
     unchanged: int
-    moved: int = 0                  # storage resized or re-pointed since the capture
+    moved: int = 0  # storage resized or re-pointed since the capture
 
 
 @dataclass
@@ -199,11 +219,11 @@ class FirstFailure:
 class RankExit:
     rank: int
     pid: int | None
-    exitcode: int | None            # None: killed by the harness before it exited
+    exitcode: int | None  # None: killed by the harness before it exited
     signal: str | None
     killed_by_harness: bool
     stderr_tail: str
-    error: str | None = None        # exception text the worker recorded before dying
+    error: str | None = None  # exception text the worker recorded before dying
     stack: list[str] = field(default_factory=list)  # top frames, most recent first, when asked at a deadline
     # The CUDA caching allocator's peak reserved bytes, as the rank said at its end (done or
     # error); None on CPU, or when it died without a word.
@@ -219,7 +239,7 @@ class TrialRecord:
     outcome: Outcome
     expected: list[Outcome]
     met: bool
-    graph_replayed: bool                     # a CUDA graph replay ran (step records, replay markers)
+    graph_replayed: bool  # a CUDA graph replay ran (step records, replay markers)
     first_failure: FirstFailure | None = None
     steps: list[StepRecord] = field(default_factory=list)
     guard_findings: list[Finding] = field(default_factory=list)
@@ -228,10 +248,10 @@ class TrialRecord:
     ranks: list[RankExit] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     artifacts: dict[str, str] = field(default_factory=dict)
-    details: dict[str, Any] = field(default_factory=dict)   # after-free result, guard mechanism, ...
-    device: str = ""                                        # "cpu" | "cuda" where the ranks ran; "" not run
+    details: dict[str, Any] = field(default_factory=dict)  # after-free result, guard mechanism, ...
+    device: str = ""  # "cpu" | "cuda" where the ranks ran; "" not run
     injected_fault: dict[str, Any] | None = None  # test hook {"kind", "rank", "step", "fired"}: never a reproduction
-    runtime: dict[str, Any] = field(default_factory=dict)   # torch/CUDA/NCCL facts rank 0 reported
+    runtime: dict[str, Any] = field(default_factory=dict)  # torch/CUDA/NCCL facts rank 0 reported
     # The scenarios' own trial fields (ScenarioSpec.record_fields, e.g. acceptance_rate): keys of
     # the trial itself in its JSON, here rather than in their own fields so that this module
     # names no scenario. None: not measured, or another scenario's field.
@@ -254,16 +274,17 @@ class Report:
     created: str = ""
     interrupted: bool = False
     schema: str = SCHEMA
-    interrupted_by: str | None = None   # "SIGINT" | "SIGTERM"
-    not_run: int = 0                    # planned trials that never started (an interrupt came first)
+    interrupted_by: str | None = None  # "SIGINT" | "SIGTERM"
+    not_run: int = 0  # planned trials that never started (an interrupt came first)
     # `repro matrix --shard K/N` / `repro merge` (repro/run/shard.py, repro/run/merge.py): which part of
     # which plan this report covers; None on an unsharded run, whose JSON then has no such key.
     shard: dict[str, Any] | None = None
     OPTIONAL: ClassVar[tuple[str, ...]] = ("shard",)
 
     def all_met(self) -> bool:
-        return (bool(self.trials) and all(t.met for t in self.trials) and not self.interrupted
-                and not self.shard_problems())
+        return (
+            bool(self.trials) and all(t.met for t in self.trials) and not self.interrupted and not self.shard_problems()
+        )
 
     def shard_problems(self) -> list[str]:
         """A merge's missing or duplicated shards (repro/run/merge.py): each one fails the run."""
@@ -315,8 +336,13 @@ def trial_from_dict(d: dict[str, Any]) -> TrialRecord:
     d["outcome"] = Outcome(d["outcome"])
     d["expected"] = [Outcome(e) for e in d.get("expected", [])]
     ff = d.get("first_failure")
-    d["first_failure"] = None if ff is None else FirstFailure(
-        kind=Outcome(ff["kind"]), rank=ff.get("rank"), step=ff.get("step"), detail=ff.get("detail", ""))
+    d["first_failure"] = (
+        None
+        if ff is None
+        else FirstFailure(
+            kind=Outcome(ff["kind"]), rank=ff.get("rank"), step=ff.get("step"), detail=ff.get("detail", "")
+        )
+    )
     d["steps"] = [step_from_dict(s) for s in d.get("steps", [])]
     d["guard_findings"] = [finding_from_dict(f) for f in d.get("guard_findings", [])]
     d["manifests"] = [manifest_from_dict(m) for m in d.get("manifests", [])]
@@ -330,8 +356,13 @@ def trial_from_dict(d: dict[str, Any]) -> TrialRecord:
 def report_from_dict(d: dict[str, Any]) -> Report:
     if d.get("schema") != SCHEMA:
         raise ValueError(f"report schema is {d.get('schema')!r}, this repro reads {SCHEMA!r}")
-    return Report(environment=d.get("environment", {}),
-                  trials=[trial_from_dict(t) for t in d.get("trials", [])],
-                  command=d.get("command", ""), created=d.get("created", ""),
-                  interrupted=d.get("interrupted", False), interrupted_by=d.get("interrupted_by"),
-                  not_run=d.get("not_run", 0), shard=d.get("shard"))
+    return Report(
+        environment=d.get("environment", {}),
+        trials=[trial_from_dict(t) for t in d.get("trials", [])],
+        command=d.get("command", ""),
+        created=d.get("created", ""),
+        interrupted=d.get("interrupted", False),
+        interrupted_by=d.get("interrupted_by"),
+        not_run=d.get("not_run", 0),
+        shard=d.get("shard"),
+    )

@@ -9,6 +9,7 @@ traceback.
 
 The CLI layer: the only place that writes to the terminal. Torch-free.
 """
+
 from __future__ import annotations
 
 import sys
@@ -20,17 +21,17 @@ from rich.console import Console
 from repro.files import write_text_atomic
 from repro.report import output_console
 
-STDOUT = "-"      # `--json -`: the JSON on stdout
+STDOUT = "-"  # `--json -`: the JSON on stdout
 
 
 class Exit(IntEnum):
     OK = 0
-    FAILED = 1              # some trial did not meet its expectation
-    FINDINGS = 1            # repro watch: some process recorded a finding (FAILED's alias)
-    USAGE = 2               # usage or config error: one line on stderr
-    ENV = 3                 # the environment cannot run what was asked (UNSUPPORTED, no vLLM, no Ray)
-    INTERRUPTED = 130       # Ctrl-C
-    TERMINATED = 143        # SIGTERM, e.g. a CI cancel
+    FAILED = 1  # some trial did not meet its expectation
+    FINDINGS = 1  # repro watch: some process recorded a finding (FAILED's alias)
+    USAGE = 2  # usage or config error: one line on stderr
+    ENV = 3  # the environment cannot run what was asked (UNSUPPORTED, no vLLM, no Ray)
+    INTERRUPTED = 130  # Ctrl-C
+    TERMINATED = 143  # SIGTERM, e.g. a CI cancel
 
 
 # A command's help lists its exit codes: (code, meaning) rows. repro watch also passes
@@ -44,8 +45,7 @@ TRIAL_EXITS: list[tuple[Exit | str, str]] = [
     (Exit.TERMINATED, "terminated (SIGTERM, e.g. a CI cancel); handled like Ctrl-C"),
 ]
 # matrix has no --expect: each trial's expectation is in the matrix file.
-MATRIX_EXITS = [(Exit.OK, "every trial met its expectation (the matrix file's expect; see --list)"),
-                *TRIAL_EXITS[1:]]
+MATRIX_EXITS = [(Exit.OK, "every trial met its expectation (the matrix file's expect; see --list)"), *TRIAL_EXITS[1:]]
 WATCH_EXITS: list[tuple[Exit | str, str]] = [
     ("0..", "CMD's own exit code when no finding was recorded"),
     (Exit.FINDINGS, "some process recorded a finding"),
@@ -67,6 +67,7 @@ def error_line(message: object) -> str:
 @dataclass(frozen=True)
 class Output:
     """Where one command's words go. json_path: its --json as given (None, a file, or '-')."""
+
     json_path: str | None = None
 
     @property

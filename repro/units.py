@@ -1,4 +1,5 @@
 """Units for humans: one byte formatter for every message, table and report."""
+
 from __future__ import annotations
 
 

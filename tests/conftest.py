@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SLOW = Path(__file__).with_name("slow.txt")      # written by tests/slow_from_durations.py
+SLOW = Path(__file__).with_name("slow.txt")  # written by tests/slow_from_durations.py
 
 
 def slow_tests() -> set[str]:
@@ -13,7 +13,7 @@ def slow_tests() -> set[str]:
     return {line.strip() for line in SLOW.read_text().splitlines() if line.strip() and not line.startswith("#")}
 
 
-@pytest.hookimpl(tryfirst=True)      # before -m deselects by marker
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     """Mark `slow` what took long in the last --durations run (tests/slow.txt), beside the tests
     marked in their files: `-m "not slow"` is then the quick check."""
@@ -27,6 +27,7 @@ def pytest_collection_modifyitems(config, items):
 def no_gpu(monkeypatch):
     """Pretend NVML sees no GPU, so auto device means CPU on any machine."""
     import repro.env.gpus
+
     monkeypatch.setattr(repro.env.gpus, "gpu_count", lambda *a, **k: 0)
 
 
@@ -55,6 +56,7 @@ def group_alive(pgid: int) -> bool:
 def cuda_only():
     """GPU tests: skip without CUDA; run without autograd; wait for the GPU at the end."""
     import torch
+
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     with torch.no_grad():

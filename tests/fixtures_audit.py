@@ -4,6 +4,7 @@ The sources imitate the shape of the upstream files (a method per fix, same attr
 names where the rule keys on them) but are written for these tests; they are never run,
 only parsed. The package's __init__ raises, so a test notices if anything imports it.
 """
+
 from __future__ import annotations
 
 import io
@@ -47,14 +48,14 @@ GEMMA_HEADER = dedent('''
 # Each body is the method only, indented for the class.
 GEMMA_BODIES = {
     # gathers into a local, returns it: the graph holds a tensor nobody keeps alive
-    "pre": '''
+    "pre": """
     def _get_full_lm_head_weight(self) -> torch.Tensor:
         head = self.lm_head.weight
         if get_tensor_model_parallel_world_size() > 1:
             head = tensor_model_parallel_all_gather(head, dim=0)
         return head[: self.vocab]
-''',
-    "fixed": '''
+""",
+    "fixed": """
     def _get_full_lm_head_weight(self) -> torch.Tensor:
         if self._stable_full_lm_head_weight is not None:
             return self._stable_full_lm_head_weight
@@ -67,9 +68,9 @@ GEMMA_BODIES = {
             head = head.contiguous()
             self._stable_full_lm_head_weight = head
         return head
-''',
+""",
     # another attribute name, annotated assignment, getattr read-back, extra temporaries
-    "fixed_variant": '''
+    "fixed_variant": """
     def _get_full_lm_head_weight(self):
         cached = getattr(self, "_full_vocab_head", None)
         if cached is not None:  # reuse: captured graphs point at this storage
@@ -83,22 +84,22 @@ GEMMA_BODIES = {
         sliced = full[: self.vocab].contiguous()
         self._full_vocab_head: torch.Tensor = sliced
         return sliced
-''',
+""",
     # stores it but never reads it back: not a cache
-    "write_only": '''
+    "write_only": """
     def _get_full_lm_head_weight(self) -> torch.Tensor:
         head = tensor_model_parallel_all_gather(self.lm_head.weight, dim=0)
         self._last_gathered = head[: self.vocab]
         return head[: self.vocab]
-''',
+""",
     # a reset and an unrelated attribute are not a cache of the gathered weight
-    "reset_only": '''
+    "reset_only": """
     def _get_full_lm_head_weight(self) -> torch.Tensor:
         self._gathered = None
         self.calls = self.calls + 1
         head = tensor_model_parallel_all_gather(self.lm_head.weight, dim=0)
         return head[: self.vocab]
-''',
+""",
 }
 
 
@@ -130,7 +131,7 @@ NVFP4_HEADER = dedent('''
 
 ''')
 
-CONVERT = '''
+CONVERT = """
 w13, w13_scale_2, w2, w2_scale_2 = convert_to_nvfp4_moe_kernel_format(
     backend=self.backend,
     layer=layer,
@@ -142,20 +143,20 @@ for name, value in (
     ("w2_weight_scale_2", w2_scale_2),
 ):
     replace_parameter(layer, name, value)
-'''
+"""
 
-BUILD = '''
+BUILD = """
 self.moe_quant_config = self.get_fused_moe_quant_config(layer)
 self.moe_kernel = make_nvfp4_moe_kernel(
     moe_quant_config=self.moe_quant_config,
     backend=self.backend,
 )
-'''
+"""
 
-REFRESH = '''
+REFRESH = """
 self.moe_quant_config.g1_alphas.copy_(w13_scale_2)
 self.moe_quant_config.g2_alphas.copy_(w2_scale_2)
-'''
+"""
 
 PWAL_CALL = "self.moe_kernel.fused_experts.process_weights_after_loading(layer)\n"
 
@@ -179,10 +180,9 @@ def setup_kernel(guard: str = "none", refresh: str = "none") -> str:
         "after_pwal": REFRESH,
         "only_g1": "self.moe_quant_config.g1_alphas.copy_(w13_scale_2)\n",
         "alias": "cfg = self.moe_quant_config\ng1 = cfg.g1_alphas\ng1.copy_(w13_scale_2)\n"
-                 "cfg.g2_alphas.copy_(w2_scale_2, non_blocking=True)\n",
+        "cfg.g2_alphas.copy_(w2_scale_2, non_blocking=True)\n",
         "helper": "self._refresh_alphas(w13_scale_2, w2_scale_2)\n",
-        "subscript": "cfg = self.moe_quant_config\ncfg.g1_alphas[...] = w13_scale_2\n"
-                     "cfg.g2_alphas[:] = w2_scale_2\n",
+        "subscript": "cfg = self.moe_quant_config\ncfg.g1_alphas[...] = w13_scale_2\ncfg.g2_alphas[:] = w2_scale_2\n",
     }[refresh]
     in_else = refresh in ("else_branch", "only_g1", "alias", "helper", "subscript")
     reuse = refresh_code if in_else else ""
@@ -194,8 +194,9 @@ def setup_kernel(guard: str = "none", refresh: str = "none") -> str:
             body += "else:\n    # reused kernel: refresh its scales\n" + block(reuse, 4)
             reuse = ""
     elif guard == "paren":
-        body = ("if (\n    self.moe_kernel is None  # first load only\n    and self.moe is not None\n"
-                "):\n" + block(BUILD, 4))
+        body = "if (\n    self.moe_kernel is None  # first load only\n    and self.moe is not None\n):\n" + block(
+            BUILD, 4
+        )
     elif guard == "getattr":
         body = 'if getattr(self, "moe_kernel", None) is None:\n' + block(BUILD, 4)
     elif guard == "not":
@@ -203,8 +204,7 @@ def setup_kernel(guard: str = "none", refresh: str = "none") -> str:
     elif guard == "else_of_not_none":
         body = "if self.moe_kernel is not None:\n    pass\nelse:\n" + block(BUILD, 4)
     elif guard == "early_return":
-        body = ("if self.moe_kernel is not None:\n"
-                + block(reuse, 4) + "    " + PWAL_CALL + "    return\n" + BUILD)
+        body = "if self.moe_kernel is not None:\n" + block(reuse, 4) + "    " + PWAL_CALL + "    return\n" + BUILD
         reuse = ""
     else:
         raise ValueError(guard)
@@ -218,11 +218,11 @@ def setup_kernel(guard: str = "none", refresh: str = "none") -> str:
         body += REFRESH
     text = head + block(body, 4)
     if refresh == "helper":
-        tail = dedent('''
+        tail = dedent("""
             def _refresh_alphas(self, new_g1, new_g2) -> None:
                 self.moe_quant_config.g1_alphas.copy_(new_g1)
                 self.moe_quant_config.g2_alphas.copy_(new_g2)
-            ''')
+            """)
     return text + ("\n" + tail if tail else "")
 
 
@@ -265,7 +265,7 @@ RUNNER_HEADER = dedent('''
 # initialize_kv_cache: where the block tables (and their layout tensors) are made.
 KV_INIT = {
     # the worker decides the pool scope: everything made here is inside it
-    "unscoped": '''
+    "unscoped": """
     def initialize_kv_cache(self, kv_cache_config) -> None:
         self.kv_cache_config = kv_cache_config
         self.block_tables = BlockTables(
@@ -274,9 +274,9 @@ KV_INIT = {
             device=self.device,
         )
         self.kv_caches = init_kv_cache(kv_cache_config, self.device)
-''',
+""",
     # the pool context comes in and is entered only around the backing allocation
-    "scoped": '''
+    "scoped": """
     def initialize_kv_cache(
         self,
         kv_cache_config,
@@ -294,9 +294,9 @@ KV_INIT = {
             self.device,
             kv_cache_allocation_context=kv_cache_allocation_context,
         )
-''',
+""",
     # takes the parameter but drops it: not a scope
-    "ignored_param": '''
+    "ignored_param": """
     def initialize_kv_cache(self, kv_cache_config, kv_cache_allocation_context=None) -> None:
         self.block_tables = BlockTables(
             block_sizes=[group.block_size for group in kv_cache_config.groups],
@@ -304,50 +304,50 @@ KV_INIT = {
             device=self.device,
         )
         self.kv_caches = init_kv_cache(kv_cache_config, self.device)
-''',
+""",
 }
 
 # post_kv_cache_wake_up: what the runner does to the layout at a KV-cache wake.
 WAKE_HOOK = {
     "none": "",
-    "rebuild": '''
+    "rebuild": """
     def post_kv_cache_wake_up(self) -> None:
         self.block_tables.init_block_table_layout_tensors()
-''',
-    "in_place": '''
+""",
+    "in_place": """
     def post_kv_cache_wake_up(self) -> None:
         # the draft graph holds these addresses: new values, same storage
         self.block_tables.refresh_block_table_layout_tensors()
-''',
+""",
     # the hook writes the tensor itself, on the runner's side
-    "rebuild_inline": '''
+    "rebuild_inline": """
     def post_kv_cache_wake_up(self) -> None:
         tables = self.block_tables
         self.block_tables.block_sizes_tensor = torch.tensor(tables.block_sizes, device=self.device)
-''',
+""",
     # a tensor made by a function of another file
-    "rebuild_wrapper": '''
+    "rebuild_wrapper": """
     def post_kv_cache_wake_up(self) -> None:
         self.block_tables.num_blocks = make_uva_tensor((2, self.max_num_reqs), dtype=torch.int32)
-''',
+""",
     # the whole BlockTables made anew
-    "rebuild_object": '''
+    "rebuild_object": """
     def post_kv_cache_wake_up(self) -> None:
         self.block_tables = BlockTables(self.block_sizes, self.max_num_reqs, self.device)
-''',
+""",
     # one tensor of the layout still rebuilt next to an in-place refresh
-    "half_in_place": '''
+    "half_in_place": """
     def post_kv_cache_wake_up(self) -> None:
         self.block_tables.refresh_pointers_only()
-''',
+""",
     # delegates to code in none of the three files
-    "unreadable": '''
+    "unreadable": """
     def post_kv_cache_wake_up(self) -> None:
         self.block_tables.restore_layout_after_wake()
-''',
+""",
 }
 
-CAPTURE = '''
+CAPTURE = """
 @torch.inference_mode()
 def capture_model(self, *, profile_only: bool = False) -> int:
     if not self.cudagraph_manager.needs_capture():
@@ -362,19 +362,23 @@ def capture_model(self, *, profile_only: bool = False) -> int:
         self.speculator.capture()
     end_free = torch.cuda.mem_get_info()[0]
 {tail}    return start_free - end_free
-'''
+"""
 
 # What capture_model does after its last capture call (the {tail} above), plus methods it needs.
 CAPTURE_TAIL = {
     "unlocked": ("", ""),
-    "locked": ("    if not profile_only:\n"
-               "        # a later growth must raise, not replace the arena the graphs read\n"
-               "        lock_workspace()\n", ""),
+    "locked": (
+        "    if not profile_only:\n"
+        "        # a later growth must raise, not replace the arena the graphs read\n"
+        "        lock_workspace()\n",
+        "",
+    ),
     "manager_lock": ("    current_workspace_manager().lock()\n", ""),
-    "helper_lock": ("    self._seal_workspace()\n",
-                    "\ndef _seal_workspace(self) -> None:\n    lock_workspace()\n"),
-    "helper_no_lock": ("    self._log_capture(start_free - end_free)\n",
-                       "\ndef _log_capture(self, size: int) -> None:\n    self.graph_bytes = size\n"),
+    "helper_lock": ("    self._seal_workspace()\n", "\ndef _seal_workspace(self) -> None:\n    lock_workspace()\n"),
+    "helper_no_lock": (
+        "    self._log_capture(start_free - end_free)\n",
+        "\ndef _log_capture(self, size: int) -> None:\n    self.graph_bytes = size\n",
+    ),
     # a mixin method from another file: the rule cannot read it
     "unread_helper": ("    self._finish_capture()\n", ""),
 }
@@ -388,17 +392,17 @@ def capture_source(tail: str) -> str:
 # Upstream never wrote these; they are the shapes the rule must not guess about.
 CAPTURE_ODD = {
     # the lock comes first, the capture after it
-    "lock_before": '''
+    "lock_before": """
     def capture_model(self) -> int:
         lock_workspace()
         self.cudagraph_manager.capture(self.model, self.input_buffers)
         return 0
-''',
+""",
     # graphs are recorded by something the rule does not recognise as a capture
-    "no_capture_call": '''
+    "no_capture_call": """
     def capture_model(self) -> int:
         return self.graph_runner.record_all(self.model, self.input_buffers)
-''',
+""",
 }
 
 
@@ -469,13 +473,13 @@ WORKER_HEADER = dedent('''
 ''')
 
 WORKER_KV_INIT = {
-    "pool": '''
+    "pool": """
     def initialize_from_config(self, kv_cache_config) -> None:
         with self._maybe_get_memory_pool_context(tag="kv_cache"):
             self.model_runner.initialize_kv_cache(kv_cache_config)
-''',
+""",
     # the older spelling: the pool bound to a local first
-    "pool_alias": '''
+    "pool_alias": """
     def initialize_from_config(self, kv_cache_config) -> None:
         if self.vllm_config.model_config.enable_sleep_mode:
             context = self.allocator.use_memory_pool(tag="kv_cache")
@@ -483,22 +487,22 @@ WORKER_KV_INIT = {
             context = nullcontext()
         with context:
             self.model_runner.initialize_kv_cache(kv_cache_config)
-''',
-    "passed": '''
+""",
+    "passed": """
     def initialize_from_config(self, kv_cache_config) -> None:
         self.model_runner.initialize_kv_cache(
             kv_cache_config,
             kv_cache_allocation_context=self._maybe_get_memory_pool_context(tag="kv_cache"),
         )
-''',
+""",
     # no pool in sight
-    "bare": '''
+    "bare": """
     def initialize_from_config(self, kv_cache_config) -> None:
         self.model_runner.initialize_kv_cache(kv_cache_config)
-''',
+""",
 }
 
-WORKER_WARMUP = '''
+WORKER_WARMUP = """
 def compile_or_warm_up_model(self) -> int:
     kernel_warmup(self)
     cuda_graph_memory_bytes = 0
@@ -506,24 +510,26 @@ def compile_or_warm_up_model(self) -> int:
         cuda_graph_memory_bytes = self.model_runner.capture_model()
     self.model_runner.warmup_kernels()
 {lock}    return cuda_graph_memory_bytes
-'''
+"""
 
 WORKER_LOCK = {
     "none": "",
-    "after_capture": ("    # every path ends warmup here, captured or not\n"
-                      "    if is_workspace_manager_initialized():\n"
-                      "        lock_workspace()\n"),
+    "after_capture": (
+        "    # every path ends warmup here, captured or not\n"
+        "    if is_workspace_manager_initialized():\n"
+        "        lock_workspace()\n"
+    ),
 }
 
 WORKER_WAKE = {
-    "hook": '''
+    "hook": """
     def wake_up(self, tags=None) -> None:
         self.allocator.wake_up(tags)
         if tags is None or "kv_cache" in tags:
             self.model_runner.post_kv_cache_wake_up()
-''',
+""",
     # the hook reached through a worker helper
-    "hook_helper": '''
+    "hook_helper": """
     def wake_up(self, tags=None) -> None:
         self.allocator.wake_up(tags)
         self._after_wake(tags)
@@ -531,24 +537,32 @@ WORKER_WAKE = {
     def _after_wake(self, tags) -> None:
         if tags is None or "kv_cache" in tags:
             self.model_runner.post_kv_cache_wake_up()
-''',
-    "no_hook": '''
+""",
+    "no_hook": """
     def wake_up(self, tags=None) -> None:
         # the layout lives outside the kv_cache pool: nothing to rebuild
         self.allocator.wake_up(tags)
-''',
+""",
 }
 
 
 def worker_source(kv_init: str = "pool", lock: str = "none", wake: str = "hook") -> str:
-    parts = [dedent(WORKER_KV_INIT[kv_init]), dedent(WORKER_WARMUP).replace("{lock}", WORKER_LOCK[lock]),
-             dedent(WORKER_WAKE[wake])]
+    parts = [
+        dedent(WORKER_KV_INIT[kv_init]),
+        dedent(WORKER_WARMUP).replace("{lock}", WORKER_LOCK[lock]),
+        dedent(WORKER_WAKE[wake]),
+    ]
     return WORKER_HEADER + "\n".join(textwrap.indent(p, "    ") for p in parts)
 
 
-def v2_files(capture: str = "unlocked", wake: str = "rebuild", kv_init: str = "unscoped",
-             worker_kv_init: str = "pool", worker_lock: str = "none",
-             worker_wake: str = "hook") -> dict[str, str]:
+def v2_files(
+    capture: str = "unlocked",
+    wake: str = "rebuild",
+    kv_init: str = "unscoped",
+    worker_kv_init: str = "pool",
+    worker_lock: str = "none",
+    worker_wake: str = "hook",
+) -> dict[str, str]:
     return {
         V2_RUNNER: runner_source(capture, wake, kv_init),
         BLOCK_TABLE: BLOCK_TABLE_SOURCE,
@@ -557,17 +571,21 @@ def v2_files(capture: str = "unlocked", wake: str = "rebuild", kv_init: str = "u
 
 
 # The upstream states the V2 rules must tell apart.
-V2_PRE_FIX = {}                                            # unlocked; layout rebuilt at wake
-V2_ONLY_LOCK = {"capture": "locked"}                       # #55341 alone
-V2_IN_PLACE = {"capture": "locked", "wake": "in_place"}    # #53197's in-place refresh
-V2_ALL_FIXES = {"capture": "locked", "kv_init": "scoped", "worker_kv_init": "passed",
-                "worker_wake": "no_hook"}                  # #55341 + #53508 as merged
+V2_PRE_FIX = {}  # unlocked; layout rebuilt at wake
+V2_ONLY_LOCK = {"capture": "locked"}  # #55341 alone
+V2_IN_PLACE = {"capture": "locked", "wake": "in_place"}  # #53197's in-place refresh
+V2_ALL_FIXES = {
+    "capture": "locked",
+    "kv_init": "scoped",
+    "worker_kv_init": "passed",
+    "worker_wake": "no_hook",
+}  # #55341 + #53508 as merged
 
 
 # --------------------------------------------------------------------------- trees
 
-def write_tree(root: Path, files: dict[str, str], version: str | None = None,
-               dist_info: bool = False) -> Path:
+
+def write_tree(root: Path, files: dict[str, str], version: str | None = None, dist_info: bool = False) -> Path:
     """Write `files` ("vllm/...": text) under root, plus a trap __init__ and version."""
     root.mkdir(parents=True, exist_ok=True)
     files = {"vllm/__init__.py": TRAP_INIT, **files}
@@ -583,12 +601,15 @@ def write_tree(root: Path, files: dict[str, str], version: str | None = None,
 
 
 def metadata(version: str) -> str:
-    return (f"Metadata-Version: 2.4\nName: vllm\nVersion: {version}\nSummary: synthetic\n\n"
-            "Version: 9.9.9 is only mentioned in the body\n")
+    return (
+        f"Metadata-Version: 2.4\nName: vllm\nVersion: {version}\nSummary: synthetic\n\n"
+        "Version: 9.9.9 is only mentioned in the body\n"
+    )
 
 
-def source_files(gemma: str | None = "fixed", guard: str | None = "is_none",
-                 refresh: str = "else_branch", v2: dict | None = None) -> dict[str, str]:
+def source_files(
+    gemma: str | None = "fixed", guard: str | None = "is_none", refresh: str = "else_branch", v2: dict | None = None
+) -> dict[str, str]:
     """The tree's audited files; `v2` (keyword arguments of v2_files) adds Model Runner V2."""
     files = {}
     if gemma is not None:
@@ -602,8 +623,8 @@ def source_files(gemma: str | None = "fixed", guard: str | None = "is_none",
 
 # --------------------------------------------------------------------------- archives
 
-def make_wheel(path: Path, files: dict[str, str], version: str | None,
-               dist_info: bool = True) -> Path:
+
+def make_wheel(path: Path, files: dict[str, str], version: str | None, dist_info: bool = True) -> Path:
     members = {"vllm/__init__.py": TRAP_INIT, **files}
     if version is not None and dist_info:
         members[f"vllm-{version}.dist-info/METADATA"] = metadata(version)

@@ -1,5 +1,6 @@
 """Run a scenario's ranks' code in this process, exactly as a worker would (CPU, one rank, no
 graphs), and read its records back: shared by the scenarios' CPU tests."""
+
 from __future__ import annotations
 
 import json
@@ -42,9 +43,17 @@ def run_in_process(out: Path, cfg: Any, module: Any) -> Records:
     out.mkdir()
     spec = TrialSpec(trial_id="t", config=cfg.to_dict(), device="cpu", world_size=1, out_dir=str(out))
     sink = RecordSink(out / "rank0.jsonl", 0)
-    ctx = WorkerContext(spec=spec, cfg=cfg, rank=0, device=CPU, tp=None, sink=sink,
-                        guard=CaptureGuard(mode=cfg.run.guard), history=MemoryHistory(enabled=False),
-                        memory=HarnessMemory(CPU))
+    ctx = WorkerContext(
+        spec=spec,
+        cfg=cfg,
+        rank=0,
+        device=CPU,
+        tp=None,
+        sink=sink,
+        guard=CaptureGuard(mode=cfg.run.guard),
+        history=MemoryHistory(enabled=False),
+        memory=HarnessMemory(CPU),
+    )
     module.run(ctx)
     sink.file.close()
     return Records([json.loads(line) for line in (out / "rank0.jsonl").read_text().splitlines()])

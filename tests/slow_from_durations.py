@@ -11,6 +11,7 @@ teardown together took at least SECONDS, so that `-m "not slow"` stays a quick c
 Times differ by machine and load; the list is a cost class, not a measurement. A test missing
 from the list is not slow; one that no longer exists is ignored (conftest.py marks by node id).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,7 @@ import re
 import sys
 from collections import defaultdict
 
-LINE = re.compile(r"^\s*([0-9.]+)s (setup|call|teardown)\s+(.+?)\s*$")   # ids may hold spaces
+LINE = re.compile(r"^\s*([0-9.]+)s (setup|call|teardown)\s+(.+?)\s*$")  # ids may hold spaces
 
 
 def totals(text: str) -> dict[str, float]:
@@ -42,9 +43,11 @@ def main(argv: list[str] | None = None) -> int:
                 seconds[n] = max(s, seconds.get(n, 0.0))
     slow = sorted(n for n, s in seconds.items() if s >= args.seconds)
     quick = sum(s for n, s in seconds.items() if s < args.seconds)
-    sys.stdout.write(f"# tests taking >= {args.seconds} s (setup + call + teardown) in --durations runs;\n"
-                     f"# the {len(seconds) - len(slow)} others listed there took {quick:.0f} s together. "
-                     "Regenerate: tests/slow_from_durations.py\n")
+    sys.stdout.write(
+        f"# tests taking >= {args.seconds} s (setup + call + teardown) in --durations runs;\n"
+        f"# the {len(seconds) - len(slow)} others listed there took {quick:.0f} s together. "
+        "Regenerate: tests/slow_from_durations.py\n"
+    )
     sys.stdout.write("".join(f"{n}\n" for n in slow))
     return 0
 

@@ -1,4 +1,5 @@
 """repro.audit: static detection of upstream vLLM fixes in trees, archives and installs."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -55,6 +56,7 @@ def never_imports_vllm():
 
 # --------------------------------------------------------------------------- the table
 
+
 def test_fix_ids_are_unique_and_found_with_or_without_hash():
     assert len({f.fix_id for f in FIXES}) == len(FIXES)
     assert find_fix("#50074").function == "_setup_kernel"
@@ -67,6 +69,7 @@ def test_find_fix_unknown_id_names_known_ones():
 
 
 # --------------------------------------------------------------------------- upstream states
+
 
 def test_pre_fix_tree_has_nothing(tmp_path):
     root = tree(tmp_path, gemma="pre", **fx.PRE_FIX)
@@ -104,8 +107,7 @@ def test_all_three_tree(tmp_path):
 
 def test_no_nvfp4_file_is_not_applicable(tmp_path):
     result = audit_directory(tree(tmp_path, guard=None))
-    assert states(result) == {"43909": "present", "50074": "not-applicable",
-                              "57954": "not-applicable", **NO_V2}
+    assert states(result) == {"43909": "present", "50074": "not-applicable", "57954": "not-applicable", **NO_V2}
     assert result.check("50074").line is None
     assert "does not exist" in result.check("57954").evidence
 
@@ -126,8 +128,8 @@ def test_file_without_the_function_is_absent_and_says_why(tmp_path):
 
 # --------------------------------------------------------------------------- formatting variants
 
-@pytest.mark.parametrize("guard", ["is_none", "paren", "getattr", "not", "else_of_not_none",
-                                   "early_return"])
+
+@pytest.mark.parametrize("guard", ["is_none", "paren", "getattr", "not", "else_of_not_none", "early_return"])
 def test_kernel_guard_variants_are_recognized(tmp_path, guard):
     result = audit_directory(tree(tmp_path, guard=guard, refresh="none"))
     assert result.check("50074").state == "present", result.check("50074").evidence
@@ -137,14 +139,13 @@ def test_guard_on_another_attribute_does_not_count(tmp_path):
     files = fx.source_files(guard="none", refresh="none")
     files[fx.NVFP4] = files[fx.NVFP4].replace(
         "        self.moe_quant_config = self.get_fused",
-        "        if self.moe_quant_config is None:\n"
-        "            self.moe_quant_config = self.get_fused")
+        "        if self.moe_quant_config is None:\n            self.moe_quant_config = self.get_fused",
+    )
     result = audit_directory(fx.write_tree(tmp_path / "src", files))
     assert result.check("50074").state == "absent"
 
 
-@pytest.mark.parametrize("refresh", ["else_branch", "unconditional", "alias", "helper",
-                                     "subscript"])
+@pytest.mark.parametrize("refresh", ["else_branch", "unconditional", "alias", "helper", "subscript"])
 def test_alpha_refresh_variants_are_recognized(tmp_path, refresh):
     result = audit_directory(tree(tmp_path, guard="is_none", refresh=refresh))
     check = result.check("57954")
@@ -173,10 +174,16 @@ def test_refreshing_only_one_alpha_is_absent(tmp_path):
     assert "g2_alphas not refreshed" in check.evidence
 
 
-@pytest.mark.parametrize("variant,state", [
-    ("pre", "absent"), ("fixed", "present"), ("fixed_variant", "present"),
-    ("write_only", "absent"), ("reset_only", "absent"),
-])
+@pytest.mark.parametrize(
+    "variant,state",
+    [
+        ("pre", "absent"),
+        ("fixed", "present"),
+        ("fixed_variant", "present"),
+        ("write_only", "absent"),
+        ("reset_only", "absent"),
+    ],
+)
 def test_gemma_variants(tmp_path, variant, state):
     result = audit_directory(tree(tmp_path, gemma=variant))
     assert result.check("43909").state == state, result.check("43909").evidence
@@ -186,8 +193,8 @@ def test_module_that_does_not_parse_is_judged_per_function(tmp_path):
     # Syntax this interpreter may lack elsewhere in the file must not blind the audit.
     files = fx.source_files(**fx.ONLY_50074)
     files[fx.NVFP4] = files[fx.NVFP4].replace(
-        "class Nvfp4OnlineMoEMethod:",
-        "def broken(:\n    pass\n\n\nclass Nvfp4OnlineMoEMethod:")
+        "class Nvfp4OnlineMoEMethod:", "def broken(:\n    pass\n\n\nclass Nvfp4OnlineMoEMethod:"
+    )
     root = fx.write_tree(tmp_path / "src", files)
     result = audit_directory(root)
     assert states(result) == {"43909": "present", "50074": "present", "57954": "absent", **NO_V2}
@@ -208,17 +215,23 @@ def test_function_that_does_not_parse_is_an_error_naming_it(tmp_path):
     files = fx.source_files(**fx.ALL_FIXES)
     files[fx.NVFP4] = files[fx.NVFP4].replace(
         "            replace_parameter(layer, name, value)\n",
-        "            replace_parameter(layer, name, value)\n<<<<<<< HEAD\n", 1)
+        "            replace_parameter(layer, name, value)\n<<<<<<< HEAD\n",
+        1,
+    )
     root = fx.write_tree(tmp_path / "src", files)
     text = (root / fx.NVFP4).read_text()
     line, marker = fx.line_of(text, "def _setup_kernel"), fx.line_of(text, "<<<<<<< HEAD")
-    with pytest.raises(AuditError, match=rf"^{fx.NVFP4}:{line}: _setup_kernel\(\) does not parse "
-                                         rf"\(merge-conflict marker at line {marker}\), so fix #50074 "
-                                         "cannot be judged"):
+    with pytest.raises(
+        AuditError,
+        match=rf"^{fx.NVFP4}:{line}: _setup_kernel\(\) does not parse "
+        rf"\(merge-conflict marker at line {marker}\), so fix #50074 "
+        "cannot be judged",
+    ):
         audit_directory(root)
 
 
 # --------------------------------------------------------------------------- Model Runner V2
+
 
 def v2_tree(tmp_path: Path, drop: tuple[str, ...] = (), **v2) -> tuple[Path, AuditResult]:
     """A tree with Model Runner V2's three files (less `drop`) in the state `v2` names."""
@@ -233,12 +246,15 @@ def text_of(root: Path, rel: str) -> str:
     return (root / rel).read_text()
 
 
-@pytest.mark.parametrize("spec,expected", [
-    (fx.V2_PRE_FIX, ("absent", "absent")),
-    (fx.V2_ONLY_LOCK, ("present", "absent")),
-    (fx.V2_IN_PLACE, ("present", "present")),
-    (fx.V2_ALL_FIXES, ("present", "present")),
-])
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        (fx.V2_PRE_FIX, ("absent", "absent")),
+        (fx.V2_ONLY_LOCK, ("present", "absent")),
+        (fx.V2_IN_PLACE, ("present", "present")),
+        (fx.V2_ALL_FIXES, ("present", "present")),
+    ],
+)
 def test_v2_upstream_states(tmp_path, spec, expected):
     _, result = v2_tree(tmp_path, **spec)
     got = (result.check("55341").state, result.check("53508").state)
@@ -248,17 +264,20 @@ def test_v2_upstream_states(tmp_path, spec, expected):
 def test_v2_pre_fix_names_the_capture_and_the_rebuilt_tensor(tmp_path):
     root, result = v2_tree(tmp_path, **fx.V2_PRE_FIX)
     lock = result.check("55341")
-    assert (lock.file, lock.line) == (fx.V2_RUNNER,
-                                      fx.line_of(text_of(root, fx.V2_RUNNER), "self.speculator.capture()"))
+    assert (lock.file, lock.line) == (
+        fx.V2_RUNNER,
+        fx.line_of(text_of(root, fx.V2_RUNNER), "self.speculator.capture()"),
+    )
     assert "no lock_workspace() after it in capture_model()" in lock.evidence
     assert "Worker.compile_or_warm_up_model()" in lock.evidence
     # The rebuild is in BlockTables, one call below the runner's wake-up hook.
     wake = result.check("53508")
-    assert (wake.file, wake.line) == (fx.BLOCK_TABLE, fx.line_of(
-        fx.BLOCK_TABLE_SOURCE, "self.block_table_ptrs = self._addresses"))
+    assert (wake.file, wake.line) == (
+        fx.BLOCK_TABLE,
+        fx.line_of(fx.BLOCK_TABLE_SOURCE, "self.block_table_ptrs = self._addresses"),
+    )
     assert "rebinds self.block_table_ptrs = self._addresses(self.tables)" in wake.evidence
-    assert f"{fx.WORKER}:{fx.line_of(text_of(root, fx.WORKER), 'post_kv_cache_wake_up()')}" \
-        in wake.evidence
+    assert f"{fx.WORKER}:{fx.line_of(text_of(root, fx.WORKER), 'post_kv_cache_wake_up()')}" in wake.evidence
 
 
 def test_v2_files_absent_is_not_applicable(tmp_path):
@@ -270,11 +289,15 @@ def test_v2_files_absent_is_not_applicable(tmp_path):
 
 # -- #55341 -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("capture,needle", [
-    ("locked", "lock_workspace()"),
-    ("manager_lock", "current_workspace_manager().lock()"),
-    ("helper_lock", "self._seal_workspace()"),
-])
+
+@pytest.mark.parametrize(
+    "capture,needle",
+    [
+        ("locked", "lock_workspace()"),
+        ("manager_lock", "current_workspace_manager().lock()"),
+        ("helper_lock", "self._seal_workspace()"),
+    ],
+)
 def test_workspace_lock_variants_are_recognized(tmp_path, capture, needle):
     root, result = v2_tree(tmp_path, capture=capture)
     check = result.check("55341")
@@ -293,10 +316,13 @@ def test_workspace_lock_in_the_worker_counts(tmp_path):
     assert "Worker.compile_or_warm_up_model() locks the workspace" in check.evidence
 
 
-@pytest.mark.parametrize("capture,says", [
-    ("helper_no_lock", "no lock_workspace() after it"),
-    ("lock_before", "the lock at line"),
-])
+@pytest.mark.parametrize(
+    "capture,says",
+    [
+        ("helper_no_lock", "no lock_workspace() after it"),
+        ("lock_before", "the lock at line"),
+    ],
+)
 def test_workspace_not_locked_after_capture_is_absent(tmp_path, capture, says):
     _, result = v2_tree(tmp_path, capture=capture)
     check = result.check("55341")
@@ -332,6 +358,7 @@ def test_unreadable_call_after_capture_is_unknown_unless_the_worker_locks(tmp_pa
 
 # -- #53508 -----------------------------------------------------------------------------------
 
+
 def test_layout_refreshed_in_place_at_wake(tmp_path):
     _, result = v2_tree(tmp_path, wake="in_place")
     check = result.check("53508")
@@ -357,11 +384,14 @@ def test_one_rebuilt_layout_tensor_outweighs_an_in_place_refresh(tmp_path):
     assert "rebinds self.slot_mapping_enabled" in check.evidence
 
 
-@pytest.mark.parametrize("wake,needle", [
-    ("rebuild_inline", "self.block_tables.block_sizes_tensor = torch.tensor"),
-    ("rebuild_wrapper", "self.block_tables.num_blocks = make_uva_tensor"),
-    ("rebuild_object", "self.block_tables = BlockTables(self.block_sizes"),
-])
+@pytest.mark.parametrize(
+    "wake,needle",
+    [
+        ("rebuild_inline", "self.block_tables.block_sizes_tensor = torch.tensor"),
+        ("rebuild_wrapper", "self.block_tables.num_blocks = make_uva_tensor"),
+        ("rebuild_object", "self.block_tables = BlockTables(self.block_sizes"),
+    ],
+)
 def test_layout_rebuilt_by_the_runner_itself_is_absent(tmp_path, wake, needle):
     root, result = v2_tree(tmp_path, wake=wake)
     check = result.check("53508")
@@ -374,8 +404,7 @@ def test_layout_not_refreshed_inside_the_kv_pool_is_absent(tmp_path):
     # Nothing rebuilds the layout, but it was made inside the kv_cache pool: level-1 sleep
     # keeps its address and drops its values.
     for worker_kv_init in ("pool", "pool_alias"):
-        root, result = v2_tree(tmp_path / worker_kv_init, worker_kv_init=worker_kv_init,
-                               worker_wake="no_hook")
+        root, result = v2_tree(tmp_path / worker_kv_init, worker_kv_init=worker_kv_init, worker_wake="no_hook")
         check = result.check("53508")
         assert (check.state, check.file) == ("absent", fx.WORKER), check.evidence
         assert check.line == fx.line_of(text_of(root, fx.WORKER), "with ")
@@ -430,18 +459,19 @@ def test_layout_rebuild_without_block_table_file_is_unknown(tmp_path):
 
 def test_v2_fixes_are_read_from_archives(tmp_path):
     # The worker and block_table.py are read from the wheel too, not only the runner.
-    wheel = fx.make_wheel(tmp_path / "vllm-0.40.0-py3-none-any.whl",
-                          fx.source_files(v2=fx.V2_PRE_FIX), version="0.40.0")
+    wheel = fx.make_wheel(
+        tmp_path / "vllm-0.40.0-py3-none-any.whl", fx.source_files(v2=fx.V2_PRE_FIX), version="0.40.0"
+    )
     result = audit_archive(wheel)
     assert (result.check("55341").state, result.check("53508").state) == ("absent", "absent")
     assert result.check("53508").file == fx.BLOCK_TABLE
-    sdist = fx.make_sdist(tmp_path / "vllm-0.40.0.tar.gz",
-                          fx.source_files(v2=fx.V2_ALL_FIXES), version="0.40.0")
+    sdist = fx.make_sdist(tmp_path / "vllm-0.40.0.tar.gz", fx.source_files(v2=fx.V2_ALL_FIXES), version="0.40.0")
     result = audit_archive(sdist)
     assert (result.check("55341").state, result.check("53508").state) == ("present", "present")
 
 
 # --------------------------------------------------------------------------- directories
+
 
 def test_directory_may_be_the_vllm_package_itself(tmp_path):
     root = tree(tmp_path, **fx.ALL_FIXES, version="1.2.3")
@@ -454,8 +484,9 @@ def test_directory_may_be_the_vllm_package_itself(tmp_path):
 def test_directory_version_prefers_dist_info_and_ignores_version_py_fallback(tmp_path):
     files = fx.source_files()
     # vllm/version.py's "dev" fallback sits in an except block: not the version.
-    files["vllm/version.py"] = ('try:\n    from ._version import __version__\n'
-                                'except Exception:\n    __version__ = "dev"\n')
+    files["vllm/version.py"] = (
+        'try:\n    from ._version import __version__\nexcept Exception:\n    __version__ = "dev"\n'
+    )
     root = fx.write_tree(tmp_path / "site", files, version="0.50.1", dist_info=True)
     (root / "vllm" / "_version.py").write_text("__version__ = version = '0.0.0+other'\n")
     assert audit_directory(root).version == "0.50.1"
@@ -473,14 +504,19 @@ def test_sdist_checkout_version_from_pkg_info(tmp_path):
 
 # --------------------------------------------------------------------------- archives
 
-@pytest.mark.parametrize("spec,expected", [
-    (fx.PRE_FIX, {"50074": "absent", "57954": "absent"}),
-    (fx.ONLY_50074, {"50074": "present", "57954": "absent"}),
-    (fx.ALL_FIXES, {"50074": "present", "57954": "present"}),
-])
+
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        (fx.PRE_FIX, {"50074": "absent", "57954": "absent"}),
+        (fx.ONLY_50074, {"50074": "present", "57954": "absent"}),
+        (fx.ALL_FIXES, {"50074": "present", "57954": "present"}),
+    ],
+)
 def test_wheel(tmp_path, spec, expected):
-    wheel = fx.make_wheel(tmp_path / "vllm-0.31.0-cp38-abi3-manylinux_2_28_x86_64.whl",
-                          fx.source_files(**spec), version="0.31.0")
+    wheel = fx.make_wheel(
+        tmp_path / "vllm-0.31.0-cp38-abi3-manylinux_2_28_x86_64.whl", fx.source_files(**spec), version="0.31.0"
+    )
     result = audit_archive(wheel)
     assert result.kind == "archive"
     assert result.version == "0.31.0"
@@ -490,13 +526,16 @@ def test_wheel(tmp_path, spec, expected):
 
 def test_wheel_without_nvfp4_file(tmp_path):
     wheel = fx.make_wheel(tmp_path / "v.whl", fx.source_files(guard=None), version="0.24.0")
-    assert states(audit_archive(wheel)) == {"43909": "present", "50074": "not-applicable",
-                                           "57954": "not-applicable", **NO_V2}
+    assert states(audit_archive(wheel)) == {
+        "43909": "present",
+        "50074": "not-applicable",
+        "57954": "not-applicable",
+        **NO_V2,
+    }
 
 
 def test_sdist_with_top_level_versioned_folder(tmp_path):
-    sdist = fx.make_sdist(tmp_path / "vllm-0.28.0.tar.gz",
-                          fx.source_files(**fx.ONLY_50074), version="0.28.0")
+    sdist = fx.make_sdist(tmp_path / "vllm-0.28.0.tar.gz", fx.source_files(**fx.ONLY_50074), version="0.28.0")
     result = audit_archive(sdist)
     assert result.version == "0.28.0"
     # The nested tests/data/vllm copy holds a pre-fix gemma file: it must not be chosen.
@@ -509,8 +548,7 @@ def test_archive_version_falls_back_to_version_module_then_file_name(tmp_path):
     files = {**fx.source_files(), "vllm/_version.py": "__version__ = version = '0.40.2'\n"}
     zipped = fx.make_wheel(tmp_path / "vllm-0.40.1.zip", files, version=None)
     assert audit_archive(zipped).version == "0.40.2"
-    bare = fx.make_wheel(tmp_path / "vllm-0.40.1-py3-none-any.whl", fx.source_files(),
-                         version=None)
+    bare = fx.make_wheel(tmp_path / "vllm-0.40.1-py3-none-any.whl", fx.source_files(), version=None)
     assert audit_archive(bare).version == "0.40.1"
     anonymous = fx.make_wheel(tmp_path / "snapshot.zip", fx.source_files(), version=None)
     assert audit_archive(anonymous).version is None
@@ -535,9 +573,9 @@ def test_archive_is_read_without_extracting(tmp_path, monkeypatch):
 
 # --------------------------------------------------------------------------- installed
 
+
 def test_installed_is_found_without_importing(tmp_path, monkeypatch):
-    site = fx.write_tree(tmp_path / "site-packages", fx.source_files(**fx.ONLY_50074),
-                         version="0.28.0", dist_info=True)
+    site = fx.write_tree(tmp_path / "site-packages", fx.source_files(**fx.ONLY_50074), version="0.28.0", dist_info=True)
     monkeypatch.syspath_prepend(str(site))
     importlib.invalidate_caches()
     result = audit_installed()
@@ -555,6 +593,7 @@ def test_not_installed_raises(monkeypatch):
 
 
 # --------------------------------------------------------------------------- errors
+
 
 def test_missing_directory(tmp_path):
     missing = tmp_path / "nope"
@@ -579,11 +618,14 @@ def test_missing_archive(tmp_path):
         audit_archive(tmp_path / "missing.whl")
 
 
-@pytest.mark.parametrize("name,payload", [
-    ("garbage.whl", b"this is not an archive at all" * 10),
-    ("empty.tar.gz", b""),
-    ("bad.tar.gz", b"\x1f\x8b\x08\x00" + b"\x00" * 40),
-])
+@pytest.mark.parametrize(
+    "name,payload",
+    [
+        ("garbage.whl", b"this is not an archive at all" * 10),
+        ("empty.tar.gz", b""),
+        ("bad.tar.gz", b"\x1f\x8b\x08\x00" + b"\x00" * 40),
+    ],
+)
 def test_corrupt_archive(tmp_path, name, payload):
     path = tmp_path / name
     path.write_bytes(payload)
@@ -610,9 +652,9 @@ def test_archive_without_vllm(tmp_path):
 
 # --------------------------------------------------------------------------- verdicts & output
 
+
 def result_with(**fix_states: str) -> AuditResult:
-    checks = [FixCheck(f.fix_id, f.title, fix_states.get(f"f{f.fix_id}", "present"),
-                       f.file, None, "") for f in FIXES]
+    checks = [FixCheck(f.fix_id, f.title, fix_states.get(f"f{f.fix_id}", "present"), f.file, None, "") for f in FIXES]
     return AuditResult("x", "directory", None, checks)
 
 
@@ -621,7 +663,7 @@ def test_missing_required():
     assert missing_required(result, []) == []
     assert missing_required(result, ["43909", "55341"]) == []
     assert missing_required(result, ["#57954", "50074", "50074"]) == ["57954", "50074"]
-    assert missing_required(result, ["53508"]) == ["53508"]     # unknown never passes a gate
+    assert missing_required(result, ["53508"]) == ["53508"]  # unknown never passes a gate
     with pytest.raises(AuditError):
         missing_required(result, ["999"])
 
@@ -657,6 +699,7 @@ def test_render_shows_unknown_and_evidence_in_another_file(tmp_path):
 
 def test_library_has_no_print():
     from repro.audit import rules as audit_rules
+
     for module in (audit, audit_rules):
         assert not re.search(r"(?<![\w.])print\(", Path(module.__file__).read_text())
 

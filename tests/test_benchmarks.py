@@ -1,5 +1,6 @@
 """benchmarks/ is not run by CI (it needs GPUs and minutes), so at least every script must import:
 a renamed or moved harness name breaks it here, not on the next GPU session."""
+
 import importlib.util
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ def benchmarks_on_path(monkeypatch):
 def test_benchmark_script_imports_and_has_main(script, benchmarks_on_path):
     spec = importlib.util.spec_from_file_location(f"benchmark_{script.stem}", script)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)            # runs the imports, not main(): __name__ is not __main__
+    spec.loader.exec_module(module)  # runs the imports, not main(): __name__ is not __main__
     assert callable(getattr(module, "main", None)), f"{script.name} has no main()"
 
 
@@ -34,13 +35,14 @@ def test_census_host_benchmark_runs_on_the_cpu_at_a_small_size(benchmarks_on_pat
     """The one benchmark that needs no GPU runs here for real, small: reading stand-in kernel
     nodes and checking every graph against one trace."""
     import json
+
     spec = importlib.util.spec_from_file_location("benchmark_census_host", BENCHMARKS / "census_host.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "census.json"
     assert module.main(["--graphs", "3", "--nodes", "12", "--trace", "200", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["kernel_nodes"] == 36 and doc["pending_words"] == 36     # one weight word per node
+    assert doc["kernel_nodes"] == 36 and doc["pending_words"] == 36  # one weight word per node
     # 3 pointers + a 512-byte struct + two int32: 68 aligned words a node, all counted
     assert doc["words"] == 36 * 68 and doc["check_together_s"] >= 0
 
@@ -50,6 +52,7 @@ def test_engine_step_alternates_the_replay_functions_and_restores_the_hook(bench
     clock that the hooked replay moves by 3 units and the bare one by 2 gives exactly 1.5x),
     and the class keeps the hooked replay afterwards."""
     import types
+
     spec = importlib.util.spec_from_file_location("benchmark_engine_step", BENCHMARKS / "engine_step.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -61,13 +64,15 @@ def test_engine_step_alternates_the_replay_functions_and_restores_the_hook(bench
         def replay(graph):
             calls[name] += 1
             clock[0] += cost
+
         return replay
+
     hooked, bare = make("hooked", 3e-6), make("bare", 2e-6)
     graph_class = type("CUDAGraph", (), {"replay": hooked})
     torch = types.SimpleNamespace(cuda=types.SimpleNamespace(CUDAGraph=graph_class, synchronize=lambda: None))
-    step = lambda b: torch.cuda.CUDAGraph.replay(None)       # noqa: E731
+    step = lambda b: torch.cuda.CUDAGraph.replay(None)  # noqa: E731
     out = module.measure(torch, step, [1, 2, 4], 4, hooked, bare)
-    assert calls == {"hooked": 4 * 3 * 2, "bare": 4 * 3 * 2}   # synced steps + one pipelined pass per round
+    assert calls == {"hooked": 4 * 3 * 2, "bare": 4 * 3 * 2}  # synced steps + one pipelined pass per round
     assert out["step_us"] == {"hooked": 3.0, "bare": 2.0, "ratio": 1.5}
     assert out["pipelined_us"]["ratio"] == 1.5
     assert graph_class.replay is hooked
@@ -77,15 +82,22 @@ def test_fingerprint_benchmark_runs_on_the_cpu_at_a_small_size(benchmarks_on_pat
     """The contents fingerprint's costs, CPU-runnable: every input fingerprinted, a sampled row
     above FULL_BYTES (times are not asserted)."""
     import json
+
     spec = importlib.util.spec_from_file_location("benchmark_fingerprint", BENCHMARKS / "fingerprint.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "fingerprint.json"
-    assert module.main(["--device", "cpu", "--counts", "3", "--sizes", "4096", str(2 << 20), "--repeats", "1",
-                        "--json", str(out)]) == 0
+    assert (
+        module.main(
+            ["--device", "cpu", "--counts", "3", "--sizes", "4096", str(2 << 20), "--repeats", "1", "--json", str(out)]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["count"], r["size_bytes"], r["sampled"], r["fingerprinted"]) for r in rows] == \
-        [(3, 4096, False, 3), (3, 2 << 20, True, 3)]
+    assert [(r["count"], r["size_bytes"], r["sampled"], r["fingerprinted"]) for r in rows] == [
+        (3, 4096, False, 3),
+        (3, 2 << 20, True, 3),
+    ]
 
 
 def test_watch_overhead_wrapper_part_times_settled_graphs_on_the_cpu(benchmarks_on_path):

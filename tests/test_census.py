@@ -4,6 +4,7 @@ Snapshots are plain dicts in torch's documented `torch.cuda.memory._snapshot()` 
 (segments with blocks, device_traces with alloc/free entries); kernel parameters are real
 ctypes buffers laid out the way the driver hands them back.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -14,15 +15,34 @@ import pytest
 from repro.diagnose import census as C
 from repro.diagnose.allocator import Block, BlockIndex, PoolMap, blocks_of, segment_signature
 from repro.diagnose.captured import GraphCensus, Reference
-from repro.diagnose.cuda_driver import (CU_LAUNCH_PARAM_BUFFER_POINTER, CU_LAUNCH_PARAM_BUFFER_SIZE, CU_LAUNCH_PARAM_END,
-                                        DriverError, KernelNodeParams, Memcpy3D, MemsetParams, function_info,
-                                        param_chunks, param_layout)
+from repro.diagnose.cuda_driver import (
+    CU_LAUNCH_PARAM_BUFFER_POINTER,
+    CU_LAUNCH_PARAM_BUFFER_SIZE,
+    CU_LAUNCH_PARAM_END,
+    DriverError,
+    KernelNodeParams,
+    Memcpy3D,
+    MemsetParams,
+    function_info,
+    param_chunks,
+    param_layout,
+)
 from repro.diagnose.fates import fate_of, traced_fate
 from repro.diagnose.graph_walk import read_graph, read_kernel
 from repro.diagnose.trace_index import Trace, marker_of, trace_of
-from repro.diagnose.words import (MAX_ADDR, MIN_ADDR, SERIAL_ELEMENTS, SERIAL_SEARCHES, SMALL_GRAPH_WORDS, Chunks,
-                                  Deferred, Matcher, plausible_address, plausible_words,
-                                  segment_positions)
+from repro.diagnose.words import (
+    MAX_ADDR,
+    MIN_ADDR,
+    SERIAL_ELEMENTS,
+    SERIAL_SEARCHES,
+    SMALL_GRAPH_WORDS,
+    Chunks,
+    Deferred,
+    Matcher,
+    plausible_address,
+    plausible_words,
+    segment_positions,
+)
 from repro.outcome import Finding, Status, finding_from_dict
 
 MiB = 1 << 20
@@ -31,13 +51,15 @@ MiB = 1 << 20
 @dataclasses.dataclass
 class GuardSlot:
     """What merge_findings reads of a guard slot (repro.diagnose.guard.Slot has these attributes)."""
+
     name: str
     storage_ptr: int
     storage_nbytes: int
     reported: set = dataclasses.field(default_factory=set)
 
-SEG = 0x7F00_0000_0000          # a default-pool segment
-POOL_SEG = 0x7F10_0000_0000     # a graph-private-pool segment
+
+SEG = 0x7F00_0000_0000  # a default-pool segment
+POOL_SEG = 0x7F10_0000_0000  # a graph-private-pool segment
 GRAPH_POOL = (1, 7)
 
 
@@ -49,9 +71,17 @@ def segment(address, blocks, pool=(0, 0), with_addresses=True, device=0):
             b["address"] = addr
         out.append(b)
         addr += size
-    return {"device": device, "address": address, "total_size": addr - address, "stream": 0,
-            "segment_type": "large", "segment_pool_id": pool, "allocated_size": 0,
-            "active_size": 0, "blocks": out}
+    return {
+        "device": device,
+        "address": address,
+        "total_size": addr - address,
+        "stream": 0,
+        "segment_type": "large",
+        "segment_pool_id": pool,
+        "allocated_size": 0,
+        "active_size": 0,
+        "blocks": out,
+    }
 
 
 def snapshot(segments, trace=()):
@@ -63,21 +93,35 @@ def ev(action, addr, size, t):
 
 
 # A 4 MiB default segment: [weight 2 MiB active][local 1 MiB active][free 1 MiB]
-AT_CAPTURE = snapshot([segment(SEG, [(2 * MiB, "active_allocated"), (MiB, "active_allocated"),
-                                     (MiB, "inactive")]),
-                       segment(POOL_SEG, [(MiB, "active_allocated"), (MiB, "inactive")], pool=GRAPH_POOL)],
-                      trace=[ev("alloc", SEG, 2 * MiB, 1), ev("alloc", SEG + 2 * MiB, MiB, 2)])
+AT_CAPTURE = snapshot(
+    [
+        segment(SEG, [(2 * MiB, "active_allocated"), (MiB, "active_allocated"), (MiB, "inactive")]),
+        segment(POOL_SEG, [(MiB, "active_allocated"), (MiB, "inactive")], pool=GRAPH_POOL),
+    ],
+    trace=[ev("alloc", SEG, 2 * MiB, 1), ev("alloc", SEG + 2 * MiB, MiB, 2)],
+)
 LOCAL = SEG + 2 * MiB
 
 
 # ------------------------------------------------------------------ snapshot -> blocks
 
+
 def test_blocks_take_addresses_from_the_snapshot_or_from_running_sizes():
     with_addr = blocks_of(AT_CAPTURE)
-    without = blocks_of(snapshot([segment(SEG, [(2 * MiB, "active_allocated"), (MiB, "active_allocated"),
-                                                (MiB, "inactive")], with_addresses=False),
-                                  segment(POOL_SEG, [(MiB, "active_allocated"), (MiB, "inactive")],
-                                          pool=GRAPH_POOL, with_addresses=False)]))
+    without = blocks_of(
+        snapshot(
+            [
+                segment(
+                    SEG,
+                    [(2 * MiB, "active_allocated"), (MiB, "active_allocated"), (MiB, "inactive")],
+                    with_addresses=False,
+                ),
+                segment(
+                    POOL_SEG, [(MiB, "active_allocated"), (MiB, "inactive")], pool=GRAPH_POOL, with_addresses=False
+                ),
+            ]
+        )
+    )
     assert with_addr == without
     assert [(b.start - SEG, b.size) for b in with_addr[:3]] == [(0, 2 * MiB), (2 * MiB, MiB), (3 * MiB, MiB)]
     assert with_addr[3].pool == GRAPH_POOL and with_addr[0].pool == (0, 0)
@@ -86,21 +130,26 @@ def test_blocks_take_addresses_from_the_snapshot_or_from_running_sizes():
 def test_block_index_finds_the_block_containing_an_address_and_nothing_outside():
     index = BlockIndex.of(AT_CAPTURE)
     assert index.find(SEG).start == SEG
-    assert index.find(SEG + 2 * MiB - 1).start == SEG                 # last byte of the weight
-    assert index.find(LOCAL).start == LOCAL                           # first byte of the next block
-    assert index.find(SEG + 4 * MiB) is None                          # one past the segment
+    assert index.find(SEG + 2 * MiB - 1).start == SEG  # last byte of the weight
+    assert index.find(LOCAL).start == LOCAL  # first byte of the next block
+    assert index.find(SEG + 4 * MiB) is None  # one past the segment
     assert index.find(SEG - 1) is None
     assert index.find(POOL_SEG + 5).pool == GRAPH_POOL
 
 
 def test_blocks_of_one_device_only():
-    snap = snapshot([segment(SEG, [(MiB, "active_allocated")], device=0),
-                     segment(SEG + 8 * MiB, [(MiB, "active_allocated")], device=1)])
+    snap = snapshot(
+        [
+            segment(SEG, [(MiB, "active_allocated")], device=0),
+            segment(SEG + 8 * MiB, [(MiB, "active_allocated")], device=1),
+        ]
+    )
     assert [b.start for b in blocks_of(snap, 1)] == [SEG + 8 * MiB]
     assert len(blocks_of(snap)) == 2
 
 
 # ------------------------------------------------------------------ words -> references
+
 
 def test_plausible_words_follow_the_parameter_buffer_alignment():
     # Three words that all look like device addresses, as raw little-endian bytes.
@@ -123,11 +172,11 @@ def matcher(snap=AT_CAPTURE, own=GRAPH_POOL, names=None, outside=None):
 def test_matcher_sorts_words_into_references_own_pool_and_outside():
     census = GraphCensus(label="g", pool=GRAPH_POOL)
     m = matcher(outside=lambda v: v == 0x7E00_0000_0000)
-    m.add(census, 0, "kernel", "k", "param 0 +0", 0, LOCAL + 64)          # inside the local
-    m.add(census, 0, "kernel", "k", "param 1 +0", 8, POOL_SEG + 16)       # own pool: safe
-    m.add(census, 0, "kernel", "k", "param 2 +0", 16, 0x7E00_0000_0000)   # e.g. an NCCL buffer
-    m.add(census, 0, "kernel", "k", "param 3 +0", 24, 4096)               # an integer, no pointer
-    m.add(census, 1, "memcpy", "", "dst", 0, SEG + 4 * MiB + 8)           # past the segment
+    m.add(census, 0, "kernel", "k", "param 0 +0", 0, LOCAL + 64)  # inside the local
+    m.add(census, 0, "kernel", "k", "param 1 +0", 8, POOL_SEG + 16)  # own pool: safe
+    m.add(census, 0, "kernel", "k", "param 2 +0", 16, 0x7E00_0000_0000)  # e.g. an NCCL buffer
+    m.add(census, 0, "kernel", "k", "param 3 +0", 24, 4096)  # an integer, no pointer
+    m.add(census, 1, "memcpy", "", "dst", 0, SEG + 4 * MiB + 8)  # past the segment
     m.add(census, 1, "kernel", "k", "param 4 +88", 88, SEG + 3 * MiB + 64)  # a block free at capture
     assert [(r.block.start, r.offset) for r in census.references] == [(LOCAL, 0)]
     assert (census.own_pool, census.outside, census.free_at_capture) == (1, 1, 1)
@@ -143,27 +192,32 @@ def test_matcher_names_another_graphs_pool():
 
 # ------------------------------------------------------------------ trace logic
 
+
 def test_trace_since_finds_the_marker_or_says_the_ring_wrapped():
     trace = [ev("alloc", 1 << 33, 512, t) for t in range(5)]
     marker = marker_of(trace[:3])
     assert Trace(trace).since(marker) == trace[3:]
-    assert Trace(trace[3:]).since(marker) is None                # the marker fell off the ring
+    assert Trace(trace[3:]).since(marker) is None  # the marker fell off the ring
     empty = marker_of([])
-    assert Trace(trace, 100).since(empty) == trace      # nothing dropped yet
-    assert Trace(trace, 5).since(empty) is None         # full ring: entries may be lost
-    assert Trace(trace).since(None) is None                      # no trace recorded at census
+    assert Trace(trace, 100).since(empty) == trace  # nothing dropped yet
+    assert Trace(trace, 5).since(empty) is None  # full ring: entries may be lost
+    assert Trace(trace).since(None) is None  # no trace recorded at census
 
 
 def test_traced_fate_needs_a_free_before_an_alloc_counts_as_reuse():
     block = Block(LOCAL, MiB, "active_allocated", (0, 0), SEG)
-    assert traced_fate(block, [ev("alloc", LOCAL, MiB, 3)]) is None          # ours, not reuse
+    assert traced_fate(block, [ev("alloc", LOCAL, MiB, 3)]) is None  # ours, not reuse
     assert traced_fate(block, [ev("free_requested", LOCAL, MiB, 3)]) == Status.FREED
-    assert traced_fate(block, [ev("free_completed", LOCAL, MiB, 3),
-                               ev("alloc", LOCAL + 512, 512, 4)]) == Status.REUSED  # part of it taken
-    assert traced_fate(block, [ev("free_completed", LOCAL, MiB, 3),
-                               ev("segment_free", SEG, 4 * MiB, 4)]) == Status.RELEASED
-    assert traced_fate(block, [ev("free_completed", SEG, 2 * MiB, 3),
-                               ev("alloc", SEG, 2 * MiB, 4)]) is None         # the neighbour's life
+    assert (
+        traced_fate(block, [ev("free_completed", LOCAL, MiB, 3), ev("alloc", LOCAL + 512, 512, 4)]) == Status.REUSED
+    )  # part of it taken
+    assert (
+        traced_fate(block, [ev("free_completed", LOCAL, MiB, 3), ev("segment_free", SEG, 4 * MiB, 4)])
+        == Status.RELEASED
+    )
+    assert (
+        traced_fate(block, [ev("free_completed", SEG, 2 * MiB, 3), ev("alloc", SEG, 2 * MiB, 4)]) is None
+    )  # the neighbour's life
 
 
 def test_fate_reads_state_first_and_the_trace_for_reuse_at_the_same_address():
@@ -175,40 +229,50 @@ def test_fate_reads_state_first_and_the_trace_for_reuse_at_the_same_address():
     assert fate_of(block, now, []) is None
     fate = fate_of(block, now, reuse)
     assert (fate.status, fate.how) == (Status.REUSED, "allocator trace")
-    assert fate_of(block, now, None) is None                      # trace lost, layout unchanged
+    assert fate_of(block, now, None) is None  # trace lost, layout unchanged
     freed = BlockIndex.of(snapshot([segment(SEG, [(2 * MiB, "active_allocated"), (2 * MiB, "inactive")])]))
-    assert fate_of(block, freed, []).status == Status.FREED            # merged with its free neighbour
+    assert fate_of(block, freed, []).status == Status.FREED  # merged with its free neighbour
     released = BlockIndex.of(snapshot([segment(SEG + 64 * MiB, [(MiB, "active_allocated")])]))
     fate = fate_of(block, released, [])
     assert (fate.status, fate.current) == (Status.RELEASED, None)
-    moved = BlockIndex.of(snapshot([segment(SEG, [(2 * MiB + 512, "active_allocated"), (2 * MiB - 512, "active_allocated")])]))
-    assert fate_of(block, moved, None).status == Status.REUSED         # layout changed: proof without trace
+    moved = BlockIndex.of(
+        snapshot([segment(SEG, [(2 * MiB + 512, "active_allocated"), (2 * MiB - 512, "active_allocated")])])
+    )
+    assert fate_of(block, moved, None).status == Status.REUSED  # layout changed: proof without trace
 
 
 # ------------------------------------------------------------------ check_census
+
 
 def census_of_local(label="g"):
     census = GraphCensus(label=label, pool=GRAPH_POOL)
     m = matcher()
     m.add(census, 2, "kernel", "gather_kernel", "param 4 +0", 32, LOCAL)
     m.add(census, 5, "kernel", "gather_kernel", "param 4 +0", 32, LOCAL + 4096)
-    m.add(census, 6, "kernel", "mul_kernel", "param 0 +0", 0, SEG)         # the live weight
+    m.add(census, 6, "kernel", "mul_kernel", "param 0 +0", 0, SEG)  # the live weight
     census.marker = marker_of(trace_of(AT_CAPTURE))
     return census
 
 
 def test_check_census_reports_the_freed_local_once_with_its_kernel_and_offset():
     census = census_of_local()
-    later = snapshot([segment(SEG, [(2 * MiB, "active_allocated"), (2 * MiB, "inactive")])],
-                     trace=AT_CAPTURE["device_traces"][0] + [ev("free_completed", LOCAL, MiB, 9)])
+    later = snapshot(
+        [segment(SEG, [(2 * MiB, "active_allocated"), (2 * MiB, "inactive")])],
+        trace=AT_CAPTURE["device_traces"][0] + [ev("free_completed", LOCAL, MiB, 9)],
+    )
     findings = C.check_census(census, "after set-up", later, rank=1, device=0)
     assert len(findings) == 1
     f = findings[0]
     assert (f.status, f.mechanism, f.when, f.rank, f.graph) == ("freed", "census", "after set-up", 1, "g")
     assert f.census["block_start"] == LOCAL and f.census["block_size"] == MiB
-    assert (f.census["kernel"], f.census["node"], f.census["offset"], f.census["references"]) == ("gather_kernel", 2, 32, 2)
+    assert (f.census["kernel"], f.census["node"], f.census["offset"], f.census["references"]) == (
+        "gather_kernel",
+        2,
+        32,
+        2,
+    )
     assert "gather_kernel" in f.message and "param 4" in f.message
-    assert C.check_census(census, "before replay", later, device=0) == []   # said once
+    assert C.check_census(census, "before replay", later, device=0) == []  # said once
 
 
 def test_check_census_sees_reuse_at_the_same_address_only_through_the_trace():
@@ -228,11 +292,12 @@ def test_check_census_says_when_the_trace_no_longer_reaches_the_capture():
 def test_own_pool_blocks_are_never_findings():
     census = GraphCensus(label="g", pool=GRAPH_POOL)
     matcher().add(census, 0, "kernel", "k", "param 0 +0", 0, POOL_SEG + 8)
-    gone = snapshot([segment(SEG, [(4 * MiB, "inactive")])])           # the pool segment is gone
+    gone = snapshot([segment(SEG, [(4 * MiB, "inactive")])])  # the pool segment is gone
     assert C.check_census(census, "x", gone, device=0) == [] and census.own_pool == 1
 
 
 # ------------------------------------------------------------------ CensusBook and merge
+
 
 def book_with(*labels):
     book = C.CensusBook(rank=0, trace=C.Tracing.NONE)
@@ -250,7 +315,7 @@ def test_book_reports_a_block_held_by_several_graphs_once_naming_all(monkeypatch
     findings, regions = book.dead_blocks("after set-up")
     assert len(findings) == 1 and findings[0].graph == "bs=1, bs=2"
     assert findings[0].census["graphs"] == ["bs=1", "bs=2"]
-    assert regions == [(LOCAL, 2 * MiB)]           # the free region that now holds the block
+    assert regions == [(LOCAL, 2 * MiB)]  # the free region that now holds the block
     assert book.check("before replay, step 0", "bs=2") == []
     assert book.checked == {"bs=1", "bs=2"}
 
@@ -263,8 +328,17 @@ def test_book_gives_no_region_for_released_or_reused_blocks(monkeypatch):
 
 
 def guard_finding(ptr=LOCAL, nbytes=MiB, status="freed"):
-    return Finding(slot="drafter.<local lm_head_weight>", graph="g", status=status, when="after set-up",
-                   rank=0, shape=[4, 4], dtype="bfloat16", nbytes=nbytes, old_ptr=ptr)
+    return Finding(
+        slot="drafter.<local lm_head_weight>",
+        graph="g",
+        status=status,
+        when="after set-up",
+        rank=0,
+        shape=[4, 4],
+        dtype="bfloat16",
+        nbytes=nbytes,
+        old_ptr=ptr,
+    )
 
 
 def census_finding(monkeypatch, book):
@@ -314,6 +388,7 @@ def test_merge_says_changed_bytes_at_a_live_block_are_the_fingerprints_alone():
 
 
 # ------------------------------------------------------------------ reading parameter buffers
+
 
 class FakeDriver:
     """kernel_params/name/param_layout as the driver answers them, over real ctypes memory."""
@@ -381,8 +456,14 @@ def test_read_graph_reads_a_kernel_node_with_one_call_and_the_same_census():
         driver = GraphDriver(p, [(0, 4), (8, 24)], "struct_kernel", one_call=one_call)
         census = GraphCensus(label="g", pool=GRAPH_POOL)
         read_graph(driver, census, matcher(), 0)
-        got[one_call] = (census.nodes, census.kernels, dict(census.node_types), census.words,
-                         [(r.addr, r.where) for r in census.references], driver.typed)
+        got[one_call] = (
+            census.nodes,
+            census.kernels,
+            dict(census.node_types),
+            census.words,
+            [(r.addr, r.where) for r in census.references],
+            driver.typed,
+        )
     assert got[False][:5] == got[True][:5]
     assert got[True][2] == {"kernel": 1, "event": 1} and got[True][4] == [(LOCAL + 256, "param 1 +8")]
     assert got[False][5] == [0, 1] and got[True][5] == [1]
@@ -393,8 +474,13 @@ def test_read_kernel_reads_the_extra_buffer_as_cublaslt_passes_it():
     buf[40:48] = (LOCAL + 8).to_bytes(8, "little")
     data = ctypes.create_string_buffer(bytes(buf), len(buf))
     size = ctypes.c_size_t(len(buf))
-    extra = (ctypes.c_void_p * 5)(CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(data),
-                                  CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size), CU_LAUNCH_PARAM_END)
+    extra = (ctypes.c_void_p * 5)(
+        CU_LAUNCH_PARAM_BUFFER_POINTER,
+        ctypes.addressof(data),
+        CU_LAUNCH_PARAM_BUFFER_SIZE,
+        ctypes.addressof(size),
+        CU_LAUNCH_PARAM_END,
+    )
     p = KernelNodeParams()
     p.extra = ctypes.addressof(extra)
     census = GraphCensus(label="g", pool=None)
@@ -406,8 +492,13 @@ def test_read_kernel_reads_the_extra_buffer_as_cublaslt_passes_it():
 def test_unreadable_layouts_are_reported_never_guessed():
     p, keep = kernel_node([(LOCAL).to_bytes(8, "little")])
     census = GraphCensus(label="g", pool=None)
-    read_kernel(FakeDriver(p, DriverError("cuFuncGetParamInfo: CUDA_ERROR_NOT_SUPPORTED"), "opaque"),
-                census, matcher(own=None), 4, 0)
+    read_kernel(
+        FakeDriver(p, DriverError("cuFuncGetParamInfo: CUDA_ERROR_NOT_SUPPORTED"), "opaque"),
+        census,
+        matcher(own=None),
+        4,
+        0,
+    )
     assert census.references == [] and census.words == 0
     assert census.unreadable == ["node 4 kernel opaque: cuFuncGetParamInfo: CUDA_ERROR_NOT_SUPPORTED"]
     bad_extra = (ctypes.c_void_p * 2)(7, CU_LAUNCH_PARAM_END)
@@ -428,9 +519,11 @@ def test_kernel_node_params_struct_has_the_driver_layout():
 
 # ------------------------------------------------------------------ finding model
 
+
 def test_old_finding_json_still_loads_as_a_guard_finding():
-    old = {k: v for k, v in dataclasses.asdict(guard_finding()).items()
-           if k not in ("mechanism", "census", "disagreement")}
+    old = {
+        k: v for k, v in dataclasses.asdict(guard_finding()).items() if k not in ("mechanism", "census", "disagreement")
+    }
     f = finding_from_dict(old)
     assert (f.mechanism, f.census, f.disagreement) == ("guard", None, "")
 
@@ -444,11 +537,13 @@ def test_census_is_unsupported_without_cuda_and_says_why():
 
 # ------------------------------------------------------------------ a snapshot pair recorded on an H200
 
+
 def test_recorded_h200_snapshots_give_the_verdicts_seen_on_the_gpu():
     """Two real allocator snapshots (torch 2.11): `local` freed and its block taken by a new
     tensor at the same address (only the trace shows it), `local2` freed; `keep` and `x` live."""
     import json
     from pathlib import Path
+
     data = json.loads((Path(__file__).parent / "data" / "census_snapshot_h200.json").read_text())
     census = GraphCensus(label="probe", pool=tuple(data["own_pool"]))
     m = Matcher(BlockIndex.of(data["at_capture"], 0), census.pool, {})
@@ -479,6 +574,7 @@ def test_census_line_counts_what_is_not_a_finding():
 
 # ------------------------------------------------------------------ no snapshot per capture
 
+
 def pools_of(snap):
     pools = PoolMap(device=0)
     pools.refresh(snap)
@@ -498,8 +594,8 @@ def deferred_census(snap, words, own=GRAPH_POOL, capture_us=5):
 def test_pool_map_names_the_pool_of_a_segment_and_nothing_outside():
     pools = pools_of(AT_CAPTURE)
     assert pools.pool_of(LOCAL + 8) == (0, 0)
-    assert pools.pool_of(POOL_SEG + MiB + 8) == GRAPH_POOL       # a free block: still the pool's segment
-    pools.signature = segment_signature(0)                      # nothing changed: a miss stays a miss
+    assert pools.pool_of(POOL_SEG + MiB + 8) == GRAPH_POOL  # a free block: still the pool's segment
+    pools.signature = segment_signature(0)  # nothing changed: a miss stays a miss
     assert pools.pool_of(0x7E00_0000_0000) is None
 
 
@@ -512,11 +608,19 @@ def test_deferred_census_counts_own_pool_and_outside_and_keeps_the_rest_pending(
 
 def test_pending_words_are_matched_as_the_allocator_saw_them_at_capture():
     # After the capture (t > 5): the local is freed; a block that was free at capture gets taken.
-    later = snapshot([segment(SEG, [(2 * MiB, "active_allocated"), (MiB, "inactive"), (MiB, "active_allocated")]),
-                      segment(POOL_SEG, [(MiB, "active_allocated"), (MiB, "inactive")], pool=GRAPH_POOL)],
-                     trace=[ev("alloc", SEG, 2 * MiB, 1), ev("alloc", LOCAL, MiB, 2),
-                            ev("free_completed", LOCAL, MiB, 7), ev("alloc", SEG + 3 * MiB, MiB, 8)])
-    weight, stale = SEG + 128, SEG + 3 * MiB + 64      # stale: a struct's old bytes into a then-free block
+    later = snapshot(
+        [
+            segment(SEG, [(2 * MiB, "active_allocated"), (MiB, "inactive"), (MiB, "active_allocated")]),
+            segment(POOL_SEG, [(MiB, "active_allocated"), (MiB, "inactive")], pool=GRAPH_POOL),
+        ],
+        trace=[
+            ev("alloc", SEG, 2 * MiB, 1),
+            ev("alloc", LOCAL, MiB, 2),
+            ev("free_completed", LOCAL, MiB, 7),
+            ev("alloc", SEG + 3 * MiB, MiB, 8),
+        ],
+    )
+    weight, stale = SEG + 128, SEG + 3 * MiB + 64  # stale: a struct's old bytes into a then-free block
     census = deferred_census(AT_CAPTURE, [weight, LOCAL + 64, stale])
     [finding] = C.check_census(census, "before replay", later, device=0, capacity=None)
     assert (finding.status, finding.census["block_start"], finding.census["block_size"]) == ("freed", LOCAL, MiB)
@@ -525,8 +629,10 @@ def test_pending_words_are_matched_as_the_allocator_saw_them_at_capture():
 
 
 def test_pending_words_into_free_blocks_are_not_findings_when_the_trace_is_lost():
-    later = snapshot([segment(SEG, [(2 * MiB, "active_allocated"), (2 * MiB, "inactive")])],
-                     trace=[ev("alloc", SEG, 64, 100 + i) for i in range(4)])   # full ring, all after capture
+    later = snapshot(
+        [segment(SEG, [(2 * MiB, "active_allocated"), (2 * MiB, "inactive")])],
+        trace=[ev("alloc", SEG, 64, 100 + i) for i in range(4)],
+    )  # full ring, all after capture
     census = deferred_census(AT_CAPTURE, [LOCAL + 64])
     assert C.check_census(census, "x", later, device=0, capacity=4) == []
     assert census.free_at_capture == 1 and "could not be told" in census.notes[0]
@@ -535,7 +641,7 @@ def test_pending_words_into_free_blocks_are_not_findings_when_the_trace_is_lost(
 def test_trace_since_places_the_census_by_the_clock():
     trace = [ev("alloc", SEG, 64, t) for t in (1, 2, 3, 9)]
     assert [e["time_us"] for e in Trace(trace, None).since({"time_us": 2})] == [3, 9]
-    assert Trace(trace, 4).since({"time_us": 0}) is None        # the ring wrapped past it
+    assert Trace(trace, 4).since({"time_us": 0}) is None  # the ring wrapped past it
     assert Trace(trace, 8).since({"time_us": 0}) == trace
 
 
@@ -546,7 +652,7 @@ def test_own_pool_segment_returned_to_the_driver_is_a_finding(monkeypatch):
     monkeypatch.setattr(C, "take_snapshot", lambda: (gone, 0))
     [finding] = book.check("before replay")
     assert finding.status == "released" and finding.census["block_start"] == POOL_SEG
-    assert book.check("again") == []                                          # said once
+    assert book.check("again") == []  # said once
 
 
 def test_function_info_is_read_once_per_function():
@@ -586,31 +692,39 @@ def test_param_chunks_read_one_contiguous_buffer_or_each_parameter():
 
 def test_chunks_keep_words_aligned_to_the_parameter_buffer_and_locate_them():
     chunks = Chunks()
-    assert chunks.add(3, "k", bytes(4) + (LOCAL).to_bytes(8, "little") + bytes(3), 4, str) == 1   # buf[4:12] is aligned
+    assert chunks.add(3, "k", bytes(4) + (LOCAL).to_bytes(8, "little") + bytes(3), 4, str) == 1  # buf[4:12] is aligned
     assert chunks.add(4, "j", (LOCAL + 8).to_bytes(8, "little") * 2, 16, str) == 2
     assert chunks.add(5, "i", bytes(5), 0, str) == 0
     assert chunks.words == 3 and [c[:2] for c in chunks.meta] == [(3, "k"), (4, "j")]
     assert [chunks.locate(i)[:3] for i in range(3)] == [(3, "k", 8), (4, "j", 16), (4, "j", 24)]
-    assert [(n, words) for n, _, _, words in chunks.each()] == [(3, [(8, LOCAL)]), (4, [(16, LOCAL + 8), (24, LOCAL + 8)])]
+    assert [(n, words) for n, _, _, words in chunks.each()] == [
+        (3, [(8, LOCAL)]),
+        (4, [(16, LOCAL + 8), (24, LOCAL + 8)]),
+    ]
 
 
-@pytest.mark.parametrize("small,serial", [(0, SERIAL_ELEMENTS), (0, 50), (SMALL_GRAPH_WORDS, SERIAL_ELEMENTS)],
-                         ids=["arrays", "arrays-in-slices", "word-by-word"])
+@pytest.mark.parametrize(
+    "small,serial",
+    [(0, SERIAL_ELEMENTS), (0, 50), (SMALL_GRAPH_WORDS, SERIAL_ELEMENTS)],
+    ids=["arrays", "arrays-in-slices", "word-by-word"],
+)
 def test_deferred_sorts_a_graphs_words_at_once_as_one_by_one(small, serial, monkeypatch):
     """Every path of add_chunks (a large graph's words in one search, or in slices of `serial`
     words; a small graph's one by one) against add(), word by word: the same own-pool and
     outside counts, own segments and pending words, on random words."""
     import random
-    monkeypatch.setattr("repro.diagnose.words.SERIAL_ELEMENTS", serial)    # the global Deferred reads
+
+    monkeypatch.setattr("repro.diagnose.words.SERIAL_ELEMENTS", serial)  # the global Deferred reads
     rng = random.Random(7)
     pools = pools_of(AT_CAPTURE)
     outside = 0x7E00_0000_0000
 
     def value():
-        if rng.random() < 0.6:           # in or near a segment (either pool)
+        if rng.random() < 0.6:  # in or near a segment (either pool)
             start, end, _ = rng.choice(pools.segments)
             return rng.randrange(start - 4096, end + 4096) & ~7
         return rng.choice([0, 5, 1 << 50, outside, outside + 64, rng.randrange(1 << 64)])
+
     chunks, one = Chunks(), GraphCensus(label="g", pool=GRAPH_POOL)
     d = Deferred(pools, GRAPH_POOL, is_device_address=lambda v: v >> 21 == outside >> 21, small=small)
     layout = param_layout([(0, 8), (8, 64), (72, 4)])
@@ -625,7 +739,9 @@ def test_deferred_sorts_a_graphs_words_at_once_as_one_by_one(small, serial, monk
     d.add_chunks(many, chunks)
     assert (many.own_pool, many.outside) == (one.own_pool, one.outside) and one.own_pool and one.outside
     assert many.pending == one.pending and len(one.pending) > 10
-    assert {k: v.describe() for k, v in many.own_segments.items()} == {k: v.describe() for k, v in one.own_segments.items()}
+    assert {k: v.describe() for k, v in many.own_segments.items()} == {
+        k: v.describe() for k, v in one.own_segments.items()
+    }
     assert many.own_segments
 
 
@@ -638,10 +754,11 @@ def test_param_layout_names_the_parameter_of_an_offset():
 def test_plausible_words_keep_only_what_may_be_an_address_and_count_every_word():
     buf = b"".join(v.to_bytes(8, "little") for v in (5, LOCAL, 1 << 50, 0, LOCAL + 8))
     assert plausible_words(buf, 0) == (5, [(8, LOCAL), (32, LOCAL + 8)])
-    assert plausible_words(b"\x00" * 4 + buf, 4) == (5, [(16, LOCAL), (40, LOCAL + 8)])   # buf[4:] is aligned
+    assert plausible_words(b"\x00" * 4 + buf, 4) == (5, [(16, LOCAL), (40, LOCAL + 8)])  # buf[4:] is aligned
 
 
 # ------------------------------------------------------------------ words the guard takes
+
 
 def test_words_handed_to_the_guard_leave_the_census_and_are_counted_held():
     book = C.CensusBook(trace=C.Tracing.NONE)
@@ -667,8 +784,10 @@ def test_the_sliced_search_gives_what_one_search_gives(n):
     import random
 
     import torch
+
     rng = random.Random(n)
-    values = torch.tensor([rng.choice([0, 5, LOCAL, LOCAL + 8, 1 << 50, -5, MIN_ADDR, MAX_ADDR - 8])
-                           for _ in range(n)], dtype=torch.int64)
+    values = torch.tensor(
+        [rng.choice([0, 5, LOCAL, LOCAL + 8, 1 << 50, -5, MIN_ADDR, MAX_ADDR - 8]) for _ in range(n)], dtype=torch.int64
+    )
     starts = torch.sort(torch.tensor([rng.randrange(MIN_ADDR, MAX_ADDR) for _ in range(50)] + [LOCAL])).values
     assert torch.equal(segment_positions(torch, starts, values), torch.searchsorted(starts, values, right=True))

@@ -9,6 +9,7 @@ Blind spots of the dispatcher-level guard (it must report nothing in each):
 Controls with no census finding: a graph whose inputs are updated in place; the fixed modes of
 both scenarios (nvfp4-reload; gemma4-mtp at TP=1), REPRO_CENSUS_SEEDS seeds each (default 2).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -33,7 +34,7 @@ try:
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         tl.store(dst + offs, tl.load(src + offs, mask=mask) * 2, mask=mask)
-except ImportError:       # CPU machines without triton only collect this file
+except ImportError:  # CPU machines without triton only collect this file
     triton = None
 
 SPAN_SOURCE = rb"""
@@ -71,15 +72,15 @@ def test_raw_triton_kernel_reading_a_freed_buffer_is_seen_only_by_the_census():
     out = torch.empty(n, device="cuda")
 
     def launch(dst):
-        twice_kernel[(n // 1024,)](src, dst, n, BLOCK=1024)    # noqa: F821 (src is deleted below: the bug)
+        twice_kernel[(n // 1024,)](src, dst, n, BLOCK=1024)  # noqa: F821 (src is deleted below: the bug)
         return dst
 
     captured = capture(launch, (out,), "triton twice", guard, census=book)
     ptr = src.data_ptr()
-    book.resolve()                                              # words are matched at the first check
+    book.resolve()  # words are matched at the first check
     census: GraphCensus = book.censuses["triton twice"]
     assert any(r.addr == ptr and "twice_kernel" in r.kernel for r in census.references), census.summary()
-    del src                                                     # freed after capture
+    del src  # freed after capture
     [f] = [f for f in only_census_sees(book, guard, ptr) if holds(f, ptr)]
     assert "twice_kernel" in f.census["kernel"] and f.census["where"].startswith("param ")
     assert guard.slots == []
@@ -133,9 +134,9 @@ def test_pointer_inside_a_struct_parameter_is_seen_only_by_the_census():
     captured = capture(launch, (out,), "struct span", guard, census=book)
     captured.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, src + 1)                            # the launch really ran in the graph
+    assert torch.equal(out, src + 1)  # the launch really ran in the graph
     ptr = src.data_ptr()
-    book.resolve()                                              # words are matched at the first check
+    book.resolve()  # words are matched at the first check
     census = book.censuses["struct span"]
     [ref] = [r for r in census.references if r.addr == ptr]
     assert (ref.kernel, ref.where, ref.offset) == ("span_add_one", "param 0 +8", 8)
@@ -151,15 +152,16 @@ def test_cublas_workspace_in_an_earlier_graphs_pool_is_seen_only_by_the_census()
     b = torch.randn(65536, 64, device="cuda", dtype=torch.bfloat16)
     graph_a = capture(lambda x: x @ b, (a,), "A", guard, census=book)
     graph_b = capture(lambda x: x @ b, (a,), "B", guard, census=book)
-    book.resolve()                                              # words are matched at the first check
+    book.resolve()  # words are matched at the first check
     census_b = book.censuses["B"]
     assert census_b.foreign_pools.get("graph 'A'", 0) > 0, census_b.summary()
     workspace = next(r for r in census_b.references if r.block.pool == book.censuses["A"].pool)
     assert book.check("after capture") == [] and guard.check("after capture") == []
-    torch._C._cuda_clearCublasWorkspaces()                      # what retiring graphs may do
+    torch._C._cuda_clearCublasWorkspaces()  # what retiring graphs may do
     findings = book.check("after clearing cuBLAS workspaces", "B")
-    assert [f.status for f in findings if holds(f, workspace.addr)] in (["freed"], ["released"]), \
-        [f.message for f in findings]
+    assert [f.status for f in findings if holds(f, workspace.addr)] in (["freed"], ["released"]), [
+        f.message for f in findings
+    ]
     assert guard.check("after clearing cuBLAS workspaces") == []
     del graph_a, graph_b
 
@@ -169,7 +171,7 @@ def test_inputs_updated_in_place_give_no_census_finding():
     x = torch.randn(256, 512, device="cuda")
     w = torch.randn(512, 128, device="cuda")
     captured = capture(lambda t: torch.relu(t @ w), (x,), "in place", guard, census=book)
-    book.resolve()                                              # words are matched at the first check
+    book.resolve()  # words are matched at the first check
     census = book.censuses["in place"]
     assert census.kernels > 0 and {x.data_ptr(), w.data_ptr()} <= {r.addr for r in census.references}
     for _ in range(3):
@@ -186,13 +188,17 @@ def seeds() -> int:
     return int(os.environ.get("REPRO_CENSUS_SEEDS", "2"))
 
 
-@pytest.mark.parametrize("scenario,run", [
-    ("nvfp4-reload", {"mode": "fixed", "steps": 3}),
-    ("gemma4-mtp", {"mode": "fixed", "tp": 1}),
-])
+@pytest.mark.parametrize(
+    "scenario,run",
+    [
+        ("nvfp4-reload", {"mode": "fixed", "steps": 3}),
+        ("gemma4-mtp", {"mode": "fixed", "tp": 1}),
+    ],
+)
 def test_fixed_modes_give_no_census_finding(tmp_path, scenario, run):
     from repro.env import gpus
     from repro.run.runner import plan, run_planned
+
     planned = [plan(scenario, None, {**run, "seed": s}, [], gpus.gpu_count()) for s in range(seeds())]
     trials = run_planned(planned, tmp_path, jobs=min(8, len(planned))).report.trials
     for t in trials:

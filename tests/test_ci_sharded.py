@@ -1,5 +1,6 @@
 """docs/ci/github-sharded.yml and docs/ci/buildkite-sharded.yml: valid YAML, N parallel GPU jobs
 and a merge job, and every repro command in them accepted by this repro as written."""
+
 import os
 import re
 import shlex
@@ -44,8 +45,14 @@ def without_outputs(argv: list[str]) -> list[str]:
 
 
 def plan(argv: list[str], env: dict, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "repro", *without_outputs(argv)[1:], "--list"], cwd=cwd, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), **env})
+    return subprocess.run(
+        [sys.executable, "-m", "repro", *without_outputs(argv)[1:], "--list"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+    )
 
 
 def test_github_workflow_runs_n_shards_then_merges_them(tmp_path):
@@ -56,12 +63,18 @@ def test_github_workflow_runs_n_shards_then_merges_them(tmp_path):
     (merge_cmd,) = [c for s in jobs["merge"]["steps"] for c in repro_lines(s.get("run", ""))]
     listed = []
     for k in shards:
-        (argv,) = [c for s in jobs["shard"]["steps"] for c in repro_lines(s.get("run", ""), {"${{ matrix.shard }}": str(k)})]
+        (argv,) = [
+            c for s in jobs["shard"]["steps"] for c in repro_lines(s.get("run", ""), {"${{ matrix.shard }}": str(k)})
+        ]
         assert f"{k}/{len(shards)}" in argv
         done = plan(argv, {}, tmp_path)
         assert done.returncode == 0, done.stderr
         listed += trial_lines(done.stdout)
-    assert len(listed) == len(set(listed)) == len(trial_lines(plan(["repro", "matrix", "--config", "gpu-2"], {}, tmp_path).stdout))
+    assert (
+        len(listed)
+        == len(set(listed))
+        == len(trial_lines(plan(["repro", "matrix", "--config", "gpu-2"], {}, tmp_path).stdout))
+    )
     assert merge_cmd[:2] == ["repro", "merge"] and {"--json", "--junit", "--html"} <= set(merge_cmd)
 
 
@@ -77,6 +90,10 @@ def test_buildkite_pipeline_uses_parallelism_and_shard_auto(tmp_path):
         done = plan(argv, {"BUILDKITE_PARALLEL_JOB": str(job), "BUILDKITE_PARALLEL_JOB_COUNT": "4"}, tmp_path)
         assert done.returncode == 0, done.stderr
         listed += trial_lines(done.stdout)
-    assert len(listed) == len(set(listed)) == len(trial_lines(plan(["repro", "matrix", "--config", "gpu-2"], {}, tmp_path).stdout))
+    assert (
+        len(listed)
+        == len(set(listed))
+        == len(trial_lines(plan(["repro", "matrix", "--config", "gpu-2"], {}, tmp_path).stdout))
+    )
     (merge_cmd,) = repro_lines(merge["command"])
     assert merge_cmd[:2] == ["repro", "merge"] and {"--json", "--junit", "--html"} <= set(merge_cmd)

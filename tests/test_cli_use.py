@@ -1,5 +1,6 @@
 """Everyday use of the CLI: --version, completion, help that lists choices, presets, where
 artifacts go, matrix --list/--only, vllm-audit without vLLM."""
+
 import importlib.util
 import json
 import os
@@ -16,7 +17,17 @@ from conftest import REPO
 from repro.cli import app
 
 runner = CliRunner()
-COMMANDS = ["gemma4-mtp", "nvfp4-reload", "selftest", "sleep-wake", "matrix", "presets", "doctor", "vllm-audit", "watch"]
+COMMANDS = [
+    "gemma4-mtp",
+    "nvfp4-reload",
+    "selftest",
+    "sleep-wake",
+    "matrix",
+    "presets",
+    "doctor",
+    "vllm-audit",
+    "watch",
+]
 
 
 def invoke(*args, env=None):
@@ -33,16 +44,26 @@ def test_version():
 
 
 def test_shell_completion_script_and_answers(tmp_path):
-    script = tmp_path / "repro"                      # completion keys on the program's name
+    script = tmp_path / "repro"  # completion keys on the program's name
     script.write_text(f"#!{sys.executable}\nfrom repro.cli import main\nmain()\n")
     script.chmod(0o755)
-    shown = subprocess.run([str(script), "--show-completion", "bash"], capture_output=True, text=True,
-                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    shown = subprocess.run(
+        [str(script), "--show-completion", "bash"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=60,
+    )
     assert shown.returncode == 0 and "_REPRO_COMPLETE=complete_bash" in shown.stdout
 
     def complete(words: str) -> list[str]:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "_REPRO_COMPLETE": "complete_bash",
-               "COMP_WORDS": words, "COMP_CWORD": str(len(words.split(" ")) - 1)}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "_REPRO_COMPLETE": "complete_bash",
+            "COMP_WORDS": words,
+            "COMP_CWORD": str(len(words.split(" ")) - 1),
+        }
         out = subprocess.run([str(script)], env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         return out.stdout.split()
@@ -60,10 +81,13 @@ def test_help_has_no_type_placeholders(command):
     assert not re.search(r"<(str|int|float|path|bool|list\[\w+\]|text|integer)>", result.stdout), result.stdout
 
 
-@pytest.mark.parametrize("scenario,modes,after_free", [
-    ("gemma4-mtp", "unfixed|fixed|reload-safe", "release"),
-    ("nvfp4-reload", "unfixed|kernel-reuse|fixed", "poison"),
-])
+@pytest.mark.parametrize(
+    "scenario,modes,after_free",
+    [
+        ("gemma4-mtp", "unfixed|fixed|reload-safe", "release"),
+        ("nvfp4-reload", "unfixed|kernel-reuse|fixed", "poison"),
+    ],
+)
 def test_scenario_help_lists_choices_and_defaults(scenario, modes, after_free):
     text = flat(invoke(scenario, "--help").stdout)
     assert f"--mode <{modes}>" in text and "[default: unfixed]" in text
@@ -98,7 +122,7 @@ def test_artifacts_default_to_the_cache_with_a_latest_link(tmp_path, no_gpu, mon
     latest = cache / "repro" / "runs" / "latest"
     assert latest.is_symlink() and (latest / "00-selftest-clean-tp2-keep" / "rank1.jsonl").is_file()
     assert f"trial files in {latest.resolve()}" in flat(result.stderr)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]      # nothing in the cwd
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]  # nothing in the cwd
     again = invoke("selftest", "--steps", "1", "--artifacts", str(tmp_path / "mine"))
     assert again.exit_code == 0 and (tmp_path / "mine" / "latest").resolve().parent == tmp_path / "mine"
     assert latest.resolve() != (tmp_path / "mine" / "latest").resolve()
@@ -106,6 +130,7 @@ def test_artifacts_default_to_the_cache_with_a_latest_link(tmp_path, no_gpu, mon
 
 def test_watch_records_default_to_the_cache(monkeypatch, tmp_path):
     from repro.watch import command as watch
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert watch.default_run_dir().parent == tmp_path / "repro" / "runs"
     assert "--on-finding <warn|raise>" in flat(invoke("watch", "--help").stdout)
@@ -125,14 +150,17 @@ def test_matrix_list_shows_unsupported_gpu_trials(no_gpu):
     assert all(line.endswith(" not here") for line in lines[:23])
     reason = " ".join(lines[23:])
     assert reason.startswith("not here (23 trials, UNSUPPORTED): device = cuda but no CUDA GPU is visible")
-    assert all(len(line) <= 80 and line == line.rstrip() for line in lines)     # a pipe: 80 columns
+    assert all(len(line) <= 80 and line == line.rstrip() for line in lines)  # a pipe: 80 columns
 
 
 def test_matrix_only_keeps_ids_of_the_full_matrix(tmp_path, no_gpu):
     listed = invoke("matrix", "--list", "--only", "nvfp4-reload-*-identity", "--only", "reload-safe").stdout
     ids = [line.split()[0] for line in listed.splitlines()]
-    assert ids == ["02-gemma4-mtp-reload-safe-tp2-release", "05-gemma4-mtp-reload-safe-tp2-release-reload",
-                   "08-nvfp4-reload-kernel-reuse-tp1-poison-identity"]
+    assert ids == [
+        "02-gemma4-mtp-reload-safe-tp2-release",
+        "05-gemma4-mtp-reload-safe-tp2-release-reload",
+        "08-nvfp4-reload-kernel-reuse-tp1-poison-identity",
+    ]
     result = invoke("matrix", "--only", "08-*", "--json", "-", "--artifacts", str(tmp_path))
     assert result.exit_code == 0, result.stderr
     trials = json.loads(result.stdout)["trials"]
@@ -147,8 +175,9 @@ def test_matrix_only_matching_nothing_is_usage_error():
 
 def test_vllm_audit_without_vllm_is_environment_exit_3(monkeypatch):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(repro.audit.scan.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    monkeypatch.setattr(
+        repro.audit.scan.importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a)
+    )
     result = invoke("vllm-audit")
     assert result.exit_code == 3 and "vllm is not installed" in result.stderr
 
@@ -161,7 +190,7 @@ def test_gpu_matrix_on_cpu_says_why_once_and_points_at_ci_smoke(no_gpu):
     assert "23 trials (00-22): UNSUPPORTED (not run, not a pass)" in result.stdout
     assert len(result.stdout.splitlines()) <= 5
     assert "`repro matrix` runs the CPU matrix (ci-smoke)" in flat(result.stderr)
-    assert "started" not in result.stderr                 # nothing was started
+    assert "started" not in result.stderr  # nothing was started
 
 
 def run_cli(*args, columns=None):
@@ -178,7 +207,7 @@ def test_wide_and_narrow_pipes_get_lines_without_padding_or_cuts(tmp_path):
         assert all(line == line.rstrip() for line in presets)
         assert all(len(line) <= (columns or 80) for line in presets)
     wide = run_cli("presets", columns=160).stdout
-    assert "CPU smoke: every scenario x mode x lifecycle, tiny dims, guard verdicts\n" in wide   # whole
+    assert "CPU smoke: every scenario x mode x lifecycle, tiny dims, guard verdicts\n" in wide  # whole
     report = run_cli("selftest", "--steps", "1", "--device", "cpu", "--artifacts", str(tmp_path), columns=160)
     assert report.returncode == 0, report.stderr
     lines = report.stdout.splitlines() + report.stderr.splitlines()
@@ -193,6 +222,7 @@ def test_progress_timer_stays_whole_on_a_narrow_terminal():
     import io
     from rich.console import Console
     from repro import report as rp
+
     stream = io.StringIO()
     with rp.Progress(Console(file=stream, width=60, force_terminal=True, color_system=None)) as progress:
         progress.add("t1", "00-gemma4-mtp-fixed-tp2-release-reload-drafter", 14)

@@ -1,8 +1,8 @@
 """Config loading, overrides and validation: every bad input is one ConfigError line."""
+
 import pytest
 
-from repro.config import (ConfigError, apply_overrides, default_expectation, load_preset, parse_set,
-                          validate)
+from repro.config import ConfigError, apply_overrides, default_expectation, load_preset, parse_set, validate
 from repro.outcome import Outcome, parse_expectation
 from repro.scenarios.gemma4_mtp_spec import Gemma4Dims
 from repro.scenarios.nvfp4_moe_spec import MoeDims
@@ -17,7 +17,12 @@ def write(tmp_path, text, name="c.toml"):
 def test_real_presets_validate():
     e2b = validate(load_preset("gemma4-e2b"))
     assert isinstance(e2b.model, Gemma4Dims)
-    assert (e2b.model.vocab_size, e2b.model.hidden_size, e2b.model.num_centroids, e2b.model.centroid_top_k) == (262144, 256, 2048, 32)
+    assert (e2b.model.vocab_size, e2b.model.hidden_size, e2b.model.num_centroids, e2b.model.centroid_top_k) == (
+        262144,
+        256,
+        2048,
+        32,
+    )
     assert e2b.model.batch_sizes == [1, 2, 4, 8, 16, 32, 64]
     assert e2b.run.after_free == "release"
     assert validate(load_preset("gemma4-e4b")).model.backbone_hidden_size == 2560
@@ -29,11 +34,12 @@ def test_scenario_default_after_free_filled():
 
 
 def test_overrides_and_set():
-    cfg = apply_overrides(load_preset("gemma4-tiny"), {"tp": 3, "steps": None, "mode": "fixed"},
-                          ["model.vocab_size=8000", "run.seed=5"])
+    cfg = apply_overrides(
+        load_preset("gemma4-tiny"), {"tp": 3, "steps": None, "mode": "fixed"}, ["model.vocab_size=8000", "run.seed=5"]
+    )
     cfg = validate(cfg)
     assert (cfg.run.tp, cfg.run.mode, cfg.model.vocab_size, cfg.run.seed) == (3, "fixed", 8000, 5)
-    assert cfg.run.steps == load_preset("gemma4-tiny").run.steps   # None = not given
+    assert cfg.run.steps == load_preset("gemma4-tiny").run.steps  # None = not given
 
 
 def test_overrides_do_not_mutate_preset_object():
@@ -49,24 +55,25 @@ def test_parse_set_reads_toml_values():
 
 def test_round_trip_dict():
     from repro.config import TrialConfig
+
     cfg = validate(load_preset("gemma4-tiny"))
     assert TrialConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
 
 
 BAD = [
-    ("unknown key", '[run]\nstepz = 3', "unknown key [run].stepz"),
+    ("unknown key", "[run]\nstepz = 3", "unknown key [run].stepz"),
     ("wrong type", '[run]\nsteps = "five"', "must be an integer"),
-    ("negative steps", '[run]\nsteps = -1', "steps = -1 must be >= 1"),
-    ("zero tp", '[run]\ntp = 0', "tp = 0 must be >= 1"),
+    ("negative steps", "[run]\nsteps = -1", "steps = -1 must be >= 1"),
+    ("zero tp", "[run]\ntp = 0", "tp = 0 must be >= 1"),
     ("unknown mode", '[run]\nmode = "halfway"', "mode = 'halfway' is not one of unfixed, fixed, reload-safe"),
     ("unknown after_free", '[run]\nafter_free = "shred"', "after_free = 'shred' is not one of"),
-    ("vocab not divisible", '[model]\nvocab_size = 4001', "not divisible by model.num_centroids"),
-    ("top_k too large", '[model]\ncentroid_top_k = 4096', "exceeds model.num_centroids"),
-    ("batch sizes unsorted", '[model]\nbatch_sizes = [4, 2]', "strictly increasing"),
-    ("bool for int", '[run]\nseed = true', "must be an integer"),
-    ("negative deadline", '[run]\ndeadline_s = -3', "deadline_s = -3.0 must be > 0"),
+    ("vocab not divisible", "[model]\nvocab_size = 4001", "not divisible by model.num_centroids"),
+    ("top_k too large", "[model]\ncentroid_top_k = 4096", "exceeds model.num_centroids"),
+    ("batch sizes unsorted", "[model]\nbatch_sizes = [4, 2]", "strictly increasing"),
+    ("bool for int", "[run]\nseed = true", "must be an integer"),
+    ("negative deadline", "[run]\ndeadline_s = -3", "deadline_s = -3.0 must be > 0"),
     ("unknown guard", '[run]\nguard = "loud"', "guard = 'loud' is not one of off, warn, raise"),
-    ("wrong lifecycle key", '[run]\nidentity_reload = true', "identity_reload does not apply to gemma4-mtp"),
+    ("wrong lifecycle key", "[run]\nidentity_reload = true", "identity_reload does not apply to gemma4-mtp"),
     ("bad expectation", '[run]\nexpect = "works"', "expectation 'works' is not one of"),
     ("bad dtype", '[model]\ndtype = "int4"', "model.dtype = 'int4'"),
 ]
@@ -80,7 +87,7 @@ def test_bad_inputs_name_key_value_and_allowed(tmp_path, name, body, needle):
     msg = str(e.value)
     assert needle in msg
     assert "\n" not in msg
-    assert str(tmp_path) in msg          # names the file
+    assert str(tmp_path) in msg  # names the file
 
 
 def test_missing_file():
@@ -126,10 +133,11 @@ def test_default_expectations():
     def exp(mode, **run):
         cfg = validate(apply_overrides(load_preset("gemma4-tiny"), {"mode": mode, **run}, []))
         return parse_expectation(default_expectation(cfg))
+
     assert Outcome.ILLEGAL_ADDRESS in exp("unfixed") and Outcome.CLEAN not in exp("unfixed")
-    assert exp("unfixed", tp=1) == [Outcome.CLEAN]          # TP=1 control
+    assert exp("unfixed", tp=1) == [Outcome.CLEAN]  # TP=1 control
     assert exp("fixed") == [Outcome.CLEAN]
-    assert Outcome.ILLEGAL_ADDRESS in exp("fixed", reload_drafter=True)   # upstream fix breaks on reload
+    assert Outcome.ILLEGAL_ADDRESS in exp("fixed", reload_drafter=True)  # upstream fix breaks on reload
     assert exp("reload-safe", reload_drafter=True) == [Outcome.CLEAN]
     assert exp("fixed", expect="NONFINITE,MISMATCH") == [Outcome.MISMATCH, Outcome.NONFINITE]
 

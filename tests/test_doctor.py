@@ -1,4 +1,5 @@
 """repro.env.doctor against a fake NVML: no GPU needed, nothing here may touch CUDA."""
+
 from __future__ import annotations
 
 import ctypes
@@ -30,9 +31,15 @@ def pci(bus: int) -> SimpleNamespace:
 def fake_gpu(uuid: str, bus: int, links: list) -> SimpleNamespace:
     """links: one (active, remote type, remote bus) per NVLink the GPU has."""
     return SimpleNamespace(
-        name="NVIDIA H200", uuid=uuid, pci=pci(bus),
+        name="NVIDIA H200",
+        uuid=uuid,
+        pci=pci(bus),
         memory=SimpleNamespace(used=4 << 20, total=H200_MIB << 20, free=0),
-        ecc=[1, 1], ecc_volatile=0, ecc_aggregate=0, remapped=(0, 0, 0, 0), cc=(9, 0),
+        ecc=[1, 1],
+        ecc_volatile=0,
+        ecc_aggregate=0,
+        remapped=(0, 0, 0, 0),
+        cc=(9, 0),
         links=links,
     )
 
@@ -55,8 +62,18 @@ class FakeNvml:
 
     NVMLError = pynvml.NVMLError
 
-    def __init__(self, gpus, *, init_error=None, unsupported=(), error=None,
-                 lost=(), topology=pynvml.NVML_TOPOLOGY_NODE, p2p=0, max_links=18):
+    def __init__(
+        self,
+        gpus,
+        *,
+        init_error=None,
+        unsupported=(),
+        error=None,
+        lost=(),
+        topology=pynvml.NVML_TOPOLOGY_NODE,
+        p2p=0,
+        max_links=18,
+    ):
         self.gpus = gpus
         self.init_error = init_error
         self.unsupported = set(unsupported)
@@ -161,8 +178,7 @@ class FakeNvml:
 
 
 def two_bridged_gpus(**kwargs) -> FakeNvml:
-    return FakeNvml([fake_gpu(UUID0, 0x18, bridged(0x2A)), fake_gpu(UUID1, 0x2A, bridged(0x18))],
-                    **kwargs)
+    return FakeNvml([fake_gpu(UUID0, 0x18, bridged(0x2A)), fake_gpu(UUID1, 0x2A, bridged(0x18))], **kwargs)
 
 
 @pytest.fixture(autouse=True)
@@ -193,22 +209,30 @@ def test_two_gpus_with_nvlink_bridge():
     assert gpu["compute_capability"] == "9.0"
     assert (gpu["memory_used_mib"], gpu["memory_total_mib"]) == (4, H200_MIB)
     assert gpu["ecc_enabled"] is True and gpu["ecc_uncorrected_aggregate"] == 0
-    assert gpu["remapped_rows"] == {"corrected": 0, "uncorrected": 0, "pending": False,
-                                    "failure": False}
+    assert gpu["remapped_rows"] == {"corrected": 0, "uncorrected": 0, "pending": False, "failure": False}
     assert gpu["nvlink"] == {"active": 18, "to_switch": 0, "peers": {"00000000:2A:00.0": 18}}
     assert gpu["health"] == "ok"
     assert [g["cuda_index"] for g in env["gpus"]] == [0, 1]
-    assert env["gpu_pairs"] == [{
-        "a": 0, "b": 1, "topology": "NODE", "p2p_read": "OK", "p2p_nvlink": "OK",
-        "nvlinks": 18, "nvlink_via": "direct", "link": "NV18",
-    }]
+    assert env["gpu_pairs"] == [
+        {
+            "a": 0,
+            "b": 1,
+            "topology": "NODE",
+            "p2p_read": "OK",
+            "p2p_nvlink": "OK",
+            "nvlinks": 18,
+            "nvlink_via": "direct",
+            "link": "NV18",
+        }
+    ]
     assert nvml.open == 0, "collect() must shut NVML down again"
     json.dumps(env)  # plain data only
 
 
 def test_two_gpus_on_nvswitch_fabric():
-    nvml = FakeNvml([fake_gpu(UUID0, 0x18, switched()), fake_gpu(UUID1, 0x2A, switched())],
-                    topology=pynvml.NVML_TOPOLOGY_SYSTEM)
+    nvml = FakeNvml(
+        [fake_gpu(UUID0, 0x18, switched()), fake_gpu(UUID1, 0x2A, switched())], topology=pynvml.NVML_TOPOLOGY_SYSTEM
+    )
     pair = doctor.collect(nvml=nvml)["gpu_pairs"][0]
     assert (pair["nvlinks"], pair["nvlink_via"], pair["link"]) == (18, "nvswitch", "NV18")
     assert pair["topology"] == "SYS"
@@ -216,9 +240,11 @@ def test_two_gpus_on_nvswitch_fabric():
 
 def test_pcie_only_pair_reports_pcie_path():
     inactive = [(0, GPU_TYPE, 0)] * 18
-    nvml = FakeNvml([fake_gpu(UUID0, 0x18, inactive), fake_gpu(UUID1, 0x2A, inactive)],
-                    topology=pynvml.NVML_TOPOLOGY_HOSTBRIDGE,
-                    p2p=pynvml.NVML_P2P_STATUS_CHIPSET_NOT_SUPPORTED)
+    nvml = FakeNvml(
+        [fake_gpu(UUID0, 0x18, inactive), fake_gpu(UUID1, 0x2A, inactive)],
+        topology=pynvml.NVML_TOPOLOGY_HOSTBRIDGE,
+        p2p=pynvml.NVML_P2P_STATUS_CHIPSET_NOT_SUPPORTED,
+    )
     env = doctor.collect(nvml=nvml)
     assert env["gpus"][0]["nvlink"] == {"active": 0, "to_switch": 0, "peers": {}}
     pair = env["gpu_pairs"][0]
@@ -233,44 +259,52 @@ def test_links_past_max_links_constant_are_not_queried():
 def test_inventory_line_two_gpus():
     env = doctor.collect(nvml=two_bridged_gpus())
     line = doctor.inventory_line(env)
-    assert line.startswith(
-        f"2x NVIDIA H200 ({H200_MIB} MiB), driver 580.159.04, CUDA 13.0 | torch {torch.__version__}")
+    assert line.startswith(f"2x NVIDIA H200 ({H200_MIB} MiB), driver 580.159.04, CUDA 13.0 | torch {torch.__version__}")
     assert line.endswith(f" | python {env['host']['python']}")
 
 
 def test_inventory_line_fixed_inventory():
     env = {
         "host": {"python": "3.12.3"},
-        "gpus": [{"name": "NVIDIA H200", "memory_total_mib": H200_MIB, "cuda_index": i}
-                 for i in range(2)],
+        "gpus": [{"name": "NVIDIA H200", "memory_total_mib": H200_MIB, "cuda_index": i} for i in range(2)],
         "driver": {"version": "580.159.04", "cuda": "13.0"},
         "torch": {"version": "2.11.0+cu130", "nccl": "2.27.7"},
         "vllm": {"installed": False},
         "env": {},
     }
     assert doctor.inventory_line(env) == (
-        "2x NVIDIA H200 (143771 MiB), driver 580.159.04, CUDA 13.0 | "
-        "torch 2.11.0+cu130, NCCL 2.27.7 | python 3.12.3")
+        "2x NVIDIA H200 (143771 MiB), driver 580.159.04, CUDA 13.0 | torch 2.11.0+cu130, NCCL 2.27.7 | python 3.12.3"
+    )
 
 
 def test_inventory_line_no_gpu():
-    env = {"host": {"python": "3.11.7"}, "gpus": [], "nvml_error": "Driver Not Loaded",
-           "torch": {"version": "2.13.0+cpu", "nccl": None}, "vllm": {"installed": False}}
-    assert doctor.inventory_line(env) == (
-        "no GPU (NVML: Driver Not Loaded) | torch 2.13.0+cpu | python 3.11.7")
+    env = {
+        "host": {"python": "3.11.7"},
+        "gpus": [],
+        "nvml_error": "Driver Not Loaded",
+        "torch": {"version": "2.13.0+cpu", "nccl": None},
+        "vllm": {"installed": False},
+    }
+    assert doctor.inventory_line(env) == ("no GPU (NVML: Driver Not Loaded) | torch 2.13.0+cpu | python 3.11.7")
 
 
 UNSUPPORTED = {
-    "nvmlDeviceGetEccMode", "nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetRemappedRows",
-    "nvmlDeviceGetCudaComputeCapability", "nvmlDeviceGetNvLinkState",
-    "nvmlDeviceGetNvLinkRemoteDeviceType", "nvmlDeviceGetNvLinkRemotePciInfo",
-    "nvmlDeviceGetP2PStatus", "nvmlDeviceGetTopologyCommonAncestor",
+    "nvmlDeviceGetEccMode",
+    "nvmlDeviceGetTotalEccErrors",
+    "nvmlDeviceGetRemappedRows",
+    "nvmlDeviceGetCudaComputeCapability",
+    "nvmlDeviceGetNvLinkState",
+    "nvmlDeviceGetNvLinkRemoteDeviceType",
+    "nvmlDeviceGetNvLinkRemotePciInfo",
+    "nvmlDeviceGetP2PStatus",
+    "nvmlDeviceGetTopologyCommonAncestor",
     "nvmlSystemGetCudaDriverVersion",
 }
 
 
-@pytest.mark.parametrize("error", [pynvml.NVMLError_NotSupported, pynvml.NVMLError_NoPermission,
-                                   pynvml.NVMLError_FunctionNotFound])
+@pytest.mark.parametrize(
+    "error", [pynvml.NVMLError_NotSupported, pynvml.NVMLError_NoPermission, pynvml.NVMLError_FunctionNotFound]
+)
 def test_unsupported_queries_give_none(error):
     nvml = two_bridged_gpus(unsupported=UNSUPPORTED, error=error)
     env = doctor.collect(nvml=nvml)
@@ -278,16 +312,30 @@ def test_unsupported_queries_give_none(error):
     assert len(env["gpus"]) == 2
     for gpu in env["gpus"]:
         assert gpu["name"] == "NVIDIA H200" and gpu["memory_total_mib"] == H200_MIB
-        for field in ("ecc_enabled", "ecc_pending", "ecc_uncorrected_volatile",
-                      "ecc_uncorrected_aggregate", "remapped_rows", "compute_capability",
-                      "nvlink"):
+        for field in (
+            "ecc_enabled",
+            "ecc_pending",
+            "ecc_uncorrected_volatile",
+            "ecc_uncorrected_aggregate",
+            "remapped_rows",
+            "compute_capability",
+            "nvlink",
+        ):
             assert gpu[field] is None, field
         assert gpu["health"] == "n/a"
     assert env["driver"] == {"version": "580.159.04", "cuda": None, "nvml": "13.580.159.04"}
-    assert env["gpu_pairs"] == [{
-        "a": 0, "b": 1, "topology": None, "p2p_read": None, "p2p_nvlink": None,
-        "nvlinks": None, "nvlink_via": None, "link": "n/a",
-    }]
+    assert env["gpu_pairs"] == [
+        {
+            "a": 0,
+            "b": 1,
+            "topology": None,
+            "p2p_read": None,
+            "p2p_nvlink": None,
+            "nvlinks": None,
+            "nvlink_via": None,
+            "link": "n/a",
+        }
+    ]
     assert "NVIDIA H200" in text_of(env)
     assert nvml.open == 0
 
@@ -313,10 +361,13 @@ def test_lost_gpu_is_listed_with_its_error():
     assert "GPU is lost" in text_of(env)
 
 
-@pytest.mark.parametrize("error, reason", [
-    (pynvml.NVMLError_LibraryNotFound, "NVML Shared Library Not Found"),
-    (pynvml.NVMLError_DriverNotLoaded, "Driver Not Loaded"),
-])
+@pytest.mark.parametrize(
+    "error, reason",
+    [
+        (pynvml.NVMLError_LibraryNotFound, "NVML Shared Library Not Found"),
+        (pynvml.NVMLError_DriverNotLoaded, "Driver Not Loaded"),
+    ],
+)
 def test_nvml_init_failure(error, reason):
     nvml = FakeNvml([], init_error=error)
     env = doctor.collect(nvml=nvml)
@@ -337,8 +388,12 @@ def test_real_nvml_never_raises():
 
 
 def test_health_reports_problems():
-    gpu = {"ecc_enabled": True, "ecc_uncorrected_volatile": 2, "ecc_uncorrected_aggregate": 5,
-           "remapped_rows": {"corrected": 0, "uncorrected": 1, "pending": True, "failure": False}}
+    gpu = {
+        "ecc_enabled": True,
+        "ecc_uncorrected_volatile": 2,
+        "ecc_uncorrected_aggregate": 5,
+        "remapped_rows": {"corrected": 0, "uncorrected": 1, "pending": True, "failure": False},
+    }
     health = doctor.gpu_health(gpu)
     assert "2 uncorrectable ECC since boot" in health
     assert "5 uncorrectable ECC lifetime" in health
@@ -346,8 +401,7 @@ def test_health_reports_problems():
     assert doctor.gpu_health({"ecc_enabled": False}) == "ECC off"
 
 
-@pytest.mark.parametrize("version, text", [(13000, "13.0"), (12080, "12.8"), (12020, "12.2"),
-                                           (None, None), (0, None)])
+@pytest.mark.parametrize("version, text", [(13000, "13.0"), (12080, "12.8"), (12020, "12.2"), (None, None), (0, None)])
 def test_cuda_version_text(version, text):
     assert doctor.cuda_version_text(version) == text
 
@@ -355,28 +409,31 @@ def test_cuda_version_text(version, text):
 # --------------------------------------------------------------------------- gpu_count
 
 
-@pytest.mark.parametrize("spec, count", [
-    (None, 2),
-    ("0", 1),
-    ("1", 1),
-    ("1,0", 2),
-    (" 0 , 1 ", 2),
-    ("0,1,2", 2),      # an index past the last GPU ends the list
-    ("2", 0),
-    ("2,0", 0),
-    ("0,-1,1", 1),     # a negative index ends the list
-    ("0,0", 0),        # a repeated index empties it
-    ("", 0),
-    ("  ", 0),
-    ("nope", 0),
-    (UUID1, 1),
-    (f"{UUID0},{UUID1}", 2),
-    ("GPU-11112222", 1),            # a unique prefix is enough
-    ("GPU-1111", 0),                # an ambiguous prefix matches nothing
-    (f"{UUID0},GPU-ffffffff", 1),   # an unknown UUID ends the list
-    (f"{UUID0},{UUID0}", 0),
-    ("MIG-aaaa,MIG-bbbb", 2),
-])
+@pytest.mark.parametrize(
+    "spec, count",
+    [
+        (None, 2),
+        ("0", 1),
+        ("1", 1),
+        ("1,0", 2),
+        (" 0 , 1 ", 2),
+        ("0,1,2", 2),  # an index past the last GPU ends the list
+        ("2", 0),
+        ("2,0", 0),
+        ("0,-1,1", 1),  # a negative index ends the list
+        ("0,0", 0),  # a repeated index empties it
+        ("", 0),
+        ("  ", 0),
+        ("nope", 0),
+        (UUID1, 1),
+        (f"{UUID0},{UUID1}", 2),
+        ("GPU-11112222", 1),  # a unique prefix is enough
+        ("GPU-1111", 0),  # an ambiguous prefix matches nothing
+        (f"{UUID0},GPU-ffffffff", 1),  # an unknown UUID ends the list
+        (f"{UUID0},{UUID0}", 0),
+        ("MIG-aaaa,MIG-bbbb", 2),
+    ],
+)
 def test_gpu_count_honors_cuda_visible_devices(monkeypatch, spec, count):
     if spec is not None:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", spec)
@@ -410,8 +467,7 @@ def test_env_lists_only_set_variables(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     monkeypatch.setenv("UNRELATED_VARIABLE", "x")
     env = doctor.collect(nvml=two_bridged_gpus())
-    assert env["env"] == {"NCCL_NVLS_ENABLE": "0",
-                          "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert env["env"] == {"NCCL_NVLS_ENABLE": "0", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
 # --------------------------------------------------------------------------- render
@@ -447,8 +503,9 @@ def test_torch_facts_read_without_cuda():
     facts = doctor.collect(nvml=two_bridged_gpus())["torch"]
     assert facts["version"] == torch.__version__
     assert facts["cuda"] == torch.version.cuda
-    assert facts["graph_check_input_liveness"] == ("check_input_liveness" in
-                                                   inspect.signature(torch.cuda.graph).parameters)
+    assert facts["graph_check_input_liveness"] == (
+        "check_input_liveness" in inspect.signature(torch.cuda.graph).parameters
+    )
     assert facts["error"] is None
 
 
@@ -471,7 +528,9 @@ def test_vllm_absent_is_not_imported(monkeypatch):
     monkeypatch.delitem(sys.modules, "vllm", raising=False)
     for include in (False, True):
         assert doctor.collect(include_vllm=include, nvml=two_bridged_gpus())["vllm"] == {
-            "installed": False, "version": None}
+            "installed": False,
+            "version": None,
+        }
     assert "vllm" not in sys.modules
 
 
@@ -483,12 +542,12 @@ def test_vllm_present_is_read_from_metadata_only(monkeypatch, tmp_path):
     info.mkdir()
     (info / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: vllm\nVersion: 0.11.0\n"
-        "Requires-Dist: torch==2.9.0\nRequires-Dist: torchvision==0.24.0\n")
+        "Requires-Dist: torch==2.9.0\nRequires-Dist: torchvision==0.24.0\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "vllm", raising=False)
 
-    assert doctor.collect(nvml=two_bridged_gpus())["vllm"] == {"installed": True,
-                                                               "version": "0.11.0"}
+    assert doctor.collect(nvml=two_bridged_gpus())["vllm"] == {"installed": True, "version": "0.11.0"}
     env = doctor.collect(include_vllm=True, nvml=two_bridged_gpus())
     assert env["vllm"]["version"] == "0.11.0"
     assert env["vllm"]["location"] == str(tmp_path / "vllm")

@@ -1,4 +1,5 @@
 """The README's guard example runs as shipped and finds the dead local."""
+
 import runpy
 
 from conftest import REPO

@@ -1,6 +1,7 @@
 """Contents lost at the same address under a real torch.cuda.CUDAGraph (run on a GPU machine):
 cuMemsetD8 on a captured tensor's data_ptr is what a level-1 sleep does to memory in a
 discarded pool (vLLM #53508): same address, same _version, new bytes."""
+
 from __future__ import annotations
 
 import ctypes
@@ -34,11 +35,11 @@ def cuda_memset(t: torch.Tensor, byte: int, offset: int = 0, nbytes: int | None 
 class Runner:
     def __init__(self):
         dev = "cuda"
-        self.meta = torch.arange(64, dtype=torch.int32, device=dev)     # read by the graph
-        self.kv = torch.zeros(16, 8, device=dev)                        # written by the graph
+        self.meta = torch.arange(64, dtype=torch.int32, device=dev)  # read by the graph
+        self.kv = torch.zeros(16, 8, device=dev)  # written by the graph
         self.weight = torch.randn(8, 8, device=dev)
-        self.big = torch.randn(1 << 22, device=dev)                     # 16 MiB: sampled
-        self.x = torch.ones(4, 8, device=dev)                           # static input
+        self.big = torch.randn(1 << 22, device=dev)  # 16 MiB: sampled
+        self.x = torch.ones(4, 8, device=dev)  # static input
 
 
 def decode(r: Runner, x: torch.Tensor) -> torch.Tensor:
@@ -68,17 +69,17 @@ def test_driver_memset_of_captured_metadata_is_found_and_graph_writes_are_not():
         graph.replay()
     assert guard.check("after the first replay") == []
 
-    cuda_memset(r.kv, 0xFF)              # the graph's own KV cache: its business
-    cuda_memset(r.meta, 0)               # level-1 sleep: discarded, handed back zeroed
-    assert guard.check("after wake", deep=False) == []             # liveness: nothing to see
+    cuda_memset(r.kv, 0xFF)  # the graph's own KV cache: its business
+    cuda_memset(r.meta, 0)  # level-1 sleep: discarded, handed back zeroed
+    assert guard.check("after wake", deep=False) == []  # liveness: nothing to see
     findings = guard.check("after wake")
     assert [(f.slot, f.status) for f in findings] == [("runner.meta", "contents-changed")]
     assert findings[0].old_ptr == r.meta.data_ptr() and findings[0].new_ptr is None
 
-    r.meta.copy_(torch.arange(64, dtype=torch.int32, device="cuda"))   # restored by torch: a write
+    r.meta.copy_(torch.arange(64, dtype=torch.int32, device="cuda"))  # restored by torch: a write
     r.weight.mul_(2)
     assert guard.check("after restore") == []
-    cuda_memset(r.big, 0, offset=1 << 20, nbytes=4 << 20)             # 4 MiB of 16 lost: sampled, seen
+    cuda_memset(r.big, 0, offset=1 << 20, nbytes=4 << 20)  # 4 MiB of 16 lost: sampled, seen
     assert [f.slot for f in guard.check("after a partial loss")] == ["runner.big"]
     graph.replay()
     torch.cuda.synchronize()
@@ -93,7 +94,7 @@ def test_harness_capture_fingerprints_at_its_end_and_brackets_the_first_replay()
     printed = {s.name for s in guard.slots if s.contents is not None}
     assert printed == {"runner.meta", "runner.weight", "runner.big", "runner.x"}
     assert graph.replay() is not None and graph.replays == 1
-    r.x.copy_(torch.randn(4, 8, device="cuda"))    # the static input, written before a replay
+    r.x.copy_(torch.randn(4, 8, device="cuda"))  # the static input, written before a replay
     graph.replay()
     assert guard.check("before replay, step 1") == []
     cuda_memset(r.weight, 0x3C)
@@ -107,4 +108,4 @@ def test_fingerprints_of_unchanged_memory_are_the_same_on_the_device():
     captured(r, guard)
     slots = [s for s in guard.slots if s.contents is not None]
     digests = fingerprint.measure(slots)
-    assert all(d is not None for d in digests) and digests == fingerprint.measure(slots)   # deterministic
+    assert all(d is not None for d in digests) and digests == fingerprint.measure(slots)  # deterministic

@@ -1,10 +1,10 @@
 """Forensics on synthetic snapshots shaped like torch.cuda.memory._snapshot()."""
+
 from __future__ import annotations
 
 import torch
 
-from repro.diagnose.forensics import (MemoryHistory, find_events, format_frame, snapshot_name,
-                             user_frames)
+from repro.diagnose.forensics import MemoryHistory, find_events, format_frame, snapshot_name, user_frames
 from repro.outcome import Finding
 
 MiB = 1 << 20
@@ -31,7 +31,7 @@ def gemma_trace(reuse: bool = False, release: bool = False) -> list[dict]:
     trace = [
         event("segment_alloc", SEG, 256 * MiB),
         event("alloc", SEG, 128 * MiB, frame(TORCH_FILE, 1, "_call_impl"), GATHER, SETUP),
-        event("alloc", SEG + 128 * MiB, 2 * MiB, SETUP),   # a neighbour that stays
+        event("alloc", SEG + 128 * MiB, 2 * MiB, SETUP),  # a neighbour that stays
         event("free_requested", SEG, 128 * MiB, RETURN),
         event("free_completed", SEG, 128 * MiB, RETURN),
     ]
@@ -73,7 +73,7 @@ def test_segment_free_before_any_free_does_not_count():
 
 def test_last_alloc_covering_the_address_wins_on_reuse():
     found = find_events([gemma_trace(reuse=True)], SEG + MiB)
-    assert found.alloc["size"] == 64 * MiB           # the KV-cache-like reuse, not the lm_head
+    assert found.alloc["size"] == 64 * MiB  # the KV-cache-like reuse, not the lm_head
     assert found.alloc["frames"] == [KV]
     assert found.free_requested is None and not found.freed
     # past the reuse's end, the original (freed) allocation is the last one covering it
@@ -82,11 +82,11 @@ def test_last_alloc_covering_the_address_wins_on_reuse():
 
 
 def test_address_outside_every_alloc_and_other_devices():
-    assert find_events([gemma_trace()], SEG + 200 * MiB) is None    # only in the segment
+    assert find_events([gemma_trace()], SEG + 200 * MiB) is None  # only in the segment
     assert find_events([], SEG) is None
-    found = find_events([[], gemma_trace()], SEG)                    # lives on device 1
+    found = find_events([[], gemma_trace()], SEG)  # lives on device 1
     assert found.device == 1
-    assert find_events(gemma_trace(), SEG).alloc["addr"] == SEG      # one device's flat list
+    assert find_events(gemma_trace(), SEG).alloc["addr"] == SEG  # one device's flat list
 
 
 def test_user_frames_drop_torch_and_native_and_keep_order():
@@ -94,7 +94,9 @@ def test_user_frames_drop_torch_and_native_and_keep_order():
         frame("/pytorch/c10/cuda/CUDACachingAllocator.cpp", 10, "malloc"),
         frame("??", 0, "unwind::unwind"),
         frame(TORCH_FILE, 1, "_call_impl"),
-        GATHER, SETUP, RETURN,
+        GATHER,
+        SETUP,
+        RETURN,
     ]
     assert user_frames(frames) == [
         "gemma4_mtp.py:88 in full_lm_head_weight",
@@ -117,7 +119,10 @@ def test_locate_and_annotate_on_a_synthetic_snapshot():
     snap = {"segments": [], "device_traces": [gemma_trace(release=True)]}
     where = history.locate(SEG + 3 * MiB, snapshot=snap)
     assert where == {
-        "addr": SEG, "size": 128 * MiB, "device": 0, "freed": True,
+        "addr": SEG,
+        "size": 128 * MiB,
+        "device": 0,
+        "freed": True,
         "alloc_stack": ["gemma4_mtp.py:88 in full_lm_head_weight", "gemma4.py:120 in setup_centroid_graphs"],
         "free_stack": ["gpu_model_runner.py:900 in capture_model"],
         "released_to_driver": True,
@@ -125,16 +130,25 @@ def test_locate_and_annotate_on_a_synthetic_snapshot():
     assert history.locate(1, snapshot=snap) is None
     assert "0x1" in history.reason
 
-    finding = Finding(slot="drafter.<local>", graph="g", status="freed", when="w", rank=0,
-                      shape=[262144, 256], dtype="bfloat16", nbytes=128 * MiB, old_ptr=SEG + 4096)
-    history.snapshot = lambda: snap   # stand in for torch.cuda.memory._snapshot on CPU
+    finding = Finding(
+        slot="drafter.<local>",
+        graph="g",
+        status="freed",
+        when="w",
+        rank=0,
+        shape=[262144, 256],
+        dtype="bfloat16",
+        nbytes=128 * MiB,
+        old_ptr=SEG + 4096,
+    )
+    history.snapshot = lambda: snap  # stand in for torch.cuda.memory._snapshot on CPU
     assert history.annotate([finding]) == 1
     assert finding.alloc_stack[0] == "gemma4_mtp.py:88 in full_lm_head_weight"
     assert finding.free_stack == ["gpu_model_runner.py:900 in capture_model"]
 
 
 def test_memory_history_on_cpu_is_a_noop_with_a_reason(tmp_path, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # CPU-only on any machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # CPU-only on any machine
     history = MemoryHistory(enabled=True, max_entries=1000)
     assert not history.available
     assert "CUDA is not available" in history.reason
@@ -144,8 +158,9 @@ def test_memory_history_on_cpu_is_a_noop_with_a_reason(tmp_path, monkeypatch):
     assert history.locate(0x1000) is None
     assert history.dump(tmp_path / "m.pickle") is None
     assert list(tmp_path.iterdir()) == []
-    finding = Finding(slot="s", graph="g", status="freed", when="w", rank=0, shape=[1],
-                      dtype="float32", nbytes=4, old_ptr=0x1000)
+    finding = Finding(
+        slot="s", graph="g", status="freed", when="w", rank=0, shape=[1], dtype="float32", nbytes=4, old_ptr=0x1000
+    )
     assert history.annotate([finding]) == 0 and finding.alloc_stack == []
 
 
@@ -166,8 +181,11 @@ def test_guard_dispatch_frame_is_not_a_user_frame():
     # stack; the report must start at the scenario line instead (seen on an H200 run).
     from repro.diagnose import guard
     from repro.diagnose.forensics import user_frames
-    frames = [{"filename": guard.__file__, "line": 206, "name": "__torch_dispatch__"},
-              {"filename": "/site/repro/scenarios/gemma4_mtp.py", "line": 100, "name": "full_lm_head_weight"}]
+
+    frames = [
+        {"filename": guard.__file__, "line": 206, "name": "__torch_dispatch__"},
+        {"filename": "/site/repro/scenarios/gemma4_mtp.py", "line": 100, "name": "full_lm_head_weight"},
+    ]
     plumbing = guard.CaptureGuard("warn").plumbing
     assert user_frames(frames, plumbing=plumbing) == ["gemma4_mtp.py:100 in full_lm_head_weight"]
-    assert user_frames(frames)[0].startswith("guard.py:206")    # nothing is plumbing unless told
+    assert user_frames(frames)[0].startswith("guard.py:206")  # nothing is plumbing unless told

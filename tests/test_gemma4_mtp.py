@@ -1,4 +1,5 @@
 """gemma4-mtp on CPU: TP math on gloo, the mode difference, guard verdicts through the runner."""
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -7,19 +8,28 @@ from repro.config import load_preset
 from repro.rank.dist import TP, init_tp, shutdown
 from repro.outcome import Outcome
 from repro.run.runner import plan, run_planned
-from repro.scenarios.gemma4_mtp import (Gemma4Drafter, Oracle, Proposer, Sequences, decode_step, full_lm_head,
-                                        make_lm_head_shard, padded_vocab, target_only)
+from repro.scenarios.gemma4_mtp import (
+    Gemma4Drafter,
+    Oracle,
+    Proposer,
+    Sequences,
+    decode_step,
+    full_lm_head,
+    make_lm_head_shard,
+    padded_vocab,
+    target_only,
+)
 from repro.scenarios.gemma4_target import TargetStandIn
 from repro.scenarios.specdec import emitted_tokens, first_divergence
 
-DIMS = load_preset("gemma4-tiny").model          # vocab 4000, 50 centroids, top-4, hidden 64
+DIMS = load_preset("gemma4-tiny").model  # vocab 4000, 50 centroids, top-4, hidden 64
 CPU = torch.device("cpu")
 
 
 def test_padded_vocab_like_a_vocab_parallel_head():
     assert padded_vocab(262144, 2) == 262144
     assert padded_vocab(4000, 1) == 4032
-    assert padded_vocab(4000, 3) == 4032          # multiple of 64 * 3 = 192
+    assert padded_vocab(4000, 3) == 4032  # multiple of 64 * 3 = 192
     assert padded_vocab(4000, 4) == 4096
 
 
@@ -32,7 +42,7 @@ def test_tp1_full_weight_is_a_view_of_the_live_parameter():
 
 
 def _tp_worker(rank, world, rendezvous, queue, received):
-    torch.set_grad_enabled(False)                 # as in the harness's workers
+    torch.set_grad_enabled(False)  # as in the harness's workers
     tp = init_tp(rank, world, rendezvous, CPU, timeout_s=60)
     try:
         out = {}
@@ -81,7 +91,7 @@ def run_tp(world, rendezvous):
     return procs, queue, received
 
 
-@pytest.mark.parametrize("world", [2, 3])   # even and uneven shards of the padded vocab
+@pytest.mark.parametrize("world", [2, 3])  # even and uneven shards of the padded vocab
 def test_tp_gather_equals_full_weight_and_tokens_match_tp1(world, tmp_path):
     procs, queue, received = run_tp(world, tmp_path / "store_port")
     for p in procs:
@@ -97,16 +107,16 @@ def test_tp_gather_equals_full_weight_and_tokens_match_tp1(world, tmp_path):
     tokens_ref = Oracle(ref.masked_embedding, full_ref).top_tokens(h, 8)
     for rank, out in results.items():
         assert out["unfixed"]["shard_rows"] == padded_vocab(DIMS.vocab_size, world) // world
-        assert torch.equal(out["unfixed"]["full"], full_ref)            # gather + slice = the TP=1 weight
-        assert torch.equal(out["tokens"], tokens_ref)                   # same draft tokens at any TP
-        assert out["unfixed"]["fresh_each_call"] and not out["unfixed"]["cached"]   # the bug's shape
-        assert not out["fixed"]["fresh_each_call"] and out["fixed"]["cached"]       # the fix's shape
-        assert out["fixed"]["cache_after_reload"] is False                          # upstream resets it
+        assert torch.equal(out["unfixed"]["full"], full_ref)  # gather + slice = the TP=1 weight
+        assert torch.equal(out["tokens"], tokens_ref)  # same draft tokens at any TP
+        assert out["unfixed"]["fresh_each_call"] and not out["unfixed"]["cached"]  # the bug's shape
+        assert not out["fixed"]["fresh_each_call"] and out["fixed"]["cached"]  # the fix's shape
+        assert out["fixed"]["cache_after_reload"] is False  # upstream resets it
         # The loop (vocab-parallel target, greedy across ranks) emits what it emits at TP=1.
         assert (out["emitted"], out["accepted"]) == decode(TP(0, 1, None))
 
 
-VERDICTS = {   # name -> (run overrides, expected outcome)
+VERDICTS = {  # name -> (run overrides, expected outcome)
     "unfixed tp2": ({"mode": "unfixed", "tp": 2}, Outcome.STALE_CAPTURE),
     "fixed tp2": ({"mode": "fixed", "tp": 2}, Outcome.CLEAN),
     "reload-safe reload": ({"mode": "reload-safe", "tp": 2, "reload_drafter": True}, Outcome.CLEAN),
@@ -118,8 +128,10 @@ VERDICTS = {   # name -> (run overrides, expected outcome)
 @pytest.fixture(scope="module")
 def cpu_trials(tmp_path_factory):
     """Every CPU verdict case through the runner, several at once (each in its own processes)."""
-    planned = [plan("gemma4-mtp", "gemma4-tiny", {"device": "cpu", "steps": 4, **run}, [], gpus=0)
-               for run, _ in VERDICTS.values()]
+    planned = [
+        plan("gemma4-mtp", "gemma4-tiny", {"device": "cpu", "steps": 4, **run}, [], gpus=0)
+        for run, _ in VERDICTS.values()
+    ]
     result = run_planned(planned, tmp_path_factory.mktemp("gemma4-cpu"), jobs=3)
     return dict(zip(VERDICTS, result.report.trials))
 
@@ -134,7 +146,7 @@ def test_cpu_unfixed_tp2_is_stale_capture_naming_the_gathered_local(cpu_trials):
     assert f.shape == [DIMS.vocab_size, DIMS.hidden_size] and f.dtype.endswith("bfloat16")
     assert "setup_centroid_graphs" in (f.freed_at or "") or "setup_centroid_graphs" in f.slot
     assert any("no CUDA graph" in n for n in t.notes)
-    assert all(s.mismatches == 0 for s in t.steps)   # eager stand-in uses live weights: no symptom on CPU
+    assert all(s.mismatches == 0 for s in t.steps)  # eager stand-in uses live weights: no symptom on CPU
 
 
 @pytest.mark.parametrize("name", list(VERDICTS))
@@ -153,12 +165,12 @@ def test_cpu_trial_measures_acceptance_and_lossless_on_gloo(cpu_trials):
     assert t.outcome == Outcome.CLEAN and t.met
     m = t.measures
     assert m["lossless"] is True
-    assert m["acceptance_rate"] >= 0.5                      # a drafter worth its name
+    assert m["acceptance_rate"] >= 0.5  # a drafter worth its name
     k = t.config["run"]["num_speculative_tokens"]
     assert k == 3 and 1 <= m["mean_accepted_length"] <= k + 1
     assert m["tokens_per_s"] and m["tokens_per_s"] > 0
     per_rank = [[(s.step, s.extra["accepted"], s.extra["emitted"]) for s in t.steps if s.rank == r] for r in (0, 1)]
-    assert per_rank[0] == per_rank[1] and len(per_rank[0]) == 4   # both ranks verified the same drafts
+    assert per_rank[0] == per_rank[1] and len(per_rank[0]) == 4  # both ranks verified the same drafts
     assert all(s.compared == s.batch * k for s in t.steps)
     assert t.details["num_speculative_tokens"] == 3 and t.details["tp_transport"] == "gloo"
 
@@ -166,6 +178,7 @@ def test_cpu_trial_measures_acceptance_and_lossless_on_gloo(cpu_trials):
 def test_rank_waits_for_rank0_store_port_and_says_where(tmp_path):
     from datetime import timedelta
     from repro.rank.dist import open_store
+
     with pytest.raises(TimeoutError, match="rank 1: rank 0 published no store port in .*store_port"):
         open_store(1, 2, tmp_path / "store_port", timedelta(seconds=0.2))
 
@@ -173,6 +186,7 @@ def test_rank_waits_for_rank0_store_port_and_says_where(tmp_path):
 def test_rank0_binds_its_own_port_and_publishes_it(tmp_path):
     from datetime import timedelta
     from repro.rank.dist import open_store
+
     master = open_store(0, 2, tmp_path / "store_port", timedelta(seconds=5))
     port = int((tmp_path / "store_port").read_text())
     assert port == master.port and port > 0

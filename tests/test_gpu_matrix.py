@@ -5,6 +5,7 @@ lifecycle; nvfp4-reload at Qwen3-30B-A3B MoE dims. gpu-1: the TP=1 half, and pie
 at Llama 3 8B dims (every after-free value). Set
 REPRO_REPORT_DIR to keep the JSON report of the run.
 """
+
 import os
 from pathlib import Path
 
@@ -41,8 +42,7 @@ FIRST_CHECKS = ("after set-up", "after drafter reload", "after reload 0", "befor
 
 
 def finding_before_first_replay(t, needle):
-    return any(f.when in FIRST_CHECKS and needle in f.slot and f.status == "freed"
-               for f in t.guard_findings)
+    return any(f.when in FIRST_CHECKS and needle in f.slot and f.status == "freed" for f in t.guard_findings)
 
 
 def assert_gemma_shape(trials):
@@ -52,14 +52,14 @@ def assert_gemma_shape(trials):
             continue
         if mode == "unfixed" and tp > 1:
             if af == "keep":
-                assert t.outcome == Outcome.STALE_CAPTURE, key(t)      # memory untouched: latent
+                assert t.outcome == Outcome.STALE_CAPTURE, key(t)  # memory untouched: latent
             else:
-                assert t.outcome in SYMPTOMS, (key(t), t.outcome)      # every other value shows it
+                assert t.outcome in SYMPTOMS, (key(t), t.outcome)  # every other value shows it
             assert finding_before_first_replay(t, "lm_head_weight"), key(t)
         elif mode == "fixed" and reload and tp > 1:
-            assert t.outcome in REPRODUCED, key(t)                     # upstream fix + drafter reload
+            assert t.outcome in REPRODUCED, key(t)  # upstream fix + drafter reload
         else:
-            assert t.outcome == Outcome.CLEAN, (key(t), t.outcome)     # fixed, reload-safe, TP=1
+            assert t.outcome == Outcome.CLEAN, (key(t), t.outcome)  # fixed, reload-safe, TP=1
             assert not t.guard_findings, key(t)
         assert t.graph_replayed, key(t)
         assert_speculative(t)
@@ -68,13 +68,13 @@ def assert_gemma_shape(trials):
 def assert_speculative(t):
     """Whatever the drafter read, the text is the target's; only healthy drafts are accepted."""
     if t.outcome in (Outcome.ILLEGAL_ADDRESS, Outcome.DEVICE_ASSERT):
-        return                                                         # the engine died: no text
+        return  # the engine died: no text
     rate = t.measures["acceptance_rate"]
     assert t.measures["lossless"] is True, key(t)
     if t.outcome in (Outcome.CLEAN, Outcome.STALE_CAPTURE):
         assert rate >= 0.5, (key(t), rate)
     elif t.outcome in (Outcome.MISMATCH, Outcome.NONFINITE):
-        assert rate < 0.1, (key(t), rate)   # garbage drafts rejected
+        assert rate < 0.1, (key(t), rate)  # garbage drafts rejected
 
 
 def assert_moe_shape(trials):
@@ -86,10 +86,10 @@ def assert_moe_shape(trials):
             assert t.outcome in REPRODUCED, key(t)
             assert finding_before_first_replay(t, "moe_kernel"), key(t)
             if af == "poison":
-                assert t.outcome == Outcome.NONFINITE, key(t)           # the upstream symptom
+                assert t.outcome == Outcome.NONFINITE, key(t)  # the upstream symptom
         elif mode == "kernel-reuse" and not identity:
             assert t.outcome == Outcome.MISMATCH, key(t)
-            assert not t.guard_findings                                 # nothing freed: numeric bug
+            assert not t.guard_findings  # nothing freed: numeric bug
         else:
             assert t.outcome == Outcome.CLEAN, (key(t), t.outcome)
             assert all(s.rel_err is not None and s.rel_err < s.tolerance / 10 for s in t.steps), key(t)
@@ -101,11 +101,11 @@ def assert_split_shape(trials):
         if s != "piecewise-split":
             continue
         if mode == "unfixed":
-            assert t.outcome in SYMPTOMS, (key(t), t.outcome)             # no value hides it at 8B dims
+            assert t.outcome in SYMPTOMS, (key(t), t.outcome)  # no value hides it at 8B dims
             assert finding_before_first_replay(t, "<local attn_out of capture_after"), key(t)
         else:
             assert t.outcome == Outcome.CLEAN and not t.guard_findings, (key(t), t.outcome)
-            assert all(s.rel_err == 0.0 for s in t.steps), key(t)         # replay == eager, bit for bit
+            assert all(s.rel_err == 0.0 for s in t.steps), key(t)  # replay == eager, bit for bit
 
 
 @pytest.mark.multi_gpu

@@ -4,6 +4,7 @@ What an engine shows, asserted: the fixed drafter is accepted most of the time; 
 reading reused memory (`reuse`) is almost never accepted, yet the text stays lossless and no
 error is raised; `release` kills the worker.
 """
+
 import pytest
 
 from repro.env import gpus
@@ -30,9 +31,9 @@ def test_fixed_drafter_is_accepted_and_lossless(tmp_path):
 
 def test_reused_memory_collapses_acceptance_silently(tmp_path):
     t = shared_trial(tmp_path, mode="unfixed", after_free="reuse")
-    assert t.outcome == Outcome.MISMATCH                     # graph drafts differ from the eager drafter
-    assert t.measures["lossless"] is True and t.measures["acceptance_rate"] < 0.1    # same text, the drafts wasted
-    assert all(r.exitcode == 0 for r in t.ranks)             # and no error anywhere
+    assert t.outcome == Outcome.MISMATCH  # graph drafts differ from the eager drafter
+    assert t.measures["lossless"] is True and t.measures["acceptance_rate"] < 0.1  # same text, the drafts wasted
+    assert all(r.exitcode == 0 for r in t.ranks)  # and no error anywhere
 
 
 def test_released_memory_kills_the_worker(tmp_path):

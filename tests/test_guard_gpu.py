@@ -1,4 +1,5 @@
 """CaptureGuard and forensics under a real torch.cuda.CUDAGraph capture (run on a GPU machine)."""
+
 from __future__ import annotations
 
 import pickle
@@ -28,11 +29,12 @@ def warm_up(fn) -> None:
 
 
 def gather_weight() -> torch.Tensor:
-    return torch.randn(4096, 256, device="cuda")   # stands in for the all-gathered lm_head
+    return torch.randn(4096, 256, device="cuda")  # stands in for the all-gathered lm_head
 
 
-def capture_with_local_weight(guard: CaptureGuard, graph: torch.cuda.CUDAGraph,
-                              static_in: torch.Tensor) -> torch.Tensor:
+def capture_with_local_weight(
+    guard: CaptureGuard, graph: torch.cuda.CUDAGraph, static_in: torch.Tensor
+) -> torch.Tensor:
     """The unfixed pattern: the captured weight is a local of the capture routine."""
     weight = gather_weight()
     warm_up(lambda: static_in @ weight.t())
@@ -50,14 +52,13 @@ def test_capture_input_freed_is_reported_before_replay_with_stacks(tmp_path):
         with guard.tracking():
             capture_with_local_weight(guard, graph, static_in)
 
-        findings = guard.check("before replay")   # the graph is never replayed here
+        findings = guard.check("before replay")  # the graph is never replayed here
 
         assert [f.status for f in findings] == ["freed"]
         finding = findings[0]
         assert finding.shape == [4096, 256] and finding.nbytes == 4096 * 256 * 4
         assert "gather_weight" in finding.created_at
-        assert "capture_with_local_weight" in finding.freed_at or \
-            "test_capture_input_freed" in finding.freed_at
+        assert "capture_with_local_weight" in finding.freed_at or "test_capture_input_freed" in finding.freed_at
         assert guard.freed_blocks()[0][1] == 4096 * 256 * 4
 
         where = history.locate(finding.old_ptr)

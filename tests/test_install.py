@@ -1,5 +1,6 @@
 """A built wheel, installed outside the checkout, carries its presets: `--print-config` and a
 CPU scenario run from another directory, with the checkout nowhere on the path."""
+
 import json
 import os
 import shutil
@@ -24,12 +25,16 @@ def installed(tmp_path_factory):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                    "-w", str(tmp / "dist"), str(src)], check=True, capture_output=True)
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(tmp / "dist"), str(src)],
+        check=True,
+        capture_output=True,
+    )
     wheel = next((tmp / "dist").glob("repro-*.whl"))
     site = tmp / "site"
-    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(site), str(wheel)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--no-index", "--target", str(site), str(wheel)], check=True, capture_output=True
+    )
     elsewhere = tmp / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("REPRO_CONFIGS", "PYTHONPATH")}
@@ -39,8 +44,9 @@ def installed(tmp_path_factory):
 
 def repro(installed, *args):
     _, site, elsewhere, env = installed
-    return subprocess.run([str(site / "bin" / "repro"), *args], cwd=elsewhere, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [str(site / "bin" / "repro"), *args], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_wheel_carries_every_preset(installed):
@@ -52,8 +58,14 @@ def test_wheel_carries_every_preset(installed):
 
 def test_installed_copy_is_the_one_imported(installed):
     _, site, elsewhere, env = installed
-    out = subprocess.run([sys.executable, "-c", "import repro.config as c; print(c.__file__); print(c.CONFIG_DIR)"],
-                         cwd=elsewhere, env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import repro.config as c; print(c.__file__); print(c.CONFIG_DIR)"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     module, config_dir = out.stdout.split()
     assert module.startswith(str(site)) and config_dir == str(site / "repro" / "configs")
 
@@ -72,8 +84,8 @@ def test_installed_scenario_runs_on_cpu(installed):
     result = repro(installed, "nvfp4-reload", "--steps", "1", "--json", "-")
     assert result.returncode == 0, result.stderr
     trial = json.loads(result.stdout)["trials"][0]
-    assert trial["outcome"] == "STALE_CAPTURE" and trial["met"]      # CPU: the guard's verdict
-    assert not any(installed[2].iterdir())             # nothing written where it ran
+    assert trial["outcome"] == "STALE_CAPTURE" and trial["met"]  # CPU: the guard's verdict
+    assert not any(installed[2].iterdir())  # nothing written where it ran
 
 
 def test_installed_wheel_registers_the_pytest_plugin_off_by_default(installed):
@@ -86,10 +98,17 @@ def test_installed_wheel_registers_the_pytest_plugin_off_by_default(installed):
         "def test_one(request):\n"
         "    plugin = request.config.pluginmanager.get_plugin('repro')\n"
         "    assert plugin is not None and plugin.__file__.startswith(%r)\n"
-        "    print('TORCH', 'torch' in sys.modules)\n" % str(site))
+        "    print('TORCH', 'torch' in sys.modules)\n" % str(site)
+    )
     run = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "test_one.py"]
     off = subprocess.run(run, cwd=suite, env=env, capture_output=True, text=True, timeout=300)
     assert off.returncode == 0 and "TORCH False" in off.stdout, off.stdout + off.stderr
-    on = subprocess.run([*run, "--repro-watch", "--repro-watch-dir", str(suite / "records")], cwd=suite,
-                        env=env, capture_output=True, text=True, timeout=300)
+    on = subprocess.run(
+        [*run, "--repro-watch", "--repro-watch-dir", str(suite / "records")],
+        cwd=suite,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert on.returncode == 0 and "repro watch: no findings" in on.stdout, on.stdout + on.stderr

@@ -5,6 +5,7 @@ dead rank leaves its peer blocked in a real collective. The fault tests run twic
 spawned as fresh interpreters, and ranks forked by a rank server (the CLI's default); the
 guarantees are the same.
 """
+
 import json
 import os
 import signal
@@ -31,8 +32,13 @@ def launcher(request):
 def selftest(tmp_path, fault=None, steps=3, deadline=DEADLINE, server="fresh", stall=None):
     """server "forked": the ranks come from a rank server started in the test itself (its
     environment must be the test's own: pytest changes PYTEST_CURRENT_TEST per phase)."""
-    p = plan("selftest", None, {"tp": 2, "steps": steps, "device": "cpu", "deadline_s": deadline,
-                                "stall_s": stall}, [], gpus=0)
+    p = plan(
+        "selftest",
+        None,
+        {"tp": 2, "steps": steps, "device": "cpu", "deadline_s": deadline, "stall_s": stall},
+        [],
+        gpus=0,
+    )
     start = time.monotonic()
     if server == "fresh":
         trial = run_trial(p.cfg, "cpu", tmp_path, "t", fault=fault)
@@ -90,6 +96,7 @@ def test_hang_is_killed_at_deadline_and_blames_the_rank_outside_the_collective(t
     for k in (0, 1):
         assert "most recent call first" in open(trial.artifacts[f"rank {k} stacks"]).read()
     from repro.report.view import trial_facts
+
     facts = {f.label: f.value for f in trial_facts(trial)}
     assert facts["rank 1 stack"].startswith("inject_fault (worker.py:")
     assert_nothing_left(trial)
@@ -115,9 +122,10 @@ def test_slow_but_progressing_trial_reaches_its_deadline_not_a_hang(tmp_path):
     assert f"deadline 10 s reached in step {first.step} (" in first.detail
     assert " of 10000000 steps done) while progressing" in first.detail
     assert "not a hang: raise --deadline" in first.detail
-    assert not trial.artifacts.get("rank 0 stacks")           # nobody was asked where it was stuck
+    assert not trial.artifacts.get("rank 0 stacks")  # nobody was asked where it was stuck
     assert_nothing_left(trial)
     from repro.report.view import verdict_words
+
     assert verdict_words(trial).text == "✗ deadline reached: no verdict (not a pass)"
 
 
@@ -125,6 +133,7 @@ def activity_of(tmp_path):
     """A watchdog over one rank's record file, and a writer of its records at given times."""
     from repro.run.isolate import Activity
     from repro.run.protocol import StepCounter
+
     path = tmp_path / "rank0.jsonl"
     act = Activity([StepCounter(path)])
 
@@ -142,17 +151,17 @@ def test_activity_tells_slow_from_stuck(tmp_path):
     act.poll(0.0)
     assert act.quiet(5.0) is None and not act.progressing(5.0, 60) and not act.stalled(5.0, 3)
     write("start", 1.0)
-    act.poll(39.9)                           # a 39 s silent build: set-up, no watchdog yet
+    act.poll(39.9)  # a 39 s silent build: set-up, no watchdog yet
     assert not act.stalled(39.9, 3) and act.progressing(39.9, 60) and not act.progressing(39.9, 30)
     write("phase", 40.0)
     write("step", 41.0)
-    for k in range(10):                      # steps every 0.5 s
+    for k in range(10):  # steps every 0.5 s
         write("step", 41.5 + 0.5 * k)
     last = 41.5 + 0.5 * 9
-    assert act.longest_pause_s == 0.5        # pauses count from the first step on
+    assert act.longest_pause_s == 0.5  # pauses count from the first step on
     assert act.progressing(last + 0.9, 60) and not act.progressing(last + 1.1, 60)
     assert not act.stalled(last + 2.9, 3) and act.stalled(last + 3.1, 3)
-    write("step", last + 2.5)                # one slow step: twice it is still "progressing"
+    write("step", last + 2.5)  # one slow step: twice it is still "progressing"
     assert act.longest_pause_s == 2.5 and act.progressing(last + 2.5 + 4.9, 60)
 
 
@@ -162,11 +171,11 @@ def test_a_step_with_slow_phases_sets_how_long_a_pause_may_be(tmp_path):
     at the 60 s --stall; a silence past twice the longest pause still is one."""
     act, write = activity_of(tmp_path)
     write("start", 0.0)
-    write("phase", 74.0)                     # build + capture: set-up, not counted
+    write("phase", 74.0)  # build + capture: set-up, not counted
     write("begin", 74.0)
-    write("phase", 130.0)                    # reload 56 s
-    write("phase", 180.0)                    # replays 50 s
-    write("phase", 301.0)                    # oracle 121 s
+    write("phase", 130.0)  # reload 56 s
+    write("phase", 180.0)  # replays 50 s
+    write("phase", 301.0)  # oracle 121 s
     write("step", 302.0)
     write("begin", 302.0)
     assert act.longest_pause_s == 121.0 and act.stall_limit(60) == 242.0
@@ -175,21 +184,30 @@ def test_a_step_with_slow_phases_sets_how_long_a_pause_may_be(tmp_path):
 
 def test_deadline_outcome_is_never_expectable_and_never_met():
     from repro.outcome import EXPECTABLE, REPRODUCED, parse_expectation
+
     assert Outcome.DEADLINE not in EXPECTABLE and Outcome.DEADLINE not in REPRODUCED
     with pytest.raises(ValueError):
         parse_expectation("DEADLINE")
 
 
 def test_injected_fault_is_recorded_and_never_counts_as_reproduced(tmp_path):
-    p = plan("selftest", None, {"tp": 2, "steps": 2, "device": "cpu", "deadline_s": DEADLINE,
-                                "expect": "reproduced"}, [], gpus=0)
+    p = plan(
+        "selftest",
+        None,
+        {"tp": 2, "steps": 2, "device": "cpu", "deadline_s": DEADLINE, "expect": "reproduced"},
+        [],
+        gpus=0,
+    )
     trial = run_trial(p.cfg, "cpu", tmp_path, "t", fault={"kind": "ima-message", "rank": 0, "step": 1})
     assert trial.outcome == Outcome.ILLEGAL_ADDRESS and Outcome.ILLEGAL_ADDRESS in trial.expected
     assert trial.met is False
     assert trial.injected_fault == {"kind": "ima-message", "rank": 0, "step": 1, "fired": True}
     from repro.report.view import trial_facts
-    assert any(f.label == "injected fault" and f.value.startswith("ima-message on rank 0 at step 1 (fired")
-               for f in trial_facts(trial))
+
+    assert any(
+        f.label == "injected fault" and f.value.startswith("ima-message on rank 0 at step 1 (fired")
+        for f in trial_facts(trial)
+    )
     assert_nothing_left(trial)
 
 
@@ -217,7 +235,7 @@ def test_sigkill_keeps_earlier_records(tmp_path, launcher):
     trial, _ = selftest(tmp_path, {"kind": "sigkill", "rank": 0, "step": 2}, server=launcher)
     assert trial.outcome == Outcome.CRASH
     assert trial.ranks[0].signal == "SIGKILL"
-    assert steps_of(trial, 0) == [0, 1]              # written before the kill, still there
+    assert steps_of(trial, 0) == [0, 1]  # written before the kill, still there
     assert_nothing_left(trial)
 
 
@@ -230,8 +248,14 @@ def test_exception_is_recorded(tmp_path, launcher):
 
 def cli(*args, **kw):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, "-m", "repro", *args], cwd=kw.get("cwd"), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "repro", *args],
+        cwd=kw.get("cwd"),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_pids(root, n, timeout=30, event="start"):
@@ -251,17 +275,32 @@ def wait_for_pids(root, n, timeout=30, event="start"):
 
 def test_sigterm_is_handled_like_ctrl_c_and_exits_143(tmp_path):
     out = tmp_path / "r.json"
-    proc = cli("selftest", "--tp", "2", "--steps", "3", "--device", "cpu", "--deadline", "60",
-               "--inject-fault", "hang@1:1", "--artifacts", str(tmp_path / "a"), "--json", str(out))
+    proc = cli(
+        "selftest",
+        "--tp",
+        "2",
+        "--steps",
+        "3",
+        "--device",
+        "cpu",
+        "--deadline",
+        "60",
+        "--inject-fault",
+        "hang@1:1",
+        "--artifacts",
+        str(tmp_path / "a"),
+        "--json",
+        str(out),
+    )
     pids = wait_for_pids(tmp_path / "a", 2, event="step")
-    proc.send_signal(signal.SIGTERM)                 # what a CI cancel sends
+    proc.send_signal(signal.SIGTERM)  # what a CI cancel sends
     text, err = proc.communicate(timeout=30)
     assert proc.returncode == 143, err
     report = json.loads(out.read_text())
     assert report["interrupted"] is True and report["interrupted_by"] == "SIGTERM"
     trial = report["trials"][0]
     assert trial["outcome"] == "INTERRUPTED" and trial["met"] is False
-    assert any(s["step"] == 0 for s in trial["steps"])   # records kept
+    assert any(s["step"] == 0 for s in trial["steps"])  # records kept
     assert "interrupted (SIGTERM)" in text and "did NOT meet" not in text
     time.sleep(0.5)
     assert not any(alive(p) for p in pids)
@@ -269,15 +308,30 @@ def test_sigterm_is_handled_like_ctrl_c_and_exits_143(tmp_path):
 
 def test_ctrl_c_exits_130_keeps_records_no_orphans(tmp_path):
     out = tmp_path / "r.json"
-    proc = cli("selftest", "--tp", "2", "--steps", "3", "--device", "cpu", "--deadline", "60",
-               "--inject-fault", "hang@1:1", "--artifacts", str(tmp_path / "a"), "--json", str(out))
+    proc = cli(
+        "selftest",
+        "--tp",
+        "2",
+        "--steps",
+        "3",
+        "--device",
+        "cpu",
+        "--deadline",
+        "60",
+        "--inject-fault",
+        "hang@1:1",
+        "--artifacts",
+        str(tmp_path / "a"),
+        "--json",
+        str(out),
+    )
     pids = wait_for_pids(tmp_path / "a", 2, event="step")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
     report = json.loads(out.read_text())
     assert report["interrupted"] is True
-    assert any(s["step"] == 0 for s in report["trials"][0]["steps"])   # records kept
+    assert any(s["step"] == 0 for s in report["trials"][0]["steps"])  # records kept
     time.sleep(0.5)
     assert not any(alive(p) for p in pids)
 
@@ -287,14 +341,25 @@ def parent_of(pid):
 
 
 def test_harness_killed_takes_workers_and_rank_server_with_it(tmp_path):
-    proc = cli("selftest", "--tp", "2", "--device", "cpu", "--deadline", "60",
-               "--inject-fault", "hang@0:0", "--artifacts", str(tmp_path / "a"))
+    proc = cli(
+        "selftest",
+        "--tp",
+        "2",
+        "--device",
+        "cpu",
+        "--deadline",
+        "60",
+        "--inject-fault",
+        "hang@0:0",
+        "--artifacts",
+        str(tmp_path / "a"),
+    )
     pids = wait_for_pids(tmp_path / "a", 2)
     servers = {parent_of(p) for p in pids}
     assert len(servers) == 1 and proc.pid not in servers, "the CLI forks its ranks from one rank server"
     server = servers.pop()
     assert parent_of(server) == proc.pid
-    proc.kill()                                      # SIGKILL: no cleanup code of ours runs
+    proc.kill()  # SIGKILL: no cleanup code of ours runs
     proc.wait(timeout=10)
     everyone = pids + [server]
     end = time.monotonic() + 10
@@ -317,6 +382,7 @@ Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions."""
 
 def test_real_cuda_messages_classify():
     from repro.run.isolate import classify_error
+
     assert classify_error(IMA_2_11) == Outcome.ILLEGAL_ADDRESS
     assert classify_error(ASSERT_2_11) == Outcome.DEVICE_ASSERT
     assert classify_error("RuntimeError: shapes do not match") == Outcome.CRASH
@@ -325,6 +391,7 @@ def test_real_cuda_messages_classify():
 
 def test_bytecode_cache_only_where_torch_has_none(tmp_path):
     from repro.run.launch import with_bytecode_cache
+
     src = tmp_path / "torch" / "__init__.py"
     src.parent.mkdir()
     src.write_text("")
@@ -338,6 +405,7 @@ def test_bytecode_cache_only_where_torch_has_none(tmp_path):
     assert with_bytecode_cache(env, None) == env
     # The install's own bytecode exists: the environment is left as it is.
     import py_compile
+
     py_compile.compile(str(src))
     assert with_bytecode_cache(env, str(src)) == env
 
@@ -346,6 +414,7 @@ def test_workers_write_their_bytecode_cache_where_told(tmp_path, monkeypatch):
     """End to end: with an uncompiled torch, a worker writes bytecode under our cache, even
     where the user's environment forbids writing bytecode next to the sources."""
     import repro.run.launch
+
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text("")
     monkeypatch.setattr(repro.run.launch, "torch_origin", lambda: str(tmp_path / "torch" / "__init__.py"))
@@ -361,6 +430,7 @@ def test_graph_replayed_comes_from_replays_not_the_device():
     from repro.run.isolate import replayed_graphs
     from repro.run.protocol import RankRecords
     from repro.outcome import StepRecord
+
     began = RankRecords([{"event": "begin", "step": 0}])
     # Steps that began, even on CUDA, are no replay (selftest has no graph at all).
     assert not replayed_graphs([StepRecord(step=0, rank=0, batch=4, replayed=False)], [began])
@@ -371,6 +441,7 @@ def test_graph_replayed_comes_from_replays_not_the_device():
 
 def test_captured_marks_each_real_replay_before_it_starts():
     from repro.rank.graphs import Captured
+
     order = []
 
     class Graph:
@@ -394,15 +465,16 @@ def test_cpu_trial_records_no_replay(tmp_path):
 
 def test_step_counter_reads_records_incrementally(tmp_path):
     from repro.run.protocol import Event, RecordSink, StepCounter
+
     path = tmp_path / "rank0.jsonl"
     counter = StepCounter(path)
-    assert counter.poll() == 0                       # no file yet
+    assert counter.poll() == 0  # no file yet
     sink = RecordSink(path, 0)
     sink.emit(Event.BEGIN, step=0)
-    sink.emit(Event.STEP, step=0, note='"event": "step"')   # the text inside a field is no step
+    sink.emit(Event.STEP, step=0, note='"event": "step"')  # the text inside a field is no step
     assert counter.poll() == 1
     with open(path, "a") as f:
-        f.write('{"event": "step", "rank": 0')       # a line still being written
+        f.write('{"event": "step", "rank": 0')  # a line still being written
     assert counter.poll() == 1
     with open(path, "a") as f:
         f.write(', "t": 0}\n')
@@ -420,16 +492,23 @@ def dump(*threads):
 
 
 WORKER = ("/x/repro/rank/worker.py", 200, "run_rank")
-GATHER = [("/x/torch/distributed/distributed_c10d.py", 4394, "all_gather_single"),
-          ("/x/repro/rank/dist.py", 40, "all_gather_dim0"), ("/x/repro/scenarios/selftest.py", 20, "run"), WORKER]
+GATHER = [
+    ("/x/torch/distributed/distributed_c10d.py", 4394, "all_gather_single"),
+    ("/x/repro/rank/dist.py", 40, "all_gather_dim0"),
+    ("/x/repro/scenarios/selftest.py", 20, "run"),
+    WORKER,
+]
 STUCK = [("/x/repro/scenarios/gemma4_mtp.py", 99, "greedy_sample"), WORKER]
 
 
 def test_stack_blame_names_the_rank_outside_a_collective():
     from repro.run import stacks
-    frames = {0: stacks.main_frames(dump((True, GATHER))), 1: stacks.main_frames(dump((False, [("/t.py", 1, "f")]),
-                                                                                         (True, STUCK))),
-              2: stacks.main_frames(dump((True, GATHER)))}
+
+    frames = {
+        0: stacks.main_frames(dump((True, GATHER))),
+        1: stacks.main_frames(dump((False, [("/t.py", 1, "f")]), (True, STUCK))),
+        2: stacks.main_frames(dump((True, GATHER))),
+    }
     rank, why = stacks.blame(frames)
     assert rank == 1 and "gemma4_mtp.py:99 in greedy_sample" in why and "ranks 0, 2 waited" in why
     # Everyone in a collective, or nobody: the stacks do not single out a rank.
@@ -444,8 +523,19 @@ def test_rank_disagreement_is_a_mismatch():
     from repro.run.protocol import RankRecords
 
     def step(rank, disagree):
-        return {"event": "step", "rank": rank, "t": 0, "step": 2, "batch": 4, "replayed": False, "numel": 4,
-                "compared": 4, "mismatches": 0, "label": "graph bs=4", "extra": {"rank_disagreements": disagree}}
+        return {
+            "event": "step",
+            "rank": rank,
+            "t": 0,
+            "step": 2,
+            "batch": 4,
+            "replayed": False,
+            "numel": 4,
+            "compared": 4,
+            "mismatches": 0,
+            "label": "graph bs=4",
+            "extra": {"rank_disagreements": disagree},
+        }
 
     agree = [RankRecords([step(0, 0)]), RankRecords([step(1, 0)])]
     assert classify_steps(agree)[0] == Outcome.CLEAN

@@ -1,4 +1,5 @@
 """Tests for repro.scenarios.nvfp4, the independent NVFP4 reference (docs/BACKGROUND.md section 4)."""
+
 from __future__ import annotations
 
 import math
@@ -10,16 +11,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from repro.scenarios.nvfp4 import (
-    NVFP4Weight, dequantize, dequantize_into, e2m1_decode, e2m1_encode, pack_fp4,
-    quantization_error_bound, quantize, unpack_fp4,
+    NVFP4Weight,
+    dequantize,
+    dequantize_into,
+    e2m1_decode,
+    e2m1_encode,
+    pack_fp4,
+    quantization_error_bound,
+    quantize,
+    unpack_fp4,
 )
 
 MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-VECTOR = [0, .5, 1, 1.5, 2, 3, 4, 6, 0, -.5, -1, -1.5, -2, -3, -4, -6]
+VECTOR = [0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6]
 VECTOR_BYTES = [0x10, 0x32, 0x54, 0x76, 0x90, 0xBA, 0xDC, 0xFE]
 TIES = [(0.25, 0.0), (0.75, 1.0), (1.25, 1.0), (1.75, 2.0), (2.5, 2.0), (3.5, 4.0), (5.0, 4.0)]
-SETTINGS = settings(max_examples=40, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def scalar_reference_code(x: float) -> int:
@@ -49,12 +56,13 @@ def assert_within_bound(w: torch.Tensor, q: NVFP4Weight) -> None:
     x = w.to(torch.float32)
     err = (x - dequantize(q, torch.float32)).abs()
     bound = quantization_error_bound(q)
-    slack = 1e-5 * (bound + x.abs())        # fp32 rounding of normal numbers; no absolute slack
+    slack = 1e-5 * (bound + x.abs())  # fp32 rounding of normal numbers; no absolute slack
     excess = err - bound - slack
     assert bool((excess <= 0).all()), f"error exceeds bound by up to {excess.max().item():.3g}"
 
 
 # ----------------------------------------------------------------------------- E2M1 codes
+
 
 def test_decode_all_sixteen_codes():
     values = e2m1_decode(torch.arange(16, dtype=torch.uint8))
@@ -81,7 +89,7 @@ def test_encode_exact_values_round_trip():
 def test_encode_rounds_ties_to_even_code(tie, value, sign):
     code = e2m1_encode(torch.tensor([sign * tie]))
     assert e2m1_decode(code).item() == sign * value
-    assert int(code) & 1 == 0      # every tie lands on an even magnitude code
+    assert int(code) & 1 == 0  # every tie lands on an even magnitude code
 
 
 def test_encode_saturates_and_keeps_sign():
@@ -99,20 +107,28 @@ def test_encode_matches_scalar_reference_on_random_and_ties():
     expected = [scalar_reference_code(v) for v in x.tolist()]
     assert e2m1_encode(x).tolist() == expected
     assert e2m1_encode(x.to(torch.bfloat16)).tolist() == [
-        scalar_reference_code(v) for v in x.to(torch.bfloat16).float().tolist()]
+        scalar_reference_code(v) for v in x.to(torch.bfloat16).float().tolist()
+    ]
 
 
 @SETTINGS
-@given(st.lists(st.one_of(
-    st.floats(min_value=-8, max_value=8, width=32),
-    st.sampled_from([t * s for t, _ in TIES for s in (1, -1)]),
-), min_size=1, max_size=64))
+@given(
+    st.lists(
+        st.one_of(
+            st.floats(min_value=-8, max_value=8, width=32),
+            st.sampled_from([t * s for t, _ in TIES for s in (1, -1)]),
+        ),
+        min_size=1,
+        max_size=64,
+    )
+)
 def test_encode_matches_scalar_reference_property(values):
     x = torch.tensor(values, dtype=torch.float32)
     assert e2m1_encode(x).tolist() == [scalar_reference_code(v) for v in x.tolist()]
 
 
 # ----------------------------------------------------------------------------- packing
+
 
 def test_pack_puts_even_element_in_low_nibble():
     assert pack_fp4(torch.tensor([1, 2], dtype=torch.uint8)).tolist() == [0x21]
@@ -136,6 +152,7 @@ def test_pack_rejects_odd_length():
 
 
 # ----------------------------------------------------------------------------- test vectors
+
 
 @pytest.mark.parametrize("factor,scale_byte", [(1.0, 0x38), (2.0, 0x40)])
 def test_background_vector_with_unit_global_scale(factor, scale_byte):
@@ -162,11 +179,12 @@ def test_global_scale_per_expert_broadcasts():
     w = torch.tensor([VECTOR, VECTOR], dtype=torch.float32).reshape(2, 1, 16)
     q = quantize(w, global_scale=torch.tensor([1.0, 0.5]))
     assert q.scale_2.tolist() == [1.0, 2.0]
-    assert e4m3_byte(q.block_scale) == [0x38, 0x30]    # 1.0 and 0.5
+    assert e4m3_byte(q.block_scale) == [0x38, 0x30]  # 1.0 and 0.5
     assert torch.equal(dequantize(q, torch.float32), w)
 
 
 # ----------------------------------------------------------------------------- properties
+
 
 @st.composite
 def weights(draw):
@@ -182,12 +200,13 @@ def weights(draw):
     w = torch.randn(*lead, n, k, generator=gen)
     if shape_kind == "uniform":
         w = torch.rand(*lead, n, k, generator=gen) * 2 - 1
-    elif shape_kind == "wide":   # ~8 decades: exercises subnormal E4M3 block scales
-        w = w * torch.exp(torch.randn(*lead, n, k // 16, 1, generator=gen) * 4).repeat_interleave(
-            16, dim=-1).reshape(*lead, n, k)
+    elif shape_kind == "wide":  # ~8 decades: exercises subnormal E4M3 block scales
+        w = w * torch.exp(torch.randn(*lead, n, k // 16, 1, generator=gen) * 4).repeat_interleave(16, dim=-1).reshape(
+            *lead, n, k
+        )
     zero_blocks = torch.rand(*lead, n, k // 16, generator=gen) < 0.2
     w = w.masked_fill(zero_blocks.repeat_interleave(16, dim=-1), 0.0)
-    return (w * 10.0 ** exponent).to(dtype)
+    return (w * 10.0**exponent).to(dtype)
 
 
 @SETTINGS
@@ -196,7 +215,7 @@ def test_dequantized_error_within_bound(w):
     q = quantize(w)
     assert_within_bound(w, q)
     scale = q.block_scale.float()
-    normal = scale >= 2.0 ** -6
+    normal = scale >= 2.0**-6
     unit = (scale * q.scale_2[..., None, None]).repeat_interleave(16, dim=-1)
     # Where the block scale is a normal E4M3 the bound is at most 1.0 code unit.
     bound = quantization_error_bound(q)
@@ -229,7 +248,7 @@ def literal_reference(w: torch.Tensor) -> tuple[list[int], list[int], float]:
     codes, scale_bytes = [], []
     for row in w.tolist():
         for start in range(0, len(row), 16):
-            block = row[start:start + 16]
+            block = row[start : start + 16]
             s = torch.clamp(gs * f32(max(abs(v) for v in block)) / f32(6.0), max=448.0)
             s_b = s.to(torch.float8_e4m3fn)
             scale_bytes.append(int(s_b.view(torch.uint8)))
@@ -240,8 +259,11 @@ def literal_reference(w: torch.Tensor) -> tuple[list[int], list[int], float]:
 @pytest.mark.parametrize("seed", range(4))
 def test_quantize_matches_literal_fp32_formula(seed):
     gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(3, 32, generator=gen) * torch.exp(torch.randn(3, 2, generator=gen)).repeat_interleave(
-        16, dim=-1) * 10.0 ** (seed - 2)
+    w = (
+        torch.randn(3, 32, generator=gen)
+        * torch.exp(torch.randn(3, 2, generator=gen)).repeat_interleave(16, dim=-1)
+        * 10.0 ** (seed - 2)
+    )
     codes, scale_bytes, scale_2 = literal_reference(w)
     q = quantize(w)
     assert unpack_fp4(q.packed).reshape(-1).tolist() == codes
@@ -254,7 +276,7 @@ def test_scale_2_formula_example():
     w[1, 3] = -5.376
     q = quantize(w)
     assert q.scale_2.item() == pytest.approx(5.376 / 2688, rel=1e-7)
-    assert q.block_scale.float()[1, 0].item() == 448.0       # the amax block uses the top
+    assert q.block_scale.float()[1, 0].item() == 448.0  # the amax block uses the top
     assert dequantize(q, torch.float32)[1, 3].item() == pytest.approx(-5.376, rel=1e-6)
 
 
@@ -299,7 +321,7 @@ def test_bound_holds_where_scale_2_is_an_fp32_subnormal(magnitude, seed):
     # by an absolute 2**-150, which the bound must carry (no absolute slack in the check).
     w = torch.randn(8, 32, generator=torch.Generator().manual_seed(seed)) * magnitude
     q = quantize(w)
-    assert q.scale_2.item() < 2.0 ** -126
+    assert q.scale_2.item() < 2.0**-126
     assert_within_bound(w, q)
 
 
@@ -325,10 +347,10 @@ def test_subnormal_block_scale_saturation_is_covered_by_bound():
     # scales, yet within the derived 3*2**-9/s_b = 3 code units.
     w = torch.zeros(1, 32)
     w[0, 0] = 1.0
-    w[0, 16] = 1.45 * 2.0 ** -9 / 448
+    w[0, 16] = 1.45 * 2.0**-9 / 448
     q = quantize(w)
-    assert q.block_scale.float()[0, 1].item() == 2.0 ** -9
-    unit = 2.0 ** -9 * q.scale_2.item()
+    assert q.block_scale.float()[0, 1].item() == 2.0**-9
+    unit = 2.0**-9 * q.scale_2.item()
     err = (w - dequantize(q, torch.float32)).abs()[0, 16].item()
     assert 2.5 * unit < err <= quantization_error_bound(q)[0, 16].item() * (1 + 1e-5)
     assert quantization_error_bound(q)[0, 16].item() == pytest.approx(3 * unit)
@@ -337,9 +359,9 @@ def test_subnormal_block_scale_saturation_is_covered_by_bound():
 def test_tiny_nonzero_block_keeps_positive_scale():
     w = torch.zeros(1, 32)
     w[0, 0] = 1.0
-    w[0, 16] = 1e-9          # s = 448e-9 would round to E4M3 zero
+    w[0, 16] = 1e-9  # s = 448e-9 would round to E4M3 zero
     q = quantize(w)
-    assert q.block_scale.float()[0, 1].item() == 2.0 ** -9
+    assert q.block_scale.float()[0, 1].item() == 2.0**-9
     assert_within_bound(w, q)
 
 
@@ -372,6 +394,7 @@ def test_quantize_accepts_dtypes_and_leaves_input_alone(dtype):
 
 # ----------------------------------------------------------------------------- errors
 
+
 @pytest.mark.parametrize("shape", [(4, 20), (2, 3, 8), (4, 0)])
 def test_k_not_multiple_of_16_names_shape(shape):
     with pytest.raises(ValueError, match=r"multiple of 16") as info:
@@ -402,6 +425,7 @@ def test_dequantize_into_rejects_mismatched_shapes():
 
 # ----------------------------------------------------------------------------- dequantize_into
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(16, 64), (3, 8, 48)])
 @pytest.mark.parametrize("chunk_bytes", [8, 100, 1 << 25])
@@ -410,7 +434,7 @@ def test_dequantize_into_matches_dequantize(dtype, shape, chunk_bytes):
     w = torch.randn(shape, generator=gen) * torch.exp(torch.randn(shape, generator=gen))
     w[..., :16] = 0.0 if len(shape) == 2 else w[..., :16]
     q = quantize(w)
-    out = torch.full(shape, math.nan, dtype=dtype)          # stale contents must not leak
+    out = torch.full(shape, math.nan, dtype=dtype)  # stale contents must not leak
     result = dequantize_into(out, q.packed, q.block_scale, q.scale_2, chunk_bytes=chunk_bytes)
     assert result is out
     assert torch.equal(bits(out), bits(dequantize(q, dtype)))
@@ -435,8 +459,7 @@ def test_dequantize_into_decodes_every_byte():
     scale = torch.ones(16, 2).to(torch.float8_e4m3fn)
     out = dequantize_into(torch.empty(16, 32), packed, scale, torch.tensor(1.0))
     table = list(MAGNITUDES) + [-m for m in MAGNITUDES]
-    expected = [table[b & 0xF] if i % 2 == 0 else table[b >> 4]
-                for b in range(256) for i in range(2)]
+    expected = [table[b & 0xF] if i % 2 == 0 else table[b >> 4] for b in range(256) for i in range(2)]
     assert out.reshape(-1).tolist() == expected
     assert torch.signbit(out).reshape(-1).tolist() == [math.copysign(1.0, v) < 0 for v in expected]
 
@@ -464,13 +487,14 @@ def test_dequantize_into_has_no_data_dependent_host_work():
 
 # ----------------------------------------------------------------------------- GPU
 
+
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode")
 def test_dequantize_into_captures_in_cuda_graph():
     device = torch.device("cuda")
     w = torch.randn(8, 256, 512, device=device, dtype=torch.bfloat16)
     q = quantize(w)
-    cpu = quantize(w.cpu())     # same fp32 operations, so bit-identical across devices
+    cpu = quantize(w.cpu())  # same fp32 operations, so bit-identical across devices
     assert torch.equal(q.scale_2.cpu(), cpu.scale_2)
     assert torch.equal(q.block_scale.view(torch.uint8).cpu(), cpu.block_scale.view(torch.uint8))
     assert torch.equal(q.packed.cpu(), cpu.packed)
@@ -512,12 +536,24 @@ def test_dequantize_into_real_shape_memory():
     assert torch.equal(out[:2], dequantize(q))
 
 
-@pytest.mark.parametrize("shape, target", [
-    ((), (4, 3)), ((3,), (4, 3)), ((1, 3), (4, 3)), ((4, 1), (4, 3)), ((4, 3), (4, 3)),
-    ((2,), (4, 3)), ((5, 4, 3), (4, 3)), ((4, 3), (3,)), ((1,), ()), ((), ()),
-])
+@pytest.mark.parametrize(
+    "shape, target",
+    [
+        ((), (4, 3)),
+        ((3,), (4, 3)),
+        ((1, 3), (4, 3)),
+        ((4, 1), (4, 3)),
+        ((4, 3), (4, 3)),
+        ((2,), (4, 3)),
+        ((5, 4, 3), (4, 3)),
+        ((4, 3), (3,)),
+        ((1,), ()),
+        ((), ()),
+    ],
+)
 def test_broadcasts_to_agrees_with_torch(shape, target):
     from repro.scenarios.nvfp4 import broadcasts_to
+
     try:
         expected = torch.broadcast_shapes(shape, target) == torch.Size(target)
     except RuntimeError:

@@ -5,6 +5,7 @@ CaptureGuard, HarnessMemory), and its records are read back as the parent would 
 On CPU no graph is replayed: unfixed shows only as guard findings (the eager path uses the
 live kernel), kernel-reuse is numerically wrong eager too, fixed is clean.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -23,12 +24,12 @@ from repro.scenarios.nvfp4_moe_spec import MoeDims
 
 CPU = torch.device("cpu")
 TINY = MoeDims(num_experts=8, hidden_size=64, intermediate_size=32, top_k=2, tokens=8)
-KERNEL_TENSORS = {f"moe.quant_method.moe_kernel.{n}"
-                  for n in ("workspace13", "workspace2", "expert_map", "w13_alpha", "w2_alpha")}
+KERNEL_TENSORS = {
+    f"moe.quant_method.moe_kernel.{n}" for n in ("workspace13", "workspace2", "expert_map", "w13_alpha", "w2_alpha")
+}
 
 
-def drive(tmp_path: Path, mode: str, identity: bool = False, steps: int = 3,
-          dims: MoeDims | None = None) -> Records:
+def drive(tmp_path: Path, mode: str, identity: bool = False, steps: int = 3, dims: MoeDims | None = None) -> Records:
     """Run the scenario in this process, exactly as a worker would, and read its records back."""
     cfg = validate(load_preset("moe-tiny"))
     cfg.run.mode, cfg.run.identity_reload, cfg.run.steps = mode, identity, steps
@@ -44,16 +45,23 @@ def cold(dims: MoeDims, step: int, mode: str = "fixed", seed: int = 0) -> moe.Nv
 
 # ------------------------------------------------------------------------ configs
 
+
 def test_presets_validate_with_real_and_tiny_dims():
     real = validate(load_preset("qwen3-30b-a3b-moe"))
     assert real.scenario == "nvfp4-reload" and real.run.steps == 5 and real.run.after_free == "poison"
-    assert (real.model.num_experts, real.model.hidden_size, real.model.intermediate_size,
-            real.model.top_k, real.model.tokens) == (128, 2048, 768, 8, 64)
+    assert (
+        real.model.num_experts,
+        real.model.hidden_size,
+        real.model.intermediate_size,
+        real.model.top_k,
+        real.model.tokens,
+    ) == (128, 2048, 768, 8, 64)
     tiny = validate(load_preset("moe-tiny"))
     assert tiny.run.steps == 3 and tiny.model == TINY
 
 
 # ------------------------------------------------------------------------ outcomes per mode
+
 
 def test_unfixed_guard_names_the_freed_kernel_tensors(tmp_path):
     rec = drive(tmp_path, "unfixed")
@@ -115,6 +123,7 @@ def test_records_carry_details_and_the_cpu_note(tmp_path):
 
 # ------------------------------------------------------------------------ the guarded lines
 
+
 def count_calls(monkeypatch, target: Any, name: str) -> dict[str, int]:
     counts = {"n": 0}
     real = getattr(target, name)
@@ -157,14 +166,19 @@ def test_config_alphas_are_references_to_the_scale_parameters():
 
 # ------------------------------------------------------------------------ layerwise reload
 
+
 def test_reload_keeps_parameter_storages_and_loads_the_new_values():
     layer = cold(TINY, -1, "unfixed")
     before = {n: (p, p.data_ptr()) for n, p in layer.named_parameters()}
     assert {n: p.dtype for n, (p, _) in before.items()} == {
-        "router_weight": torch.bfloat16, "w13_weight": torch.uint8,
-        "w13_weight_scale": torch.float8_e4m3fn, "w13_weight_scale_2": torch.float32,
-        "w2_weight": torch.uint8, "w2_weight_scale": torch.float8_e4m3fn,
-        "w2_weight_scale_2": torch.float32}
+        "router_weight": torch.bfloat16,
+        "w13_weight": torch.uint8,
+        "w13_weight_scale": torch.float8_e4m3fn,
+        "w13_weight_scale_2": torch.float32,
+        "w2_weight": torch.uint8,
+        "w2_weight_scale": torch.float8_e4m3fn,
+        "w2_weight_scale_2": torch.float32,
+    }
     for step in range(3):
         moe.reload_weights(layer, moe.make_checkpoint(TINY, 0, step, torch.bfloat16, CPU))
         assert {n: (p, p.data_ptr()) for n, p in layer.named_parameters()} == before
@@ -177,8 +191,11 @@ def test_reload_refuses_a_shape_change_with_a_clear_error():
     layer = cold(TINY, -1)
     originals = dict(layer.named_parameters())
     originals["w2_weight_scale_2"] = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
-    with pytest.raises(moe.ReloadError, match=r"w2_weight_scale_2: PWAL produced torch.float32 \[8\] "
-                                              r"but the captured original is torch.float32 \[3\]"):
+    with pytest.raises(
+        moe.ReloadError,
+        match=r"w2_weight_scale_2: PWAL produced torch.float32 \[8\] "
+        r"but the captured original is torch.float32 \[3\]",
+    ):
         moe.restore_originals(layer, originals)
 
 
@@ -194,21 +211,25 @@ def test_weights_change_values_and_every_expert_scale_per_reload():
 
 # ------------------------------------------------------------------------ tolerance, both sides
 
+
 def exact_forward(layer: moe.NvFp4MoE, x: torch.Tensor) -> torch.Tensor:
     """fp64 experts from the same NVFP4 weights and true scale_2, with the layer's own routing."""
     probs = torch.nn.functional.linear(x, layer.router_weight).float().softmax(dim=-1)
     weights, ids = probs.topk(layer.dims.top_k, dim=-1)
     gates = torch.zeros_like(probs).scatter_add_(1, ids, weights / weights.sum(-1, keepdim=True))
-    w13 = nvfp4.dequantize(nvfp4.NVFP4Weight(layer.w13_weight, layer.w13_weight_scale,
-                                             layer.w13_weight_scale_2), torch.float64)
-    w2 = nvfp4.dequantize(nvfp4.NVFP4Weight(layer.w2_weight, layer.w2_weight_scale,
-                                            layer.w2_weight_scale_2), torch.float64)
+    w13 = nvfp4.dequantize(
+        nvfp4.NVFP4Weight(layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_scale_2), torch.float64
+    )
+    w2 = nvfp4.dequantize(
+        nvfp4.NVFP4Weight(layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_scale_2), torch.float64
+    )
     y = torch.bmm(moe.silu_and_mul(torch.matmul(x.double(), w13.transpose(1, 2))), w2.transpose(1, 2))
     return torch.einsum("te,etd->td", gates.double(), y)
 
 
-@pytest.mark.parametrize("dims", [TINY, MoeDims(num_experts=16, hidden_size=256,
-                                                intermediate_size=128, top_k=4, tokens=16)])
+@pytest.mark.parametrize(
+    "dims", [TINY, MoeDims(num_experts=16, hidden_size=256, intermediate_size=128, top_k=4, tokens=16)]
+)
 def test_bf16_rounding_noise_stays_below_the_tolerance(dims):
     # The ceiling for any correct-scales disagreement (accumulation order, graph vs eager):
     # this BF16 forward vs the same computation in fp64. Measured ~0.01-0.022 per element.
@@ -242,6 +263,7 @@ def test_compare_counts_nonfinite_apart_from_mismatches():
 
 # ------------------------------------------------------------------------ what freed state does
 
+
 def test_poisoned_kernel_state_makes_every_output_nonfinite():
     # What after-free=poison does on GPU: 0xFF bytes in the dead kernel's tensors. NaN alphas
     # poison every expert; expert_map -1 means "not on this rank" (gates 0), and 0 * NaN = NaN.
@@ -273,8 +295,10 @@ OUTCOMES = {"unfixed": Outcome.STALE_CAPTURE, "kernel-reuse": Outcome.MISMATCH, 
 def isolated_trials(tmp_path_factory):
     """One isolated CPU trial per mode, run at once (each in its own process)."""
     from repro.run.runner import plan, run_planned
-    planned = [plan("nvfp4-reload", "moe-tiny", {"device": "cpu", "mode": mode, "steps": 2}, [], gpus=0)
-               for mode in OUTCOMES]
+
+    planned = [
+        plan("nvfp4-reload", "moe-tiny", {"device": "cpu", "mode": mode, "steps": 2}, [], gpus=0) for mode in OUTCOMES
+    ]
     result = run_planned(planned, tmp_path_factory.mktemp("nvfp4-cpu"), jobs=len(planned))
     return dict(zip(OUTCOMES, result.report.trials))
 

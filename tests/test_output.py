@@ -1,5 +1,6 @@
 """One output object (repro/output.py) for every command: one table of exit codes, one error
 line, `--json -` resolved once; every scenario command, selftest included, generated."""
+
 import ast
 import importlib.util
 import inspect
@@ -43,9 +44,10 @@ def commands() -> dict:
 
 # -- one table of exit codes ----------------------------------------------------------------
 
+
 def readme_exit_codes() -> list[int]:
     readme = (REPO / "README.md").read_text()
-    table = readme[readme.index("| exit | meaning |"):].split("\n\n")[0]
+    table = readme[readme.index("| exit | meaning |") :].split("\n\n")[0]
     return [int(line.split("|")[1]) for line in table.splitlines()[2:]]
 
 
@@ -74,28 +76,31 @@ def test_every_help_lists_codes_of_the_table():
         text = invoke(name, "--help").stdout
         if "Exit codes:" not in text:
             continue
-        rows = text[text.index("Exit codes:"):].splitlines()[1:]
+        rows = text[text.index("Exit codes:") :].splitlines()[1:]
         codes = [row.split()[0] for row in rows if row.strip()]
         assert codes and all(c == "0.." or int(c) in set(Exit) for c in codes), (name, codes)
 
 
-@pytest.mark.parametrize("args,code", [
-    (["presets"], Exit.OK),
-    (["presets", "nope"], Exit.USAGE),                       # click's own check
-    (["gemma4-mtp", "--mode", "halfway"], Exit.USAGE),
-    (["selftest", "--print-config"], Exit.OK),
-    (["selftest", "--inject-fault", "melt@0:0"], Exit.USAGE),
-    (["matrix", "--list"], Exit.OK),
-    (["matrix", "--jobs", "0"], Exit.USAGE),
-    (["matrix", "--config", "gpu-2", "--artifacts", "{tmp}"], Exit.ENV),   # every trial UNSUPPORTED here
-    (["merge", "/nonexistent.json"], Exit.USAGE),
-    (["doctor", "--json", "/nonexistent/d.json"], Exit.USAGE),
-    (["vllm-audit", "--path", "/a", "--wheel", "/b"], Exit.USAGE),
-    (["watch"], Exit.USAGE),
-    (["watch-report", "/nonexistent"], Exit.USAGE),
-    ([], Exit.USAGE),                                         # bare `repro`: its help
-    (["--version"], Exit.OK),
-])
+@pytest.mark.parametrize(
+    "args,code",
+    [
+        (["presets"], Exit.OK),
+        (["presets", "nope"], Exit.USAGE),  # click's own check
+        (["gemma4-mtp", "--mode", "halfway"], Exit.USAGE),
+        (["selftest", "--print-config"], Exit.OK),
+        (["selftest", "--inject-fault", "melt@0:0"], Exit.USAGE),
+        (["matrix", "--list"], Exit.OK),
+        (["matrix", "--jobs", "0"], Exit.USAGE),
+        (["matrix", "--config", "gpu-2", "--artifacts", "{tmp}"], Exit.ENV),  # every trial UNSUPPORTED here
+        (["merge", "/nonexistent.json"], Exit.USAGE),
+        (["doctor", "--json", "/nonexistent/d.json"], Exit.USAGE),
+        (["vllm-audit", "--path", "/a", "--wheel", "/b"], Exit.USAGE),
+        (["watch"], Exit.USAGE),
+        (["watch-report", "/nonexistent"], Exit.USAGE),
+        ([], Exit.USAGE),  # bare `repro`: its help
+        (["--version"], Exit.OK),
+    ],
+)
 def test_exit_codes_are_members_of_the_table(args, code, tmp_path, no_gpu):
     """Not only the same number: the member itself, so no command returns a bare literal."""
     result = invoke(*[a.format(tmp=tmp_path) for a in args])
@@ -104,39 +109,44 @@ def test_exit_codes_are_members_of_the_table(args, code, tmp_path, no_gpu):
 
 
 def test_a_trial_that_misses_its_expectation_exits_failed(tmp_path, no_gpu):
-    result = invoke("selftest", "--tp", "1", "--steps", "1", "--expect", "reproduced",
-                    "--artifacts", str(tmp_path))
+    result = invoke("selftest", "--tp", "1", "--steps", "1", "--expect", "reproduced", "--artifacts", str(tmp_path))
     assert result.exit_code is Exit.FAILED, result.stderr
 
 
 def test_vllm_missing_is_an_environment_exit(monkeypatch):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(repro.audit.scan.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    monkeypatch.setattr(
+        repro.audit.scan.importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a)
+    )
     assert invoke("vllm-audit").exit_code is Exit.ENV
 
 
 def test_watch_exit_codes_come_from_the_table():
     from repro.watch.command import CommandResult, finish
     from repro.watch.report import WatchReport
+
     assert finish(WatchReport([], []), ["true"], CommandResult(0, True), "warn").exit is Exit.INTERRUPTED
-    assert finish(WatchReport([], []), ["true"], CommandResult(7, False), "warn").exit == 7   # CMD's own
+    assert finish(WatchReport([], []), ["true"], CommandResult(7, False), "warn").exit == 7  # CMD's own
 
 
 # -- one error line ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args", [
-    ["gemma4-mtp", "--mode", "halfway"],                     # a usage error click found
-    ["presets", "nope"],
-    ["gemma4-mtp", "--tp", "0", "--device", "cpu"],          # a config error
-    ["selftest", "--inject-fault", "melt@0:0"],
-    ["matrix", "--jobs", "0"],
-    ["merge", "/nonexistent.json"],
-    ["doctor", "--json", "/nonexistent/d.json"],
-    ["vllm-audit", "--path", "/a", "--wheel", "/b"],
-    ["watch"],
-    ["watch-report", "/nonexistent"],
-])
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["gemma4-mtp", "--mode", "halfway"],  # a usage error click found
+        ["presets", "nope"],
+        ["gemma4-mtp", "--tp", "0", "--device", "cpu"],  # a config error
+        ["selftest", "--inject-fault", "melt@0:0"],
+        ["matrix", "--jobs", "0"],
+        ["merge", "/nonexistent.json"],
+        ["doctor", "--json", "/nonexistent/d.json"],
+        ["vllm-audit", "--path", "/a", "--wheel", "/b"],
+        ["watch"],
+        ["watch-report", "/nonexistent"],
+    ],
+)
 def test_every_error_line_comes_from_the_one_function(args, monkeypatch, no_gpu):
     monkeypatch.setattr(repro.output, "error_line", lambda message: f"ONE<{message}>")
     result = invoke(*args)
@@ -150,6 +160,7 @@ def test_the_error_line():
 
 
 # -- `--json -` resolved once -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("json_path,mode,file", [("-", True, None), ("r.json", False, "r.json"), (None, False, None)])
 def test_json_path_resolves_to_stdout_or_a_file(json_path, mode, file):
@@ -170,8 +181,9 @@ def shard_report(tmp_path_factory):
     """One shard (1/1) of a one-trial matrix, as `repro matrix --json -` wrote it on stdout."""
     tmp = tmp_path_factory.mktemp("shard")
     (tmp / "one.toml").write_text(ONE_TRIAL)
-    result = invoke("matrix", "--config", str(tmp / "one.toml"), "--shard", "1/1",
-                    "--artifacts", str(tmp / "arts"), "--json", "-")
+    result = invoke(
+        "matrix", "--config", str(tmp / "one.toml"), "--shard", "1/1", "--artifacts", str(tmp / "arts"), "--json", "-"
+    )
     path = tmp / "shard.json"
     path.write_text(result.stdout)
     return result, path
@@ -180,9 +192,13 @@ def shard_report(tmp_path_factory):
 @pytest.fixture(scope="module")
 def watch_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("watch") / "run"
-    subprocess.run([sys.executable, "-m", "repro", "watch", "--run-dir", str(run_dir), "--",
-                    sys.executable, "-c", "pass"], check=True, capture_output=True,
-                   env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "repro", "watch", "--run-dir", str(run_dir), "--", sys.executable, "-c", "pass"],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
     return run_dir
 
 
@@ -205,8 +221,7 @@ def strip_created(text: str) -> str:
 
 @pytest.mark.parametrize("command", ["merge", "watch-report"])
 def test_json_dash_writes_what_a_json_file_holds(command, shard_report, watch_run, tmp_path):
-    source, schema = ((shard_report[1], "repro.report/1") if command == "merge" else
-                      (watch_run, "repro.watch/1"))
+    source, schema = (shard_report[1], "repro.report/1") if command == "merge" else (watch_run, "repro.watch/1")
     to_stdout = invoke(command, str(source), "--json", "-")
     only_json(to_stdout, schema)
     to_file = invoke(command, str(source), "--json", str(tmp_path / "r.json"))
@@ -221,6 +236,7 @@ def test_json_dash_writes_what_a_json_file_holds(command, shard_report, watch_ru
 @pytest.mark.parametrize("args,table_word", [(["doctor"], "torch"), (["vllm-audit", "--path", "{tree}"], "43909")])
 def test_json_dash_moves_tables_to_stderr_too(args, table_word, tmp_path):
     from fixtures_audit import source_files, write_tree
+
     tree = write_tree(tmp_path / "src", source_files(refresh="none"), version="0.28.0")
     result = invoke(*[a.format(tree=tree) for a in args], "--json", "-")
     assert result.exit_code == Exit.OK, result.stderr
@@ -229,6 +245,7 @@ def test_json_dash_moves_tables_to_stderr_too(args, table_word, tmp_path):
 
 
 # -- selftest generated like the other scenario commands -----------------------------------------
+
 
 def test_every_scenario_command_is_generated_from_its_spec():
     registered = commands()

@@ -1,6 +1,7 @@
 """piecewise-split (vLLM #53915, #37363): piecewise graphs around an eager split op whose output
 is fresh every step. CPU: the scenario in this process and through the CLI and the isolated
 runner; GPU (marked gpu): each mode and after-free value on CUDA at Llama 3 8B dims."""
+
 from __future__ import annotations
 
 import inspect
@@ -23,8 +24,18 @@ from repro.scenarios import piecewise_split as ps
 from repro.scenarios.piecewise_split_spec import DecoderDims, footprint
 
 CPU = torch.device("cpu")
-TINY = DecoderDims(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-                   vocab_size=512, rope_theta=10000.0, context_len=32, batch_sizes=[1, 2, 4])
+TINY = DecoderDims(
+    hidden_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=512,
+    rope_theta=10000.0,
+    context_len=32,
+    batch_sizes=[1, 2, 4],
+)
 SPLIT_OUTPUT = "<local attn_out of capture_after, created by aten.bmm"
 runner = CliRunner()
 
@@ -39,6 +50,7 @@ def drive(tmp_path: Path, mode: str, guard: str = "warn", steps: int = 6) -> Rec
 @dataclass
 class FakeContext:
     """What capture_size reads of a WorkerContext, on CPU."""
+
     cfg: Any
     guard: Any
     census: Any = None
@@ -66,15 +78,24 @@ def feed(engine: ps.Engine, step: int, size: int) -> int:
 
 # ------------------------------------------------------------------------ configs
 
+
 def test_presets_have_llama3_8b_dims_and_a_tiny_twin():
     real = validate(load_preset("llama3-8b"))
     assert real.scenario == "piecewise-split" and real.run.after_free == "reuse" and real.run.steps == 16
     m = real.model
-    assert (m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size,
-            m.vocab_size, m.rope_theta) == (4096, 32, 32, 8, 128, 14336, 128256, 500000.0)
+    assert (
+        m.hidden_size,
+        m.num_layers,
+        m.num_heads,
+        m.num_kv_heads,
+        m.head_dim,
+        m.intermediate_size,
+        m.vocab_size,
+        m.rope_theta,
+    ) == (4096, 32, 32, 8, 128, 14336, 128256, 500000.0)
     assert m.batch_sizes == [1, 2, 4, 8, 16, 32, 64, 128]
     tiny = validate(load_preset("llama-tiny"))
-    assert tiny.model == TINY and tiny.run.steps == 2 * len(TINY.batch_sizes)   # every size twice
+    assert tiny.model == TINY and tiny.run.steps == 2 * len(TINY.batch_sizes)  # every size twice
 
 
 def test_footprint_counts_what_the_engine_holds():
@@ -86,6 +107,7 @@ def test_footprint_counts_what_the_engine_holds():
 
 
 # ------------------------------------------------------------------------ the mode difference
+
 
 def test_the_mode_difference_is_the_marked_lines():
     source = inspect.getsource(ps.SplitAttention)
@@ -104,9 +126,9 @@ def test_split_output_is_a_new_tensor_each_call_only_when_unfixed(mode, fresh):
     _, q, k, v = model.piece(0, engine.input_ids[:size], None, engine.positions[:size])
     first = engine.split(0, q, k, v, pos)
     first_ptr, first_values = first.data_ptr(), first.clone()
-    second = engine.split(0, q, k, v, pos)                  # held: the first is still alive
+    second = engine.split(0, q, k, v, pos)  # held: the first is still alive
     assert (second.data_ptr() != first_ptr) == fresh
-    assert torch.equal(second, first_values)                # same values either way
+    assert torch.equal(second, first_values)  # same values either way
     assert (first_ptr == engine.captured_at[size][0]) == (not fresh)
 
 
@@ -116,18 +138,20 @@ def test_capture_records_one_split_address_per_layer_and_size():
         assert sorted(engine.pieces) == TINY.batch_sizes
         assert all(len(engine.pieces[b]) == TINY.num_layers + 1 for b in TINY.batch_sizes)
         assert all(len(engine.captured_at[b]) == TINY.num_layers for b in TINY.batch_sizes)
-    assert {b: t.data_ptr() for b, t in engine.split.outputs.items()} == \
-        {b: engine.captured_at[b][0] for b in TINY.batch_sizes}          # fixed: one buffer per size
+    assert {b: t.data_ptr() for b, t in engine.split.outputs.items()} == {
+        b: engine.captured_at[b][0] for b in TINY.batch_sizes
+    }  # fixed: one buffer per size
 
 
 # ------------------------------------------------------------------------ the forward
+
 
 @pytest.mark.parametrize("mode", ["unfixed", "fixed"])
 def test_piecewise_forward_equals_the_eager_reference(mode):
     engine = captured(mode)
     for step, size in enumerate([4, 1, 2]):
         pos = feed(engine, step, size)
-        decoded = ps.decode(engine, size, pos)                   # CPU: the pieces run eagerly
+        decoded = ps.decode(engine, size, pos)  # CPU: the pieces run eagerly
         assert not decoded.replayed
         assert torch.equal(decoded.hidden, ps.decode_eager(engine, size, pos))
 
@@ -151,36 +175,46 @@ def test_one_stale_split_read_is_far_beyond_the_tolerance(layer):
     engine = captured("unfixed")
     size = 4
     pos = feed(engine, 1, size)
-    other = ps.attend(engine.cache, (layer + 1) % TINY.num_layers,
-                      *engine.model.piece(0, engine.input_ids[:size], None, engine.positions[:size])[1:], pos)
+    other = ps.attend(
+        engine.cache,
+        (layer + 1) % TINY.num_layers,
+        *engine.model.piece(0, engine.input_ids[:size], None, engine.positions[:size])[1:],
+        pos,
+    )
     ref = ps.decode_eager(engine, size, pos)
     fill = torch.empty_like(other).normal_(0.0, 0.05, generator=torch.Generator().manual_seed(0))
     for stale in (other, fill):
         cmp = compare(stale_forward(engine, size, pos, layer, stale), ref, ps.TOLERANCE)
         assert cmp.nonfinite == 0
         assert cmp.max_scaled_err > 4 * ps.TOLERANCE and cmp.mismatches >= cmp.numel // 4, (layer, cmp)
-    poisoned = compare(stale_forward(engine, size, pos, layer, torch.full_like(other, float("nan"))), ref,
-                       ps.TOLERANCE)
+    poisoned = compare(stale_forward(engine, size, pos, layer, torch.full_like(other, float("nan"))), ref, ps.TOLERANCE)
     assert poisoned.nonfinite == poisoned.numel
 
 
 def test_decode_positions_append_after_the_prompt_and_wrap():
     p = ps.prompt_len(TINY)
-    assert [ps.decode_position(TINY, k) for k in (0, 1, TINY.context_len - p - 1, TINY.context_len - p)] == \
-        [p, p + 1, TINY.context_len - 1, p]
+    assert [ps.decode_position(TINY, k) for k in (0, 1, TINY.context_len - p - 1, TINY.context_len - p)] == [
+        p,
+        p + 1,
+        TINY.context_len - 1,
+        p,
+    ]
 
 
 # ------------------------------------------------------------------------ the scenario, in this process
 
+
 def test_unfixed_guard_names_every_freed_split_output(tmp_path):
     rec = drive(tmp_path, "unfixed")
     findings = rec.of("finding")
-    assert len(findings) == TINY.num_layers * len(TINY.batch_sizes)   # one per layer and size
-    assert all(f["slot"].startswith(SPLIT_OUTPUT) and f["status"] == "freed" and f["when"] == "after set-up"
-               for f in findings)
-    assert {f["graph"] for f in findings} == {ps.piece_label(j, b) for j in range(1, TINY.num_layers + 1)
-                                              for b in TINY.batch_sizes}
-    assert all("capture_size" in f["freed_at"] for f in findings)     # dropped where the capture loop frees it
+    assert len(findings) == TINY.num_layers * len(TINY.batch_sizes)  # one per layer and size
+    assert all(
+        f["slot"].startswith(SPLIT_OUTPUT) and f["status"] == "freed" and f["when"] == "after set-up" for f in findings
+    )
+    assert {f["graph"] for f in findings} == {
+        ps.piece_label(j, b) for j in range(1, TINY.num_layers + 1) for b in TINY.batch_sizes
+    }
+    assert all("capture_size" in f["freed_at"] for f in findings)  # dropped where the capture loop frees it
     # Eager on CPU: the pieces read the live outputs, the numbers are right; the bug is latent.
     assert all(s["mismatches"] == 0 and s["nonfinite"] == 0 and not s["replayed"] for s in rec.steps)
     assert all(s["extra"]["wrong_tokens"] == 0 and s["extra"]["split_calls"] == TINY.num_layers for s in rec.steps)
@@ -214,21 +248,25 @@ def test_records_say_it_ran_on_cpu_and_what_the_knob_did(tmp_path):
 
 # ------------------------------------------------------------------------ the CLI
 
+
 def invoke(*args):
     return runner.invoke(app, list(args))
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--set", "model.num_kv_heads=3"], "model.num_heads = 4 is not a multiple of model.num_kv_heads = 3"),
-    (["--set", "model.head_dim=15"], "model.head_dim = 15 must be even"),
-    (["--set", "model.batch_sizes=[4, 2]"], "model.batch_sizes = [4, 2] must be positive, strictly increasing"),
-    (["--set", "model.num_layers=0"], "model.num_layers = 0 must be >= 1"),
-    (["--set", "model.context_len=1"], "model.context_len = 1 must be >= 2"),
-    (["--mode", "kernel-reuse"], "'--mode': 'kernel-reuse' is not one of 'unfixed', 'fixed'"),
-    (["--tp", "2"], "piecewise-split has no --tp option"),
-    (["--config", "moe-tiny"], "preset is for scenario 'nvfp4-reload'"),
-    (["--identity-reload"], "--identity-reload belongs to nvfp4-reload"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--set", "model.num_kv_heads=3"], "model.num_heads = 4 is not a multiple of model.num_kv_heads = 3"),
+        (["--set", "model.head_dim=15"], "model.head_dim = 15 must be even"),
+        (["--set", "model.batch_sizes=[4, 2]"], "model.batch_sizes = [4, 2] must be positive, strictly increasing"),
+        (["--set", "model.num_layers=0"], "model.num_layers = 0 must be >= 1"),
+        (["--set", "model.context_len=1"], "model.context_len = 1 must be >= 2"),
+        (["--mode", "kernel-reuse"], "'--mode': 'kernel-reuse' is not one of 'unfixed', 'fixed'"),
+        (["--tp", "2"], "piecewise-split has no --tp option"),
+        (["--config", "moe-tiny"], "preset is for scenario 'nvfp4-reload'"),
+        (["--identity-reload"], "--identity-reload belongs to nvfp4-reload"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     result = invoke("piecewise-split", *args, "--device", "cpu")
     assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr)
@@ -244,11 +282,14 @@ def test_print_config_on_cpu_is_the_tiny_preset(no_gpu):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, expect, code, outcome", [
-    ("unfixed", None, 0, "STALE_CAPTURE"),        # reproduced: the guard's verdict on CPU
-    ("fixed", None, 0, "CLEAN"),
-    ("unfixed", "clean", 1, "STALE_CAPTURE"),     # an expectation it does not meet
-])
+@pytest.mark.parametrize(
+    "mode, expect, code, outcome",
+    [
+        ("unfixed", None, 0, "STALE_CAPTURE"),  # reproduced: the guard's verdict on CPU
+        ("fixed", None, 0, "CLEAN"),
+        ("unfixed", "clean", 1, "STALE_CAPTURE"),  # an expectation it does not meet
+    ],
+)
 def test_cli_runs_each_mode_with_its_exit_code(tmp_path, no_gpu, mode, expect, code, outcome):
     args = ["piecewise-split", "--mode", mode, "--steps", "3", "--artifacts", str(tmp_path), "--json", "-"]
     result = invoke(*args, *(["--expect", expect] if expect else []))
@@ -256,7 +297,7 @@ def test_cli_runs_each_mode_with_its_exit_code(tmp_path, no_gpu, mode, expect, c
     trial = json.loads(result.stdout)["trials"][0]
     assert trial["outcome"] == outcome and trial["device"] == "cpu" and not trial["graph_replayed"]
     assert len(trial["steps"]) == 3 and all("moved" in s["extra"] for s in trial["steps"])
-    assert "Split op:" in result.stderr and "CPU: no piece was replayed" in result.stderr   # its report line
+    assert "Split op:" in result.stderr and "CPU: no piece was replayed" in result.stderr  # its report line
 
 
 # ------------------------------------------------------------------------ through the isolated runner
@@ -268,6 +309,7 @@ CPU_OUTCOMES = {"unfixed": Outcome.STALE_CAPTURE, "fixed": Outcome.CLEAN}
 def test_ci_smoke_trials_meet_their_expectations(tmp_path):
     from repro.run.matrix import load_matrix
     from repro.run.runner import run_planned
+
     _, planned = load_matrix("ci-smoke", 0)
     mine = [p for p in planned if p.cfg.scenario == "piecewise-split"]
     assert {p.cfg.run.mode for p in mine} == set(CPU_OUTCOMES)
@@ -302,10 +344,13 @@ GPU_STEPS = 16
 def gpu_trials(tmp_path_factory):
     from repro.env.gpus import gpu_count
     from repro.run.runner import plan, run_planned
+
     if gpu_count() < 1 or not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    planned = [plan("piecewise-split", "llama3-8b", {"device": "cuda", "mode": mode, "after_free": knob}, [], gpus=1)
-               for mode, knob in GPU_OUTCOMES]
+    planned = [
+        plan("piecewise-split", "llama3-8b", {"device": "cuda", "mode": mode, "after_free": knob}, [], gpus=1)
+        for mode, knob in GPU_OUTCOMES
+    ]
     result = run_planned(planned, tmp_path_factory.mktemp("piecewise-gpu"), jobs=4)
     return dict(zip(GPU_OUTCOMES, result.report.trials))
 
@@ -327,8 +372,9 @@ def test_gpu_outcome(gpu_trials, mode, knob):
         # The knob's fill holds the capture-time blocks: every fresh output lands elsewhere.
         assert t.details["after_free"]["landed"] == t.details["after_free"]["blocks"] >= 1
         assert all(s.extra["moved"] == s.extra["split_calls"] for s in t.steps)
-        assert all(s.nonfinite == s.numel if knob == "poison" else s.mismatches and s.extra["wrong_tokens"]
-                   for s in t.steps)
+        assert all(
+            s.nonfinite == s.numel if knob == "poison" else s.mismatches and s.extra["wrong_tokens"] for s in t.steps
+        )
     else:
         # A replay is wrong exactly when a split output was not where its graph reads.
         assert t.details["after_free"]["released_bytes"] == 0
@@ -353,15 +399,16 @@ def test_after_free_covers_a_small_pool_region_above_one_mib(cuda_only):
     (the split outputs' blocks do at Llama 3 8B dims): a request of its size goes to the large
     pool and never lands there, so the knob covers it in pieces of at most 1 MiB."""
     from repro.rank.graphs import land_on, land_over
+
     dev, part = torch.device("cuda"), 384 * 1024
     held = [torch.empty(part, dtype=torch.uint8, device=dev) for _ in range(32)]
     ptrs = [t.data_ptr() for t in held]
     run = next(i for i in range(len(held) - 4) if all(ptrs[i + k + 1] == ptrs[i + k] + part for k in range(4)))
     addr = ptrs[run]
-    del held[run:run + 4]                                  # four neighbours freed: one free block
+    del held[run : run + 4]  # four neighbours freed: one free block
     start, size, kind, state = allocator_block_at(addr)
     assert (kind, state) == ("small", "inactive") and start <= addr and size >= 4 * part > 1 << 20
-    assert land_on(start, size, dev) is None               # a request of its size never reaches it
+    assert land_on(start, size, dev) is None  # a request of its size never reaches it
     pieces = land_over(start, size, dev)
     assert [t.data_ptr() for t in pieces] == list(range(start, start + size, 1 << 20))
     assert sum(t.numel() for t in pieces) == size

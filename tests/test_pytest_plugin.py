@@ -4,6 +4,7 @@ No CUDA graph exists on CPU: the inner suites drive the hooks through the stand-
 of tests/watch_programs/fake_graph.py (patched by the session's watcher), with real guard
 recordings on CPU tensors. Real graphs: tests/test_pytest_plugin_gpu.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -68,8 +69,14 @@ def test_replays_stale(captured):
 """
 
 
-def run_pytest(tmp_path: Path, files: dict[str, str], *args: str, ep: bool = False,
-               env_extra: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_pytest(
+    tmp_path: Path,
+    files: dict[str, str],
+    *args: str,
+    ep: bool = False,
+    env_extra: dict[str, str] | None = None,
+    timeout: float = 240,
+) -> subprocess.CompletedProcess:
     for name, text in files.items():
         (tmp_path / name).write_text(textwrap.dedent(text))
     env = {k: v for k, v in os.environ.items() if not k.startswith("REPRO_WATCH")}
@@ -77,11 +84,17 @@ def run_pytest(tmp_path: Path, files: dict[str, str], *args: str, ep: bool = Fal
     if ep:
         path.insert(0, str(fake_install(tmp_path)))
     env["PYTHONPATH"] = os.pathsep.join(path)
-    env["REPRO_WATCH_DIR"] = str(tmp_path / "records")     # not a switch: only where records go
+    env["REPRO_WATCH_DIR"] = str(tmp_path / "records")  # not a switch: only where records go
     env.update(env_extra or {})
     plugin = [] if ep else ["-p", "repro.pytest"]
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *plugin, *args],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *plugin, *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def fake_install(tmp_path: Path) -> Path:
@@ -99,7 +112,6 @@ def out_of(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout + proc.stderr
 
 
-
 SUMMARY_HEAD = re.compile(r"^=+ repro watch: (no findings|\d+ finding\(s\)) =+$", re.M)
 NO_REPORT = "recorded, but in no test report"
 
@@ -111,7 +123,7 @@ def findings_by_test(out: str) -> dict[str, list[str]]:
     assert head is not None, out
     by_test: dict[str, list[str]] = {}
     current = None
-    for line in out[head.end():].splitlines()[1:]:
+    for line in out[head.end() :].splitlines()[1:]:
         if line.startswith("records: "):
             break
         if line.startswith("  ") and current is not None:
@@ -132,8 +144,10 @@ def graphs_checked(out: str) -> int:
 
 def junit_findings(path: Path) -> dict[str, list[str]]:
     """{test case name: its repro_watch_finding property values} of a --junitxml file."""
-    return {c.get("name"): [p.get("value") for p in c.iter("property") if p.get("name") == "repro_watch_finding"]
-            for c in ET.parse(path).iter("testcase")}
+    return {
+        c.get("name"): [p.get("value") for p in c.iter("property") if p.get("name") == "repro_watch_finding"]
+        for c in ET.parse(path).iter("testcase")
+    }
 
 
 # -- off ------------------------------------------------------------------------------------------
@@ -165,11 +179,17 @@ def test_p_no_repro_keeps_it_out(tmp_path):
 
 
 def test_explicit_p_with_the_entry_point_installed_registers_once(tmp_path):
-    proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_stale.py": STALE},
-                      "-q", "-p", "repro.pytest", "--repro-watch", ep=True)
+    proc = run_pytest(
+        tmp_path,
+        {"conftest.py": CONFTEST, "test_stale.py": STALE},
+        "-q",
+        "-p",
+        "repro.pytest",
+        "--repro-watch",
+        ep=True,
+    )
     assert proc.returncode == 1, out_of(proc)
     assert "1 failed, 1 passed" in proc.stdout
-
 
 
 class Options:
@@ -182,12 +202,23 @@ class Options:
         return getattr(self, name, default)
 
 
-@pytest.mark.parametrize("option, env, mode", [
-    (None, None, None), (None, "", None), (None, "0", None), (None, "1", "fail"), (None, "warn", "warn"),
-    (None, " WARN ", "warn"), (None, "fail", "fail"), ("warn", "1", "warn"), ("fail", "warn", "fail"),
-])
+@pytest.mark.parametrize(
+    "option, env, mode",
+    [
+        (None, None, None),
+        (None, "", None),
+        (None, "0", None),
+        (None, "1", "fail"),
+        (None, "warn", "warn"),
+        (None, " WARN ", "warn"),
+        (None, "fail", "fail"),
+        ("warn", "1", "warn"),
+        ("fail", "warn", "fail"),
+    ],
+)
 def test_watch_mode_from_the_option_else_the_environment(monkeypatch, option, env, mode):
     from repro.pytest import watch_mode
+
     if env is None:
         monkeypatch.delenv("REPRO_WATCH", raising=False)
     else:
@@ -203,50 +234,80 @@ def test_failure_text_of_a_census_finding_names_kernel_and_parameter():
     from repro.outcome import to_jsonable
     from repro.pytest.watch import finding_text
 
-    block = Block(start=0x7f0000001000, size=4096, state="inactive", pool=(0, 0), segment=0x7f0000000000)
-    ref = Reference(node=3, kind="kernel", kernel="ampere_sgemm_128x64_nn", where="param 2 +8", offset=24,
-                    addr=0x7f0000001000, block=block)
-    finding = to_jsonable(census_finding("#1 t.py:9 in capture", Fate(block, "freed", block, "allocator state"),
-                                         [ref], "before replay", 0))
-    tf = PhaseFinding(id="h-1.jsonl:4", pid=1, mechanism="census", finding=finding,
-                      captured_in=Phase("t.py::a", "setup"), replayed_in=Phase("t.py::b", "call"))
+    block = Block(start=0x7F0000001000, size=4096, state="inactive", pool=(0, 0), segment=0x7F0000000000)
+    ref = Reference(
+        node=3,
+        kind="kernel",
+        kernel="ampere_sgemm_128x64_nn",
+        where="param 2 +8",
+        offset=24,
+        addr=0x7F0000001000,
+        block=block,
+    )
+    finding = to_jsonable(
+        census_finding(
+            "#1 t.py:9 in capture", Fate(block, "freed", block, "allocator state"), [ref], "before replay", 0
+        )
+    )
+    tf = PhaseFinding(
+        id="h-1.jsonl:4",
+        pid=1,
+        mechanism="census",
+        finding=finding,
+        captured_in=Phase("t.py::a", "setup"),
+        replayed_in=Phase("t.py::b", "call"),
+    )
     text = finding_text(tf)
     assert "read by:     kernel ampere_sgemm_128x64_nn, param 2 +8\n" in text
     assert "captured in: t.py::a (setup)" in text and "replayed in: t.py::b (call)" in text
     memcpy = Reference(node=5, kind="memcpy", kernel="", where="src", offset=0, addr=block.start, block=block)
-    tf.finding = to_jsonable(census_finding("#1", Fate(block, "freed", block, "allocator state"), [memcpy],
-                                            "before replay", 0))
+    tf.finding = to_jsonable(
+        census_finding("#1", Fate(block, "freed", block, "allocator state"), [memcpy], "before replay", 0)
+    )
     assert "read by:     node 5 src\n" in finding_text(tf)
 
 
 def test_failure_text_shows_where_a_guard_finding_was_created_and_dropped():
     from repro.pytest.attribution import Phase, PhaseFinding
     from repro.pytest.watch import finding_text
-    f = {"graph": "#1 g", "slot": "model.w", "status": "freed", "created_at": "m.py:3 in load (aten.randn)",
-         "freed_at": "m.py:9 in reload (reassigned)", "message": "graph '#1 g' captured tensor model.w ..."}
-    text = finding_text(PhaseFinding(id="x:1", pid=7, mechanism="guard", finding=f, captured_in=None,
-                                     replayed_in=Phase("t.py::b", "call")))
+
+    f = {
+        "graph": "#1 g",
+        "slot": "model.w",
+        "status": "freed",
+        "created_at": "m.py:3 in load (aten.randn)",
+        "freed_at": "m.py:9 in reload (reassigned)",
+        "message": "graph '#1 g' captured tensor model.w ...",
+    }
+    text = finding_text(
+        PhaseFinding(
+            id="x:1", pid=7, mechanism="guard", finding=f, captured_in=None, replayed_in=Phase("t.py::b", "call")
+        )
+    )
     assert text.splitlines() == [
         "repro watch: graph '#1 g': model.w freed (guard, pid 7)",
         "  captured in: not found in these records",
         "  replayed in: t.py::b (call)",
         "  created at:  m.py:3 in load (aten.randn)",
         "  dropped at:  m.py:9 in reload (reassigned)",
-        "  graph '#1 g' captured tensor model.w ..."]
+        "  graph '#1 g' captured tensor model.w ...",
+    ]
 
 
 # -- on: fail, warn, attribution, junit -----------------------------------------------------------
 
+
 def test_fail_mode_fails_the_replaying_test_with_both_phases(tmp_path):
-    proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_stale.py": STALE},
-                      "-q", "--repro-watch", "--junitxml", "junit.xml")
+    proc = run_pytest(
+        tmp_path, {"conftest.py": CONFTEST, "test_stale.py": STALE}, "-q", "--repro-watch", "--junitxml", "junit.xml"
+    )
     out = out_of(proc)
     assert proc.returncode == 1, out
     assert "1 failed, 1 passed" in proc.stdout
     assert "FAILED test_stale.py::test_replays_stale" in proc.stdout
     # The failure text: tensor, graph, status, created at, both phases.
     assert "<local weight of capture_routine" in out and "freed" in out
-    assert "captured in: test_stale.py::test_replays_stale (setup)" in out     # the module fixture
+    assert "captured in: test_stale.py::test_replays_stale (setup)" in out  # the module fixture
     assert "replayed in: test_stale.py::test_replays_stale (call)" in out
     assert "dropped at:  test_stale.py:" in out
     assert "repro watch: 1 finding(s)" in out and "2 CUDA graph(s) captured and checked" in out
@@ -259,9 +320,10 @@ def test_fail_mode_fails_the_replaying_test_with_both_phases(tmp_path):
 
 
 def test_capture_in_one_test_replay_in_another(tmp_path):
-    two = STALE.replace("def test_replays_stale(captured):\n    captured.replay()",
-                        "def test_captures(captured):\n    pass\n\n\n"
-                        "def test_replays_later(captured):\n    captured.replay()")
+    two = STALE.replace(
+        "def test_replays_stale(captured):\n    captured.replay()",
+        "def test_captures(captured):\n    pass\n\n\ndef test_replays_later(captured):\n    captured.replay()",
+    )
     proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_two.py": two}, "-q", "--repro-watch")
     out = out_of(proc)
     assert "FAILED test_two.py::test_replays_later" in proc.stdout, out
@@ -298,8 +360,14 @@ class TestReplayAtTeardown:
 
 
 def test_class_fixture_captured_in_setup_replayed_in_teardown(tmp_path):
-    proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_class.py": CLASS_FIXTURE},
-                      "-q", "--repro-watch", "--junitxml", "junit.xml")
+    proc = run_pytest(
+        tmp_path,
+        {"conftest.py": CONFTEST, "test_class.py": CLASS_FIXTURE},
+        "-q",
+        "--repro-watch",
+        "--junitxml",
+        "junit.xml",
+    )
     out = out_of(proc)
     assert proc.returncode == 1, out
     assert "2 passed, 1 error" in proc.stdout, out
@@ -318,7 +386,7 @@ def test_warn_mode_passes_and_lists_findings_per_test(tmp_path):
     out = out_of(proc)
     assert proc.returncode == 0, out
     assert "2 passed" in proc.stdout
-    summary = out[out.index("repro watch: 1 finding(s)"):]
+    summary = out[out.index("repro watch: 1 finding(s)") :]
     assert summary.splitlines()[1].startswith("2 CUDA graph(s) captured and checked")
     assert summary.splitlines()[2] == "test_stale.py::test_replays_stale"
     assert "<local weight of capture_routine" in summary and "records: " in summary
@@ -338,11 +406,12 @@ def test_env_switch_turns_it_on_and_the_session_env_is_restored(tmp_path):
             assert os.environ["REPRO_WATCH"] == "1" and os.environ["REPRO_WATCH_DIR"]
             assert os.environ["PYTHONPATH"].split(os.pathsep)[0].endswith("_site")
     """
-    proc = run_pytest(tmp_path, {"conftest.py": conftest, "test_env.py": check_env}, "-q", "-s",
-                      env_extra={"REPRO_WATCH": "1"})
+    proc = run_pytest(
+        tmp_path, {"conftest.py": conftest, "test_env.py": check_env}, "-q", "-s", env_extra={"REPRO_WATCH": "1"}
+    )
     out = out_of(proc)
     assert proc.returncode == 0, out
-    assert f"ENV-AFTER None {REPO}\n" in out          # as before the session
+    assert f"ENV-AFTER None {REPO}\n" in out  # as before the session
 
 
 def test_no_switch_no_watch(tmp_path):
@@ -353,7 +422,9 @@ def test_no_switch_no_watch(tmp_path):
 
 # -- the marker -----------------------------------------------------------------------------------
 
-MARKED = STALE + """
+MARKED = (
+    STALE
+    + """
 
 @pytest.mark.repro_watch(off=True)
 def test_off(captured):
@@ -382,11 +453,18 @@ def test_expected_missing():
         kept.sum()
     g.replay()
 """
+)
 
 
 def test_marker_off_and_expect(tmp_path):
-    proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_marked.py": MARKED},
-                      "-q", "--repro-watch", "-k", "off or expected or skips")
+    proc = run_pytest(
+        tmp_path,
+        {"conftest.py": CONFTEST, "test_marked.py": MARKED},
+        "-q",
+        "--repro-watch",
+        "-k",
+        "off or expected or skips",
+    )
     out = out_of(proc)
     assert "2 failed, 2 passed" in proc.stdout, out
     assert "FAILED test_marked.py::test_expected_missing" in proc.stdout
@@ -401,16 +479,16 @@ SUBPROCESS = f"""
 import subprocess, sys
 
 def test_runs_a_program():
-    assert subprocess.call([sys.executable, {str(PROGRAMS / 'stale_local.py')!r}]) == 0
+    assert subprocess.call([sys.executable, {str(PROGRAMS / "stale_local.py")!r}]) == 0
 
 
 def test_runs_a_program_through_a_shell():
-    assert subprocess.call(f"{{sys.executable}} {str(PROGRAMS / 'stale_local.py')!r} | cat", shell=True) == 0
+    assert subprocess.call(f"{{sys.executable}} {str(PROGRAMS / "stale_local.py")!r} | cat", shell=True) == 0
 """
 
 
 def test_a_subprocess_finding_is_the_starting_tests(tmp_path):
-    for _ in range(2):           # the same records directory twice: each session its own findings
+    for _ in range(2):  # the same records directory twice: each session its own findings
         proc = run_pytest(tmp_path, {"conftest.py": CONFTEST, "test_sub.py": SUBPROCESS}, "-q", "--repro-watch")
         out = out_of(proc)
         assert "2 failed" in proc.stdout, out
@@ -432,14 +510,20 @@ def test_xdist_workers_findings_merge_in_the_controller(tmp_path):
     assert "3 failed, 1 passed" in proc.stdout, out
     assert "repro watch: 3 finding(s)" in out
     by_test = findings_by_test(out)
-    assert sorted(by_test) == ["test_stale.py::test_replays_stale", "test_sub.py::test_runs_a_program",
-                               "test_sub.py::test_runs_a_program_through_a_shell"]
-    assert all(len(lines) == 1 and "<local weight of capture_routine> freed" in lines[0]
-               for lines in by_test.values())
-    assert graphs_checked(out) == 4           # 2 in the workers, 1 in each started program
+    assert sorted(by_test) == [
+        "test_stale.py::test_replays_stale",
+        "test_sub.py::test_runs_a_program",
+        "test_sub.py::test_runs_a_program_through_a_shell",
+    ]
+    assert all(len(lines) == 1 and "<local weight of capture_routine> freed" in lines[0] for lines in by_test.values())
+    assert graphs_checked(out) == 4  # 2 in the workers, 1 in each started program
     props = junit_findings(tmp_path / "junit.xml")
     assert {name: len(v) for name, v in props.items()} == {
-        "test_clean": 0, "test_replays_stale": 1, "test_runs_a_program": 1, "test_runs_a_program_through_a_shell": 1}
+        "test_clean": 0,
+        "test_replays_stale": 1,
+        "test_runs_a_program": 1,
+        "test_runs_a_program_through_a_shell": 1,
+    }
 
 
 def test_forked_children_report_their_own_findings_once(tmp_path):
@@ -479,8 +563,7 @@ def test_a_hung_replay_killed_by_pytest_timeout_still_leaves_its_finding(tmp_pat
     pytest.importorskip("pytest_timeout")
     pytest.importorskip("xdist")
     files = {"conftest.py": CONFTEST, "test_hang.py": HANG}
-    proc = run_pytest(tmp_path, files, "-q", "-n", "1", "--timeout", "5", "--timeout-method", "thread",
-                      "--repro-watch")
+    proc = run_pytest(tmp_path, files, "-q", "-n", "1", "--timeout", "5", "--timeout-method", "thread", "--repro-watch")
     out = out_of(proc)
     assert proc.returncode != 0, out
     (line,) = findings_by_test(out)[NO_REPORT]
@@ -490,8 +573,9 @@ def test_a_hung_replay_killed_by_pytest_timeout_still_leaves_its_finding(tmp_pat
 def test_shards_each_report_their_own_tests(tmp_path):
     pytest.importorskip("pytest_shard")
     files = {"conftest.py": CONFTEST, "test_stale.py": STALE}
-    outs = [run_pytest(tmp_path, files, "-q", "--shard-id", str(i), "--num-shards", "2", "--repro-watch")
-            for i in range(2)]
+    outs = [
+        run_pytest(tmp_path, files, "-q", "--shard-id", str(i), "--num-shards", "2", "--repro-watch") for i in range(2)
+    ]
     failed = [o for o in outs if "FAILED test_stale.py::test_replays_stale" in o.stdout]
     assert len(failed) == 1, [out_of(o) for o in outs]
     assert "repro watch: 1 finding(s)" in out_of(failed[0])
@@ -546,16 +630,16 @@ def test_example_layer_rebuilt_on_reload_is_named_by_path(tmp_path):
 
 def test_example_suite_on_cpu_skips_graph_tests_and_says_why(tmp_path):
     import torch
+
     if torch.cuda.is_available():
         pytest.skip("with CUDA the graph tests run: tests/test_pytest_plugin_gpu.py")
-    proc = run_pytest(tmp_path, {}, "-q", "-rs", "--repro-watch", "--junitxml", str(tmp_path / "j.xml"),
-                      str(EXAMPLES))
+    proc = run_pytest(tmp_path, {}, "-q", "-rs", "--repro-watch", "--junitxml", str(tmp_path / "j.xml"), str(EXAMPLES))
     out = out_of(proc)
     assert proc.returncode == 0, out
     assert "2 passed, 2 skipped" in proc.stdout
     assert out.count("needs CUDA: CUDA graphs exist only on a GPU") == 2
     props = [p.get("value") for p in ET.parse(tmp_path / "j.xml").iter("property") if p.get("name") == "repro_reload"]
-    assert props == ["layer: 3 tensor slots, 0 changed"]         # the repro_stable fixture's census
+    assert props == ["layer: 3 tensor slots, 0 changed"]  # the repro_stable fixture's census
     assert "repro watch: no findings" in out and "no CUDA graph was captured: nothing was checked" in out
 
 
@@ -595,24 +679,29 @@ def test_repro_stable_fixture_fails_an_unstable_reload_with_the_plugin_off(tmp_p
     assert "ReloadUnstable: 2 of 3 tensor slots under layer changed across the reload (2 freed)" in out
     assert "layer.kernel.workspace  freed" in out and "layer.kernel.scale  freed" in out
     assert "repro watch" not in out
-    props = {c.get("name"): [p.get("value") for p in c.iter("property") if p.get("name") == "repro_reload"]
-             for c in ET.parse(tmp_path / "junit.xml").iter("testcase")}
-    assert props == {"test_kernel_reused": ["layer: 3 tensor slots, 0 changed"],
-                     "test_kernel_rebuilt": ["layer: 3 tensor slots, 2 changed"],
-                     "test_kernel_rebuilt_but_ignored": ["layer: 3 tensor slots, 0 changed"]}
+    props = {
+        c.get("name"): [p.get("value") for p in c.iter("property") if p.get("name") == "repro_reload"]
+        for c in ET.parse(tmp_path / "junit.xml").iter("testcase")
+    }
+    assert props == {
+        "test_kernel_reused": ["layer: 3 tensor slots, 0 changed"],
+        "test_kernel_rebuilt": ["layer: 3 tensor slots, 2 changed"],
+        "test_kernel_rebuilt_but_ignored": ["layer: 3 tensor slots, 0 changed"],
+    }
 
 
 # -- README: the CI snippets ----------------------------------------------------------------------
+
 
 def readme_yaml_after(heading: str) -> dict:
     """The first ```yaml block after `heading` in the README's "In your engine's CI" section."""
     yaml = pytest.importorskip("yaml")
     text = (REPO / "README.md").read_text()
-    section = text[text.index("## In your engine's CI"):]
-    section = section[:section.index("\n## ", 1)]
-    block = section[section.index(heading):]
-    block = block[block.index("```yaml\n") + len("```yaml\n"):]
-    return yaml.safe_load(block[:block.index("```")])
+    section = text[text.index("## In your engine's CI") :]
+    section = section[: section.index("\n## ", 1)]
+    block = section[section.index(heading) :]
+    block = block[block.index("```yaml\n") + len("```yaml\n") :]
+    return yaml.safe_load(block[: block.index("```")])
 
 
 def suite_at(tmp_path: Path, *dirs: str) -> None:
@@ -630,8 +719,9 @@ def test_readme_buildkite_step_runs_as_written(tmp_path):
         pytest.importorskip(name)
     (step,) = readme_yaml_after("Buildkite")["steps"]
     assert step["env"]["PYTHONFAULTHANDLER"] == "1" and step["artifact_paths"] == ["artifacts/**/*"]
-    command = shlex.split(step["commands"][1].replace("$$BUILDKITE_PARALLEL_JOB_COUNT", "1")
-                          .replace("$$BUILDKITE_PARALLEL_JOB", "0"))
+    command = shlex.split(
+        step["commands"][1].replace("$$BUILDKITE_PARALLEL_JOB_COUNT", "1").replace("$$BUILDKITE_PARALLEL_JOB", "0")
+    )
     assert command[0] == "pytest" and "--repro-watch" in command
     paths = [a for a in command if a.startswith("tests/")]
     suite_at(tmp_path, *paths)

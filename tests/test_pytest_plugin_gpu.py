@@ -5,6 +5,7 @@
 Inner pytest sessions in subprocesses (as in test_pytest_plugin.py), each on the GPU. Needs
 only pytest and a CUDA torch; the xdist test skips where pytest-xdist is not installed.
 """
+
 from __future__ import annotations
 
 import re
@@ -94,10 +95,14 @@ def test_subprocess_graph():
 
 # Each stale test: the test phase that captured its graph and the one that replayed it.
 STALE_TESTS = {
-    "test_graphs.py::test_replays_later": ("test_graphs.py::test_captures (setup)",
-                                           "test_graphs.py::test_replays_later (call)"),
-    "test_graphs.py::test_subprocess_graph": ("test_graphs.py::test_subprocess_graph (call)",
-                                              "test_graphs.py::test_subprocess_graph (call)"),
+    "test_graphs.py::test_replays_later": (
+        "test_graphs.py::test_captures (setup)",
+        "test_graphs.py::test_replays_later (call)",
+    ),
+    "test_graphs.py::test_subprocess_graph": (
+        "test_graphs.py::test_subprocess_graph (call)",
+        "test_graphs.py::test_subprocess_graph (call)",
+    ),
 }
 
 
@@ -115,8 +120,12 @@ def check_findings(out: str) -> None:
     by_test = findings_by_test(out)
     assert sorted(by_test) == sorted(STALE_TESTS), out
     for test, (captured, replayed) in STALE_TESTS.items():
-        assert any("<local weight of capture_routine" in line and " freed " in line
-                   and f"captured in {captured}; replayed in {replayed};" in line for line in by_test[test]), out
+        assert any(
+            "<local weight of capture_routine" in line
+            and " freed " in line
+            and f"captured in {captured}; replayed in {replayed};" in line
+            for line in by_test[test]
+        ), out
     assert graphs_checked(out) == 3, out
 
 
@@ -135,8 +144,9 @@ def check_junit(path) -> None:
     assert props["test_clean_graph"] == [] and props["test_captures"] == [], props
     for test, (captured, replayed) in STALE_TESTS.items():
         values = props[test.split("::")[1]]
-        assert values and all(f"captured in {captured}; replayed in {replayed};" in v and "[allowed]" not in v
-                              for v in values), props
+        assert values and all(
+            f"captured in {captured}; replayed in {replayed};" in v and "[allowed]" not in v for v in values
+        ), props
 
 
 def test_real_graphs_give_findings_per_test(tmp_path, cuda):
@@ -158,8 +168,7 @@ def test_real_graphs_in_warn_mode_pass_and_are_listed(tmp_path, cuda):
 
 def test_real_graphs_under_xdist(tmp_path, cuda):
     pytest.importorskip("xdist")
-    proc = run_pytest(tmp_path, {"test_graphs.py": GRAPHS}, "-q", "-n", "2", "--dist", "loadfile",
-                      "--repro-watch")
+    proc = run_pytest(tmp_path, {"test_graphs.py": GRAPHS}, "-q", "-n", "2", "--dist", "loadfile", "--repro-watch")
     out = out_of(proc)
     assert proc.returncode == 1 and "2 failed, 2 passed" in proc.stdout, out
     check_failures(proc)

@@ -6,6 +6,7 @@ started with Ray's own `ray start`, on the loopback address, the workers declari
 The nodes get no PYTHONPATH: repro reaches them as the driver's copy (runtime_env py_modules).
 Skipped only where Ray is not importable (`pip install -e '.[test]'` installs it).
 """
+
 import json
 import os
 import signal
@@ -24,8 +25,12 @@ pytestmark = pytest.mark.ray
 
 # Small nodes: this machine has 2 cores. Node death is noticed within ~2 s, not Ray's default 30 s.
 OBJECT_STORE = "100000000"
-HEALTH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000",
-          "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "500"}
+HEALTH = {
+    "RAY_health_check_period_ms": "500",
+    "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+    "RAY_health_check_initial_delay_ms": "500",
+}
 
 
 # One trial that runs for minutes (a gloo all-gather per step) unless stopped, and a short one.
@@ -57,7 +62,7 @@ def free_ports(n: int) -> list[int]:
     try:
         while len(ports) < n:
             s = socket.socket()
-            held.append(s)                       # held open until all are drawn: all distinct
+            held.append(s)  # held open until all are drawn: all distinct
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
             if port not in RAY_DEFAULT_PORTS and port not in RAY_WORKER_PORTS:
@@ -85,30 +90,61 @@ def node_env() -> dict:
 
 
 def driver_env() -> dict:
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("REPRO_WATCH")}, "PYTHONPATH": str(REPO),
-            **NO_AUTH}
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("REPRO_WATCH")},
+        "PYTHONPATH": str(REPO),
+        **NO_AUTH,
+    }
 
 
 def ray_start(*args) -> None:
-    done = subprocess.run(["ray", "start", "--node-ip-address", "127.0.0.1", "--object-store-memory", OBJECT_STORE,
-                           "--disable-usage-stats", *args], env=node_env(), capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [
+            "ray",
+            "start",
+            "--node-ip-address",
+            "127.0.0.1",
+            "--object-store-memory",
+            OBJECT_STORE,
+            "--disable-usage-stats",
+            *args,
+        ],
+        env=node_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 def start_worker(address: str, name: str, gpus: int, ports: list[int]) -> None:
-    ray_start("--address", address, "--node-name", name, "--num-cpus", "2", "--num-gpus", str(gpus), *node_ports(*ports))
+    ray_start(
+        "--address", address, "--node-name", name, "--num-cpus", "2", "--num-gpus", str(gpus), *node_ports(*ports)
+    )
 
 
 @pytest.fixture(scope="module")
 def cluster():
     """Head (1 CPU, no GPU) + worker-a (2 CPUs, 2 GPUs declared) + worker-b (2 CPUs, 1 GPU)."""
     started = time.monotonic()
-    gcs, *ports = free_ports(7)                   # drawn together: the cluster's ports all differ
+    gcs, *ports = free_ports(7)  # drawn together: the cluster's ports all differ
     address = f"127.0.0.1:{gcs}"
     try:
-        ray_start("--head", "--port", str(gcs), "--node-name", "head", "--num-cpus", "1",
-                  "--num-gpus", "0", "--include-dashboard", "false", *node_ports(*ports[0:2]))
-        start_worker(address, "worker-a", 2, ports[2:4])      # one at a time: two at once overload 2 cores
+        ray_start(
+            "--head",
+            "--port",
+            str(gcs),
+            "--node-name",
+            "head",
+            "--num-cpus",
+            "1",
+            "--num-gpus",
+            "0",
+            "--include-dashboard",
+            "false",
+            *node_ports(*ports[0:2]),
+        )
+        start_worker(address, "worker-a", 2, ports[2:4])  # one at a time: two at once overload 2 cores
         start_worker(address, "worker-b", 1, ports[4:6])
         sys.stderr.write(f"ray cluster up in {time.monotonic() - started:.1f} s\n")
         yield address
@@ -118,13 +154,25 @@ def cluster():
 
 
 def repro(*args, cwd, timeout=300):
-    return subprocess.run([sys.executable, "-m", "repro", *args], cwd=cwd, capture_output=True, text=True,
-                          env=driver_env(), timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "repro", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=driver_env(),
+        timeout=timeout,
+    )
 
 
 def spawn(*args, cwd):
-    return subprocess.Popen([sys.executable, "-m", "repro", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=driver_env())
+    return subprocess.Popen(
+        [sys.executable, "-m", "repro", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=driver_env(),
+    )
 
 
 def outcomes(doc):
@@ -134,8 +182,20 @@ def outcomes(doc):
 def test_matrix_on_ray_gives_each_trial_the_local_outcome(cluster, tmp_path):
     (tmp_path / "m.toml").write_text(TINY_MATRIX)
     local = repro("matrix", "--config", "m.toml", "--json", "local.json", "--artifacts", "runs", cwd=tmp_path)
-    remote = repro("matrix", "--config", "m.toml", "--ray", cluster, "--json", "ray.json", "--junit", "ray.xml",
-                   "--artifacts", "runs", cwd=tmp_path)
+    remote = repro(
+        "matrix",
+        "--config",
+        "m.toml",
+        "--ray",
+        cluster,
+        "--json",
+        "ray.json",
+        "--junit",
+        "ray.xml",
+        "--artifacts",
+        "runs",
+        cwd=tmp_path,
+    )
     assert remote.returncode == local.returncode == 1, remote.stderr
     here, there = (json.loads((tmp_path / n).read_text()) for n in ("local.json", "ray.json"))
     assert outcomes(there) == outcomes(here)
@@ -171,20 +231,28 @@ tp = 2
 steps = 1
 share_gpu = true
 """)
-    done = repro("matrix", "--config", "g.toml", "--ray", cluster, "--json", "g.json", "--artifacts", "runs", cwd=tmp_path)
+    done = repro(
+        "matrix", "--config", "g.toml", "--ray", cluster, "--json", "g.json", "--artifacts", "runs", cwd=tmp_path
+    )
     trials = json.loads((tmp_path / "g.json").read_text())["trials"]
     assert done.returncode == 0, done.stderr
     two, shared = trials
-    assert two["node"] == "worker-a"                       # the only node with 2 GPUs
+    assert two["node"] == "worker-a"  # the only node with 2 GPUs
     assert "Ray gave this trial GPU(s) 0, 1 of its node" in two["notes"]
-    assert shared["node"] in ("worker-a", "worker-b")      # --share-gpu: one GPU is enough
+    assert shared["node"] in ("worker-a", "worker-b")  # --share-gpu: one GPU is enough
     assert any(n.startswith("Ray gave this trial GPU(s) ") and "," not in n for n in shared["notes"])
 
 
-@pytest.mark.parametrize("trial, line", [
-    ('device = "cuda"\ntp = 4', "trial 00-selftest-clean-tp4-keep needs a node with 4 GPUs; largest has 2"),
-    ('device = "cpu"\ntp = 3', "trial 00-selftest-clean-tp3-keep needs a node with 3 CPUs (one per rank); largest has 2"),
-])
+@pytest.mark.parametrize(
+    "trial, line",
+    [
+        ('device = "cuda"\ntp = 4', "trial 00-selftest-clean-tp4-keep needs a node with 4 GPUs; largest has 2"),
+        (
+            'device = "cpu"\ntp = 3',
+            "trial 00-selftest-clean-tp3-keep needs a node with 3 CPUs (one per rank); largest has 2",
+        ),
+    ],
+)
 def test_what_no_node_can_hold_is_refused_in_one_line(cluster, tmp_path, trial, line):
     (tmp_path / "r.toml").write_text(f'[[trial]]\nscenario = "selftest"\nsteps = 1\n{trial}\n')
     done = repro("matrix", "--config", "r.toml", "--ray", cluster, "--artifacts", "runs", cwd=tmp_path)
@@ -204,16 +272,34 @@ def test_watch_reaches_actors_on_every_node_and_ships_their_records(cluster, tmp
     plain = subprocess.run(program, capture_output=True, text=True, env=env, timeout=300)
     assert plain.returncode == 0, plain.stderr
     run_dir = tmp_path / "run"
-    watched = subprocess.run([sys.executable, "-m", "repro", "watch", "--run-dir", str(run_dir), "--json",
-                              str(tmp_path / "w.json"), "--", *program], capture_output=True, text=True, env=env,
-                             timeout=300)
-    assert watched.returncode == 1, watched.stderr          # the stale capture on worker-a's actor
-    assert watched.stdout == plain.stdout                   # the program's output is its own
-    assert "program_var mine" in plain.stdout               # its runtime_env reached the actors, watched too
+    watched = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "repro",
+            "watch",
+            "--run-dir",
+            str(run_dir),
+            "--json",
+            str(tmp_path / "w.json"),
+            "--",
+            *program,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert watched.returncode == 1, watched.stderr  # the stale capture on worker-a's actor
+    assert watched.stdout == plain.stdout  # the program's output is its own
+    assert "program_var mine" in plain.stdout  # its runtime_env reached the actors, watched too
     assert watched.stderr.count("watched=True") == 2 and plain.stderr.count("watched=False") == 2
     doc = json.loads((tmp_path / "w.json").read_text())
-    actor_pids = {int(line.split()[2]): line.split()[0] for line in watched.stderr.splitlines()
-                  if line.startswith("worker-") and " pid " in line}
+    actor_pids = {
+        int(line.split()[2]): line.split()[0]
+        for line in watched.stderr.splitlines()
+        if line.startswith("worker-") and " pid " in line
+    }
     assert sorted(actor_pids.values()) == ["worker-a", "worker-b"]
     # Records of each node's actor came back to the driver's run directory, one folder per node.
     for node in ("worker-a", "worker-b"):
@@ -223,8 +309,9 @@ def test_watch_reaches_actors_on_every_node_and_ships_their_records(cluster, tmp
     for pid, node in actor_pids.items():
         assert pid in listed and listed[pid]["record_file"].startswith(str(run_dir / f"ray-{node}"))
         assert listed[pid]["torch_hooked"]
-    assert [f["pid"] for f in doc["findings"]] and {f["pid"] for f in doc["findings"]} == \
-        {pid for pid, node in actor_pids.items() if node == "worker-a"}
+    assert [f["pid"] for f in doc["findings"]] and {f["pid"] for f in doc["findings"]} == {
+        pid for pid, node in actor_pids.items() if node == "worker-a"
+    }
     assert any(n.startswith("Ray node worker-a: 1 watched process") for n in doc.get("notes", [])), doc.get("notes")
     assert any(n.startswith("Ray node worker-b: 1 watched process") for n in doc.get("notes", []))
 
@@ -282,7 +369,9 @@ def stepped(folder: Path) -> bool:
 def spawn_long_matrix(cluster: str, tmp_path: Path):
     """`repro matrix --ray` of the long trial (a million steps), from tmp_path."""
     (tmp_path / "l.toml").write_text(LONG.format(steps=1_000_000))
-    return spawn("matrix", "--config", "l.toml", "--ray", cluster, "--json", "l.json", "--artifacts", "runs", cwd=tmp_path)
+    return spawn(
+        "matrix", "--config", "l.toml", "--ray", cluster, "--json", "l.json", "--artifacts", "runs", cwd=tmp_path
+    )
 
 
 def wait_stepping(tmp_path: Path) -> list[int]:
@@ -314,7 +403,7 @@ def test_a_node_lost_mid_trial_is_crash_naming_it_and_a_retry_runs_it_elsewhere(
     try:
         ranks = wait_stepping(tmp_path)
         raylet = raylet_of(ranks[0])
-        os.kill(raylet, signal.SIGKILL)                     # the node is gone: its raylet and so its workers
+        os.kill(raylet, signal.SIGKILL)  # the node is gone: its raylet and so its workers
         _, err = run.communicate(timeout=180)
     finally:
         run.kill()
@@ -322,16 +411,28 @@ def test_a_node_lost_mid_trial_is_crash_naming_it_and_a_retry_runs_it_elsewhere(
     long, short = json.loads((tmp_path / "l.json").read_text())["trials"]
     assert long["outcome"] == "CRASH" and long["node"] in ("worker-a", "worker-b")
     assert long["first_failure"]["detail"] == f"node {long['node']} was lost during the trial"
-    assert any(st["rank"] == 1 for st in long["steps"])    # what reached the driver before the loss is kept
-    assert short["outcome"] == "CLEAN" and short["met"]      # the other trial completed
+    assert any(st["rank"] == 1 for st in long["steps"])  # what reached the driver before the loss is kept
+    assert short["outcome"] == "CLEAN" and short["met"]  # the other trial completed
     wait_for(lambda: not any(alive(p) for p in ranks), timeout=30, what="the lost node's ranks to be gone")
     lost = long["node"]
 
     # The node comes back; with --retries 1 a loss runs the trial once more, on a live node.
     start_worker(cluster, lost, 2 if lost == "worker-a" else 1, free_ports(2))
     (tmp_path / "r.toml").write_text(LONG.format(steps=3000))
-    run = spawn("matrix", "--config", "r.toml", "--ray", cluster, "--retries", "1", "--json", "r.json",
-                "--artifacts", "runs", cwd=tmp_path)
+    run = spawn(
+        "matrix",
+        "--config",
+        "r.toml",
+        "--ray",
+        cluster,
+        "--retries",
+        "1",
+        "--json",
+        "r.json",
+        "--artifacts",
+        "runs",
+        cwd=tmp_path,
+    )
     try:
         ranks = wait_for(long_ranks, what="the first attempt's ranks")
         os.kill(raylet_of(ranks[0]), signal.SIGKILL)
@@ -341,13 +442,16 @@ def test_a_node_lost_mid_trial_is_crash_naming_it_and_a_retry_runs_it_elsewhere(
     long = json.loads((tmp_path / "r.json").read_text())["trials"][0]
     assert run.returncode == 0, err
     assert long["outcome"] == "CLEAN" and long["met"]
-    assert any(n.startswith("run again (--retries 1) after: node ") and n.endswith(" was lost during the trial")
-               for n in long["notes"])
+    assert any(
+        n.startswith("run again (--retries 1) after: node ") and n.endswith(" was lost during the trial")
+        for n in long["notes"]
+    )
     assert not any(alive(p) for p in ranks)
 
 
 def test_runtime_env_hook_keeps_what_the_program_set_and_chains_its_hooks(monkeypatch, tmp_path):
     from repro.watch import ray as watch_ray
+
     started = []
     monkeypatch.setattr(watch_ray, "start_collector_thread", lambda run_dir, name: started.append(name))
     calls = []
@@ -358,9 +462,10 @@ def test_runtime_env_hook_keeps_what_the_program_set_and_chains_its_hooks(monkey
     monkeypatch.setenv("REPRO_WATCH_DIR", str(tmp_path / "run"))
     monkeypatch.setenv("REPRO_WATCH_ON_FINDING", "raise")
     monkeypatch.setenv(watch_ray.ENV_CHAIN, "chained_mod.hook")
-    env = watch_ray.runtime_env_hook({"env_vars": {"MINE": "1"}, "py_modules": ["/x/mine"],
-                                      "worker_process_setup_hook": "chained_mod.setup"})
-    assert calls == ["hook"] and env["working_dir"] == "theirs"          # theirs ran first, kept
+    env = watch_ray.runtime_env_hook(
+        {"env_vars": {"MINE": "1"}, "py_modules": ["/x/mine"], "worker_process_setup_hook": "chained_mod.setup"}
+    )
+    assert calls == ["hook"] and env["working_dir"] == "theirs"  # theirs ran first, kept
     assert env["env_vars"]["MINE"] == "1" and env["env_vars"]["REPRO_WATCH_ON_FINDING"] == "raise"
     assert env["env_vars"]["REPRO_WATCH_RAY_DIR"].endswith("repro-watch-run")
     assert env["py_modules"] == ["/x/mine", str(watch_ray.PACKAGE_DIR)]
@@ -371,11 +476,12 @@ def test_runtime_env_hook_keeps_what_the_program_set_and_chains_its_hooks(monkey
     monkeypatch.delenv("REPRO_WATCH")
     monkeypatch.delenv(watch_ray.ENV_CHAIN)
     untouched = {"env_vars": {"MINE": "1"}}
-    assert watch_ray.runtime_env_hook(untouched) is untouched          # not watched: as given
+    assert watch_ray.runtime_env_hook(untouched) is untouched  # not watched: as given
 
 
 def test_watch_sets_rays_hook_and_keeps_one_already_set(tmp_path):
     from repro.watch.command import watch_env
+
     env = watch_env({"RAY_RUNTIME_ENV_HOOK": "their.hook"}, tmp_path, "warn")
     assert env["RAY_RUNTIME_ENV_HOOK"] == "repro.watch.ray.runtime_env_hook"
     assert env["REPRO_WATCH_RAY_CHAIN"] == "their.hook"

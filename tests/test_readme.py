@@ -1,5 +1,6 @@
 """README.md stays true: every `repro ...` command it shows runs on CPU and exits 0, or 3 where it
 needs GPUs (or vLLM) this machine does not have; its install lines show the CPU-only wheel."""
+
 import importlib.util
 import json
 import os
@@ -62,7 +63,7 @@ def test_readme_lists_the_commands_it_should():
     assert "repro matrix --config ci-smoke" in (REPO / ".ci" / "run").read_text()
 
 
-RUN_KEYS_COMPARED_OUT = ("expect", "deadline_s", "device")   # a matrix sets these for CI's budget
+RUN_KEYS_COMPARED_OUT = ("expect", "deadline_s", "device")  # a matrix sets these for CI's budget
 
 
 def trial_key(cfg: dict) -> str:
@@ -94,8 +95,7 @@ def covered_by_ci_smoke(argv: list[str], smoke: dict[str, set]) -> bool:
 
 @pytest.mark.slow
 def test_every_readme_command_runs_on_cpu(tmp_path, no_gpu):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "",
-           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", "XDG_CACHE_HOME": str(tmp_path / "cache")}
     smoke = ci_smoke_trials()
     planned = [as_run(c) for c in readme_commands()]
     to_run = [(argv, code) for argv, code in planned if not covered_by_ci_smoke(argv, smoke)]
@@ -103,32 +103,35 @@ def test_every_readme_command_runs_on_cpu(tmp_path, no_gpu):
 
     def run(argv_code: tuple[list[str], int]) -> tuple[str, int, int, str]:
         argv, expected = argv_code
-        out = subprocess.run([sys.executable, "-m", "repro", *argv], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-m", "repro", *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
         return shlex.join(argv), expected, out.returncode, out.stderr[-2000:]
 
     with ThreadPoolExecutor(max_workers=3) as pool:
         results = list(pool.map(run, to_run))
     wrong = [r for r in results if r[1] != r[2]]
     assert not wrong, "\n\n".join(f"repro {c}: exit {got}, expected {want}\n{err}" for c, want, got, err in wrong)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]     # nothing in the cwd
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]  # nothing in the cwd
 
 
 def test_readme_shows_the_cpu_wheel_beside_the_plain_install():
     lines = README.splitlines()
-    cpu = [l for l in lines if l.startswith("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")]
+    cpu = [
+        l for l in lines if l.startswith("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")
+    ]
     plain = [l for l in lines if l.startswith("pip install torch==2.13.0 ") and "--index-url" not in l]
     assert cpu and plain
-    assert lines.index(plain[0]) - lines.index(cpu[0]) == 1          # side by side
-    assert "pip install -q torch==2.13.0" in (REPO / ".ci" / "run").read_text()   # what works in CI stays
+    assert lines.index(plain[0]) - lines.index(cpu[0]) == 1  # side by side
+    assert "pip install -q torch==2.13.0" in (REPO / ".ci" / "run").read_text()  # what works in CI stays
 
 
 def test_set_up_starts_from_a_clone_and_a_venv():
-    setup = README[README.index("## Set up and run"):README.index("## The mission commands")]
+    setup = README[README.index("## Set up and run") : README.index("## The mission commands")]
     lines = [l for l in setup.splitlines() if l and not l.startswith(("#", "`"))]
     assert lines[0].startswith("git clone ") and "cd repro" in lines[0]
     assert lines[1].startswith("python3 -m venv .venv && . .venv/bin/activate")
-    tests = README[README.index("## Tests"):]
+    tests = README[README.index("## Tests") :]
     assert "minutes on 2 cores" in tests and '-m "not slow and ' in tests
 
 
@@ -137,9 +140,10 @@ def test_the_fast_subsets_are_what_they_say():
     subset names test files that exist and start no trial and no repro process."""
     import re
     import tomllib
+
     addopts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
     excluded = re.findall(r"not (\w+)", addopts)
-    tests = README[README.index("## Tests"):]
+    tests = README[README.index("## Tests") :]
     commands = [l for l in tests.splitlines() if l.startswith("python3 -m pytest")]
     for line in commands:
         if ' -m "' in line:
@@ -155,11 +159,17 @@ def test_test_extra_holds_every_module_the_suite_imports_or_skips():
     """A module a test skips without is in [test]: on a CPU machine only GPU tests skip."""
     import re
     import tomllib
+
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     names = {re.split(r"[<>=\[ ]", req)[0].lower() for req in extra}
-    distribution = {"yaml": "pyyaml", "xdist": "pytest-xdist", "pytest_forked": "pytest-forked",
-                    "pytest_timeout": "pytest-timeout", "pytest_shard": "pytest-shard"}
-    gpu_only = {"torch", "cuda.bindings.nvrtc"}          # torch is a dependency; nvrtc: GPU tests only
+    distribution = {
+        "yaml": "pyyaml",
+        "xdist": "pytest-xdist",
+        "pytest_forked": "pytest-forked",
+        "pytest_timeout": "pytest-timeout",
+        "pytest_shard": "pytest-shard",
+    }
+    gpu_only = {"torch", "cuda.bindings.nvrtc"}  # torch is a dependency; nvrtc: GPU tests only
     for path in (REPO / "tests").glob("test_*.py"):
         for module in re.findall(r'importorskip\("([^"]+)"\)', path.read_text()):
             if module not in gpu_only:

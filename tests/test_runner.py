@@ -3,6 +3,7 @@
 Trials are the harness self-test at TP=2 on gloo (every step is a real all-gather), so a
 fault in one trial has live peers that must not be disturbed.
 """
+
 import os
 import signal
 import threading
@@ -29,8 +30,12 @@ def pids_of(report):
 
 
 def test_concurrent_trials_keep_plan_order_and_do_not_disturb_each_other(tmp_path):
-    planned = [selftest(steps=4), selftest(fault={"kind": "segv", "rank": 1, "step": 1}),
-               selftest(steps=2), selftest(fault={"kind": "exit", "rank": 0, "step": 0})]
+    planned = [
+        selftest(steps=4),
+        selftest(fault={"kind": "segv", "rank": 1, "step": 1}),
+        selftest(steps=2),
+        selftest(fault={"kind": "exit", "rank": 0, "step": 0}),
+    ]
     started = []
     result = run_planned(planned, tmp_path, on_start=lambda tid, p: started.append(tid), jobs=3)
     trials = result.report.trials
@@ -56,14 +61,14 @@ def test_ctrl_c_stops_every_running_trial_and_keeps_their_records(tmp_path):
             if len(dirs) == 2 and all(read_records(d, 2)[1].of(Event.STEP) for d in dirs):
                 break
             time.sleep(0.1)
-        os.kill(os.getpid(), signal.SIGINT)     # what Ctrl-C does: KeyboardInterrupt in the main thread
+        os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does: KeyboardInterrupt in the main thread
 
     threading.Thread(target=interrupt_once_both_stepped, daemon=True).start()
     result = run_planned(planned, tmp_path, jobs=2)
     assert result.interrupted and result.report.interrupted
     assert result.report.interrupted_by == "SIGINT"
     trials = result.report.trials
-    assert len(trials) == 2                      # the third was never started
+    assert len(trials) == 2  # the third was never started
     assert result.report.not_run == 1
     assert report.summary_line(result.report).endswith("interrupted (SIGINT); 1 planned trial never ran")
     for t in trials:
@@ -76,12 +81,15 @@ def test_ctrl_c_stops_every_running_trial_and_keeps_their_records(tmp_path):
     assert not any(alive(pid) for pid in pids_of(result.report))
 
 
-@pytest.mark.parametrize("cvd, gpus, lanes", [
-    (None, 2, ["0", "1"]),
-    (None, 0, []),
-    ("3,1", 2, ["3", "1"]),
-    ("GPU-aaa, GPU-bbb,GPU-ccc", 2, ["GPU-aaa", "GPU-bbb"]),   # NVML saw 2 of them
-])
+@pytest.mark.parametrize(
+    "cvd, gpus, lanes",
+    [
+        (None, 2, ["0", "1"]),
+        (None, 0, []),
+        ("3,1", 2, ["3", "1"]),
+        ("GPU-aaa, GPU-bbb,GPU-ccc", 2, ["GPU-aaa", "GPU-bbb"]),  # NVML saw 2 of them
+    ],
+)
 def test_gpu_lanes_follow_cuda_visible_devices(cvd, gpus, lanes):
     env = {} if cvd is None else {"CUDA_VISIBLE_DEVICES": cvd}
     assert gpu_lanes(gpus, env) == lanes
@@ -89,8 +97,8 @@ def test_gpu_lanes_follow_cuda_visible_devices(cvd, gpus, lanes):
 
 def test_lane_env_rotates_devices_per_slot():
     lanes = ["0", "1", "2"]
-    assert lane_env(0, lanes) is None             # slot 0: the environment unchanged
+    assert lane_env(0, lanes) is None  # slot 0: the environment unchanged
     assert lane_env(1, lanes) == {"CUDA_VISIBLE_DEVICES": "1,2,0"}
     assert lane_env(2, lanes) == {"CUDA_VISIBLE_DEVICES": "2,0,1"}
-    assert lane_env(3, lanes) is None             # wraps around to the identity
-    assert lane_env(5, ["0"]) is None             # one GPU: nothing to spread
+    assert lane_env(3, lanes) is None  # wraps around to the identity
+    assert lane_env(5, ["0"]) is None  # one GPU: nothing to spread

@@ -1,4 +1,5 @@
 """The scenario registry (each scenario's spec) is the one place scenario facts live; the rest agrees with it."""
+
 import dataclasses
 import inspect
 import os
@@ -27,11 +28,19 @@ def test_module_mode_table_matches_the_registry(name):
 
 def test_spec_modules_stay_torch_free():
     """The parent imports every spec (the registry does); only the modules they name import torch."""
-    code = ("import sys, repro.scenarios, repro.config, repro.run.footprint, repro.report.view, repro.report.charts\n"
-            "print(sorted(m for m in sys.modules if m == 'torch' or m in "
-            + repr([s.module for s in SCENARIOS.values()]) + "))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    code = (
+        "import sys, repro.scenarios, repro.config, repro.run.footprint, repro.report.view, repro.report.charts\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m in "
+        + repr([s.module for s in SCENARIOS.values()])
+        + "))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert out.stdout.strip() == "[]"
 
 
@@ -39,8 +48,18 @@ def test_run_keys_keep_the_places_of_schema_1():
     """A trial's config lists its [run] keys in one order; the first scenarios' keys sit where
     reports of schema repro.report/1 always had them (RunKeySpec.after)."""
     names = [f.name for f in dataclasses.fields(config.RunConfig)]
-    assert names[:10] == ["mode", "tp", "steps", "seed", "after_free", "guard", "device", "deadline_s", "stall_s",
-                          "forensics"]
+    assert names[:10] == [
+        "mode",
+        "tp",
+        "steps",
+        "seed",
+        "after_free",
+        "guard",
+        "device",
+        "deadline_s",
+        "stall_s",
+        "forensics",
+    ]
     assert names.index("reload_drafter") + 1 == names.index("num_speculative_tokens")
     assert names.index("num_speculative_tokens") + 1 == names.index("share_gpu")
     # identity_reload right after share_gpu, as schema 1 had it; later scenarios' keys after it,
@@ -68,7 +87,7 @@ def test_presets_named_by_the_registry_are_for_that_scenario(name):
 def test_run_keys_are_run_config_fields_and_off_by_default():
     fields = {f.name: f.default for f in dataclasses.fields(config.RunConfig)}
     for key in config.SCENARIO_RUN_KEYS:
-        assert fields[key] is False or fields[key] == 0     # a switch off, or "the scenario's default"
+        assert fields[key] is False or fields[key] == 0  # a switch off, or "the scenario's default"
 
 
 def test_cli_has_one_command_per_scenario_with_its_modes_and_run_keys():
@@ -90,4 +109,3 @@ def test_trial_id_tags_come_from_the_registry():
     # A number's tag carries its value (the switch-only rule would leave the level out).
     cfg = config.validate(config.apply_overrides(config.load_preset("sleep-wake-tiny"), {"sleep_level": 2}, []))
     assert runner.trial_id(0, cfg) == "00-sleep-wake-unfixed-tp1-reuse-level2"
-

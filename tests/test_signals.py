@@ -8,6 +8,7 @@ the moment the CLI's handler is in place (read from /proc), into a run that cann
 itself (an injected hang): every one must end with 143 and the JSON. Both are bounded
 (about 40 s together on 2 cores).
 """
+
 import json
 import os
 import random
@@ -29,15 +30,35 @@ def cli_env(**extra):
 
 
 def selftest_args(tmp_path, *extra):
-    return [sys.executable, "-m", "repro", "selftest", "--tp", "2", "--steps", "3", "--device", "cpu",
-            "--deadline", "60", "--artifacts", str(tmp_path / "a"), "--json", str(tmp_path / "r.json"), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "repro",
+        "selftest",
+        "--tp",
+        "2",
+        "--steps",
+        "3",
+        "--device",
+        "cpu",
+        "--deadline",
+        "60",
+        "--artifacts",
+        str(tmp_path / "a"),
+        "--json",
+        str(tmp_path / "r.json"),
+        *extra,
+    ]
 
 
 def ranks_left(tmp_path):
     pids = []
     for f in (tmp_path / "a").rglob("rank*.jsonl"):
-        pids += [json.loads(l)["pid"] for l in f.read_text().splitlines()
-                 if l.endswith("}") and json.loads(l)["event"] == "start"]
+        pids += [
+            json.loads(l)["pid"]
+            for l in f.read_text().splitlines()
+            if l.endswith("}") and json.loads(l)["event"] == "start"
+        ]
     time.sleep(0.3)
     return [p for p in pids if alive(p)]
 
@@ -54,21 +75,32 @@ def check_interrupted(proc_rc, stderr, tmp_path, name):
     return report
 
 
-@pytest.mark.parametrize("name,point", [("SIGTERM", p) for p in POINTS] +
-                         [("SIGINT", p) for p in ("start", "spawned", "collected")])
+@pytest.mark.parametrize(
+    "name,point", [("SIGTERM", p) for p in POINTS] + [("SIGINT", p) for p in ("start", "spawned", "collected")]
+)
 def test_signal_at_every_point_gives_its_exit_code_and_the_json(tmp_path, name, point):
-    proc = subprocess.run(selftest_args(tmp_path), env=cli_env(REPRO_SIGNAL_AT=f"{name}@{point}"),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        selftest_args(tmp_path),
+        env=cli_env(REPRO_SIGNAL_AT=f"{name}@{point}"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     report = check_interrupted(proc.returncode, proc.stderr, tmp_path, name)
     if point in ("start", "server", "parsed", "planned", "run"):
-        assert report["trials"] == [] and report["not_run"] == 1     # nothing had started
+        assert report["trials"] == [] and report["not_run"] == 1  # nothing had started
     else:
         assert len(report["trials"]) == 1
 
 
 def test_signal_after_the_report_is_written_changes_nothing(tmp_path):
-    proc = subprocess.run(selftest_args(tmp_path), env=cli_env(REPRO_SIGNAL_AT="SIGTERM@written"),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        selftest_args(tmp_path),
+        env=cli_env(REPRO_SIGNAL_AT="SIGTERM@written"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["interrupted"] is False and report["trials"][0]["outcome"] == "CLEAN"
@@ -76,9 +108,24 @@ def test_signal_after_the_report_is_written_changes_nothing(tmp_path):
 
 def test_matrix_signalled_while_its_first_trial_is_collected(tmp_path):
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, "-m", "repro", "matrix", "--only", "01-", "--artifacts",
-                           str(tmp_path / "a"), "--json", str(out)],
-                          env=cli_env(REPRO_SIGNAL_AT="SIGTERM@ended"), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "repro",
+            "matrix",
+            "--only",
+            "01-",
+            "--artifacts",
+            str(tmp_path / "a"),
+            "--json",
+            str(out),
+        ],
+        env=cli_env(REPRO_SIGNAL_AT="SIGTERM@ended"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 143, proc.stderr
     report = json.loads(out.read_text())
     assert report["interrupted"] is True and report["interrupted_by"] == "SIGTERM"
@@ -93,9 +140,25 @@ def test_matrix_signalled_at_every_point_gives_143_and_the_json(tmp_path, point)
     """`repro matrix --json PATH` as a CI job runs it (its own session): its planning is its own
     code path, the trial's points are the same as a scenario command's."""
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, "-m", "repro", "matrix", "--only", "01-", "--artifacts",
-                           str(tmp_path / "a"), "--json", str(out)], env=cli_env(REPRO_SIGNAL_AT=f"SIGTERM@{point}"),
-                          capture_output=True, text=True, timeout=120, start_new_session=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "repro",
+            "matrix",
+            "--only",
+            "01-",
+            "--artifacts",
+            str(tmp_path / "a"),
+            "--json",
+            str(out),
+        ],
+        env=cli_env(REPRO_SIGNAL_AT=f"SIGTERM@{point}"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    )
     assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr
     report = json.loads(out.read_text())
     assert report["interrupted"] is True and report["interrupted_by"] == "SIGTERM"
@@ -122,9 +185,14 @@ def test_sigterm_at_random_moments_always_gives_143_and_the_json(tmp_path):
         run = tmp_path / str(i)
         run.mkdir()
         delay = rng.uniform(0.0, 3.0)
-        proc = subprocess.Popen(selftest_args(run, "--inject-fault", "hang@1:1"), env=cli_env(),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            selftest_args(run, "--inject-fault", "hang@1:1"),
+            env=cli_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         while not handler_installed(proc.pid) and proc.poll() is None:
             time.sleep(0.002)
         time.sleep(delay)

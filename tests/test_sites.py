@@ -1,5 +1,6 @@
 """repro/diagnose/sites.py: reading a frame's locals without side effects (what the watch hooks use to
 name what the capturing code holds)."""
+
 from __future__ import annotations
 
 import gc
@@ -19,19 +20,21 @@ def locals_of_caller(depth: int = 1) -> dict:
 
 def test_frame_locals_reads_arguments_locals_and_cells_and_skips_unbound_ones():
     def f(a, b, *args, **kw):
-        x = [1]                       # noqa: F841 (read through the frame)
+        x = [1]  # noqa: F841 (read through the frame)
         cell = "held by a closure"
 
         def inner():
             return cell
+
         got = locals_of_caller(0)
-        late = 5                      # noqa: F841 (unbound when read)
+        late = 5  # noqa: F841 (unbound when read)
         return got, inner
+
     got, inner = f(1, "two", 3, k=4)
     assert got["a"] == 1 and got["b"] == "two" and got["args"] == (3,) and got["kw"] == {"k": 4}
     assert got["x"] == [1] and got["inner"] is inner
-    assert got["cell"] == "held by a closure"          # a cell variable: its contents, not the cell
-    assert "late" not in got and "got" not in got      # not yet bound when read
+    assert got["cell"] == "held by a closure"  # a cell variable: its contents, not the cell
+    assert "late" not in got and "got" not in got  # not yet bound when read
 
 
 def test_frame_locals_skips_an_empty_cell_and_reads_free_variables():
@@ -42,12 +45,15 @@ def test_frame_locals_skips_an_empty_cell_and_reads_free_variables():
             seen = captured
             got = locals_of_caller(0)
             return got, seen
-        never = None                  # noqa: F841
+
+        never = None  # noqa: F841
 
         def g():
-            return never              # noqa: F821 (an empty cell: deleted below)
-        del never                     # an empty cell
+            return never  # noqa: F821 (an empty cell: deleted below)
+
+        del never  # an empty cell
         return f(), locals_of_caller(0)
+
     (inner_got, seen), outer_got = outer()
     assert inner_got["captured"] is seen and inner_got["seen"] is seen
     assert "never" not in outer_got and "g" in outer_got and "captured" in outer_got
@@ -56,6 +62,7 @@ def test_frame_locals_skips_an_empty_cell_and_reads_free_variables():
 def test_reading_locals_changes_no_reference_count_and_keeps_nothing_alive():
     class Thing:
         pass
+
     thing = Thing()
     ref = weakref.ref(thing)
     before = sys.getrefcount(thing)
@@ -74,6 +81,7 @@ def test_a_frame_read_many_times_still_sees_its_later_assignments():
         first = locals_of_caller(0)["value"]
         value = 2
         return first, locals_of_caller(0)["value"], value
+
     assert f() == (1, 2, 2)
 
 

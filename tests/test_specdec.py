@@ -1,4 +1,5 @@
 """The speculative loop's bookkeeping on CPU: accept-prefix, bonus token, lossless vs target-only."""
+
 import pytest
 import torch
 
@@ -23,7 +24,7 @@ def test_accepts_the_longest_agreeing_prefix_then_the_bonus_token():
     drafts = t([[5, 6, 7], [5, 6, 7], [5, 9, 7], [1, 6, 7]])
     target = t([[5, 6, 7, 8], [5, 6, 4, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
     accepted = accepted_lengths(drafts, target)
-    assert accepted.tolist() == [3, 2, 1, 0]      # a later agreement after a miss does not count
+    assert accepted.tolist() == [3, 2, 1, 0]  # a later agreement after a miss does not count
     # Accepted drafts, then the target's own token at the first miss (or after all k).
     assert emitted_tokens(target, accepted) == [[5, 6, 7, 8], [5, 6, 4], [5, 6], [5]]
 
@@ -39,7 +40,7 @@ def test_stats_count_bonus_tokens_per_pass():
     s.add(t([1]), k=3)
     assert (s.passes, s.proposed, s.accepted, s.emitted) == (3, 9, 4, 7)
     assert s.acceptance_rate == pytest.approx(4 / 9)
-    assert s.mean_accepted_length == pytest.approx(7 / 3)   # bonus included: 1..k+1
+    assert s.mean_accepted_length == pytest.approx(7 / 3)  # bonus included: 1..k+1
 
 
 def test_first_divergence_names_sequence_and_position():
@@ -91,9 +92,9 @@ def garbage_sampler(hidden):
 
 def test_garbage_drafts_collapse_acceptance_but_not_the_text():
     stats, lossless = run_loop(garbage_sampler)
-    assert all(lossless)                                   # verification is lossless
+    assert all(lossless)  # verification is lossless
     assert stats.acceptance_rate < 0.05
-    assert stats.mean_accepted_length == pytest.approx(1.0, abs=0.1)   # the bonus token only
+    assert stats.mean_accepted_length == pytest.approx(1.0, abs=0.1)  # the bonus token only
 
 
 def test_lossless_check_catches_a_loop_that_accepts_one_draft_too_many():
@@ -126,9 +127,18 @@ def test_drafter_centroids_are_the_cluster_directions_of_the_lm_head_rows():
 
 
 def test_trial_metrics_come_from_rank_0_steps():
-    steps = [StepRecord(step=i, rank=r, batch=2, replayed=True, seconds=0.5,
-                        extra={"passes": 2, "proposed": 6, "accepted": a, "emitted": a + 2, "lossless": True})
-             for i, a in enumerate([6, 0]) for r in (0, 1)]
+    steps = [
+        StepRecord(
+            step=i,
+            rank=r,
+            batch=2,
+            replayed=True,
+            seconds=0.5,
+            extra={"passes": 2, "proposed": 6, "accepted": a, "emitted": a + 2, "lossless": True},
+        )
+        for i, a in enumerate([6, 0])
+        for r in (0, 1)
+    ]
     m = measure(steps)
     assert m["acceptance_rate"] == pytest.approx(0.5)
     assert m["mean_accepted_length"] == pytest.approx(10 / 4)

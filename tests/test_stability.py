@@ -4,6 +4,7 @@ Both scenarios' reload paths: the NVFP4 MoE method rebuilds its kernel on every 
 fixed (#50074); the Gemma 4 drafter's upstream fix drops its cached gathered lm_head on reload
 (the residual risk), the reload-safe variant refreshes it in place.
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,6 +31,7 @@ GEMMA = load_preset("gemma4-tiny").model
 
 
 # -- the walk -----------------------------------------------------------------------------------
+
 
 @dataclass
 class Kernel:
@@ -67,12 +69,20 @@ class Layer(torch.nn.Module):
 
 def test_census_reaches_every_kind_of_holder_by_path():
     layer = Layer()
-    layer.me = layer                              # a cycle
+    layer.me = layer  # a cycle
     paths = set(reload_census(layer, "layer").slots)
-    assert paths == {"layer.proj.weight", "layer.proj.bias", "layer.table", "layer.kernel.workspace",
-                     "layer.cache['rows'][0]", "layer.cache['rows'][1][0]", "layer.slotted.scale",
-                     "layer.launch.args[0]", "layer.reader.<cell captured>",
-                     "layer.bound.__self__.t"}
+    assert paths == {
+        "layer.proj.weight",
+        "layer.proj.bias",
+        "layer.table",
+        "layer.kernel.workspace",
+        "layer.cache['rows'][0]",
+        "layer.cache['rows'][1][0]",
+        "layer.slotted.scale",
+        "layer.launch.args[0]",
+        "layer.reader.<cell captured>",
+        "layer.bound.__self__.t",
+    }
 
 
 class Wrapped(torch.Tensor):
@@ -121,12 +131,12 @@ def test_statuses_freed_rebound_moved_reshaped_added_dropped():
     layer = Layer()
     held_elsewhere = layer.cache["rows"][0]
     with expect_stable(layer, "layer", raises=False) as s:
-        layer.kernel = Kernel(torch.zeros(8))                       # old workspace freed
-        layer.cache["rows"][0] = torch.ones(2)                      # rebound, old still alive
-        layer.table.untyped_storage().resize_(64)                   # moved
-        layer.proj.weight.data = layer.proj.weight.data.t()         # same storage, new view
-        layer.slotted.scale = None                                  # dropped (still alive? no: freed)
-        layer.extra = torch.zeros(3)                                # added
+        layer.kernel = Kernel(torch.zeros(8))  # old workspace freed
+        layer.cache["rows"][0] = torch.ones(2)  # rebound, old still alive
+        layer.table.untyped_storage().resize_(64)  # moved
+        layer.proj.weight.data = layer.proj.weight.data.t()  # same storage, new view
+        layer.slotted.scale = None  # dropped (still alive? no: freed)
+        layer.extra = torch.zeros(3)  # added
     by_path = {c.path: c for c in s.changes}
     assert by_path["layer.kernel.workspace"].status == "freed"
     assert by_path["layer.cache['rows'][0]"].status == "rebound"
@@ -143,12 +153,15 @@ def test_statuses_freed_rebound_moved_reshaped_added_dropped():
 def test_view_changes_of_one_storage_are_named_field_by_field():
     holder = {"shape": torch.zeros(8), "dtype": torch.zeros(8), "offset": torch.zeros(8)[:4]}
     with expect_stable(holder, "h", raises=False) as s:
-        holder["shape"] = holder["shape"][:4]                        # fewer elements, same start
-        holder["dtype"] = holder["dtype"].view(torch.int32)          # same bytes read as int32
-        holder["offset"] = holder["offset"].as_strided((4,), (1,), 4)   # the storage's other half
+        holder["shape"] = holder["shape"][:4]  # fewer elements, same start
+        holder["dtype"] = holder["dtype"].view(torch.int32)  # same bytes read as int32
+        holder["offset"] = holder["offset"].as_strided((4,), (1,), 4)  # the storage's other half
     by_path = {c.path: (c.status, c.changed) for c in s.changes}
-    assert by_path == {"h['shape']": ("reshaped", ["shape"]), "h['dtype']": ("reshaped", ["dtype"]),
-                       "h['offset']": ("reshaped", ["data_ptr", "storage_offset"])}
+    assert by_path == {
+        "h['shape']": ("reshaped", ["shape"]),
+        "h['dtype']": ("reshaped", ["dtype"]),
+        "h['offset']": ("reshaped", ["data_ptr", "storage_offset"]),
+    }
     messages = {c.path: c.message for c in s.changes}
     assert "shape (8,) -> (4,)" in messages["h['shape']"]
     assert "dtype float32 -> int32" in messages["h['dtype']"]
@@ -192,8 +205,10 @@ def test_an_error_in_the_block_is_not_masked():
 
 
 def test_package_exports_lazily_without_torch_at_import():
-    code = ("import sys, repro; assert 'torch' not in sys.modules, 'torch imported';"
-            "f = repro.expect_stable; assert 'torch' in sys.modules; print(f.__module__)")
+    code = (
+        "import sys, repro; assert 'torch' not in sys.modules, 'torch imported';"
+        "f = repro.expect_stable; assert 'torch' in sys.modules; print(f.__module__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "repro.diagnose.stability"
     assert repro.reload_census is reload_census
@@ -201,9 +216,11 @@ def test_package_exports_lazily_without_torch_at_import():
 
 # -- nvfp4-reload: the kernel rebuilt on reload (#50074) ----------------------------------------
 
+
 def nvfp4_layer(mode: str) -> moe.NvFp4MoE:
-    return moe.build_layer(TINY, moe.MODES[mode], moe.make_checkpoint(TINY, 0, -1, torch.bfloat16, CPU),
-                           torch.bfloat16, CPU)
+    return moe.build_layer(
+        TINY, moe.MODES[mode], moe.make_checkpoint(TINY, 0, -1, torch.bfloat16, CPU), torch.bfloat16, CPU
+    )
 
 
 @pytest.mark.parametrize("mode", ["unfixed", "fixed"])
@@ -237,6 +254,7 @@ def test_nvfp4_identity_reload_still_shows_the_rebuild():
 
 # -- gemma4-mtp --reload-drafter: the cached gathered lm_head -----------------------------------
 
+
 def stand_in_gather(t: torch.Tensor, tp: TP) -> torch.Tensor:
     """The all-gather's allocation without a process group: a NEW [world * n, H] tensor (the
     other ranks' rows are this rank's again; the census looks at storages, not values)."""
@@ -248,19 +266,19 @@ def gemma_reload(mode: str, monkeypatch) -> list:
     tp = TP(rank=0, world_size=2, backend="gloo")
     drafter = gemma.Gemma4Drafter(GEMMA, tp, mode, CPU, seed=0)
     proposer = gemma.Proposer(drafter, [1, 2], CaptureGuard(mode="warn"), CPU)
-    proposer.setup_centroid_graphs()                 # CPU: dry runs under the guard's recording
+    proposer.setup_centroid_graphs()  # CPU: dry runs under the guard's recording
     hidden = torch.randn(2, GEMMA.hidden_size, dtype=drafter.dtype)
     proposer.greedy_sample(hidden)
     with expect_stable(proposer, "proposer", raises=False) as s:
         drafter.load_weights(gemma.make_lm_head_shard(GEMMA, tp, CPU, seed=0, update=1))
-        proposer.greedy_sample(hidden)               # the next decode step uses the drafter again
+        proposer.greedy_sample(hidden)  # the next decode step uses the drafter again
     return s.changes
 
 
 def test_gemma_fixed_reload_frees_the_cached_gathered_lm_head(monkeypatch):
     (change,) = gemma_reload("fixed", monkeypatch)
     assert change.path == "proposer.drafter._stable_full_lm_head_weight"
-    assert change.status == "freed" and change.after is not None   # re-gathered into a new storage
+    assert change.status == "freed" and change.after is not None  # re-gathered into a new storage
 
 
 def test_gemma_reload_safe_reload_is_stable(monkeypatch):

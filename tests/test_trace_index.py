@@ -5,6 +5,7 @@ its answers against a plain oracle written here from the definitions (the first 
 holding an address since a graph's capture; the frees, allocs and segment releases overlapping a
 block since then), over random traces, and check the census's findings against that oracle.
 """
+
 from __future__ import annotations
 
 import random
@@ -21,8 +22,12 @@ def random_trace(rng: random.Random, n: int) -> list[dict]:
     actions = ["alloc", "free_requested", "free_completed", "segment_free", "segment_map", "oom"]
     out = []
     for t in range(n):
-        entry = {"action": rng.choice(actions), "size": rng.choice([512, 4 * KiB, 64 * KiB]),
-                 "stream": 0, "time_us": 10 * t}
+        entry = {
+            "action": rng.choice(actions),
+            "size": rng.choice([512, 4 * KiB, 64 * KiB]),
+            "stream": 0,
+            "time_us": 10 * t,
+        }
         if entry["action"] != "oom":
             entry["addr"] = BASE + rng.randrange(0, 256) * 512
         out.append(entry)
@@ -31,15 +36,25 @@ def random_trace(rng: random.Random, n: int) -> list[dict]:
 
 def first_holding(trace, addr, start):
     for e in trace[start:]:
-        if e.get("action") in T.POINT_ACTIONS and e.get("addr") is not None and e["addr"] <= addr < e["addr"] + e["size"]:
+        if (
+            e.get("action") in T.POINT_ACTIONS
+            and e.get("addr") is not None
+            and e["addr"] <= addr < e["addr"] + e["size"]
+        ):
             return e
     return None
 
 
 def overlapping(trace, block, start):
     lo, hi = block
-    return [i for i in range(start, len(trace)) if trace[i].get("action") in T.BLOCK_ACTIONS
-            and trace[i].get("addr") is not None and trace[i]["addr"] < hi and lo < trace[i]["addr"] + trace[i]["size"]]
+    return [
+        i
+        for i in range(start, len(trace))
+        if trace[i].get("action") in T.BLOCK_ACTIONS
+        and trace[i].get("addr") is not None
+        and trace[i]["addr"] < hi
+        and lo < trace[i]["addr"] + trace[i]["size"]
+    ]
 
 
 def test_points_and_blocks_match_a_pass_per_question_over_random_traces():
@@ -64,22 +79,33 @@ def test_one_check_of_many_graphs_finds_what_checking_each_alone_finds():
     pass gives each graph the references and findings a check of that graph alone gives."""
     rng = random.Random(3)
     seen = {"references": 0, "reported": 0}
-    seg = {"device": 0, "address": BASE, "total_size": 256 * 512, "segment_pool_id": (0, 0),
-           "blocks": [{"address": BASE + i * 4 * KiB, "size": 4 * KiB,
-                       "state": rng.choice(["active_allocated", "inactive"])} for i in range(32)]}
+    seg = {
+        "device": 0,
+        "address": BASE,
+        "total_size": 256 * 512,
+        "segment_pool_id": (0, 0),
+        "blocks": [
+            {"address": BASE + i * 4 * KiB, "size": 4 * KiB, "state": rng.choice(["active_allocated", "inactive"])}
+            for i in range(32)
+        ],
+    }
     for _ in range(15):
         trace = random_trace(rng, 200)
         snap = {"segments": [seg], "device_traces": [trace]}
+
         def censuses():
             out = []
             for g in range(6):
                 c = GraphCensus(label=f"g{g}", pool=(1, g))
                 rng_g = random.Random(g)
-                c.pending = [Word(i, "kernel", "k", f"param {i} +0", 0, BASE + rng_g.randrange(0, 32 * 4 * KiB), (0, 0))
-                             for i in range(12)]
+                c.pending = [
+                    Word(i, "kernel", "k", f"param {i} +0", 0, BASE + rng_g.randrange(0, 32 * 4 * KiB), (0, 0))
+                    for i in range(12)
+                ]
                 c.marker = {"time_us": 10 * (g * 30)}
                 out.append(c)
             return out
+
         together = censuses()
         book = C.CensusBook(rank=0, trace=C.Tracing.NONE)
         book.capacity = 10_000
@@ -87,10 +113,11 @@ def test_one_check_of_many_graphs_finds_what_checking_each_alone_finds():
         book.findings_from(together, snap, 0, "x")
         for alone, joint in zip(censuses(), together):
             C.check_census(alone, "x", snap, device=0, capacity=10_000)
-            assert [(r.addr, r.block.start, r.block.size) for r in alone.references] == \
-                   [(r.addr, r.block.start, r.block.size) for r in joint.references]
+            assert [(r.addr, r.block.start, r.block.size) for r in alone.references] == [
+                (r.addr, r.block.start, r.block.size) for r in joint.references
+            ]
             assert (alone.free_at_capture, alone.outside) == (joint.free_at_capture, joint.outside)
             assert alone.reported == joint.reported
             seen["references"] += len(joint.references)
             seen["reported"] += len(joint.reported)
-    assert seen["references"] > 0 and seen["reported"] > 0      # the cases compared say something
+    assert seen["references"] > 0 and seen["reported"] > 0  # the cases compared say something

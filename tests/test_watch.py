@@ -2,6 +2,7 @@
 torchrun. On CPU no CUDA graph exists: tests that need a finding route a stand-in graph class
 (tests/watch_programs/fake_graph.py) through the hooks and are named *_plumbing; they show
 the hooks are installed and check before replay, not that a real capture is read right."""
+
 import json
 import os
 import signal
@@ -27,29 +28,51 @@ def env_with_repo(**extra) -> dict:
 
 
 def run(args, cwd=None, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, env=kwargs.pop("env", env_with_repo()),
-                          cwd=cwd or REPO, timeout=kwargs.pop("timeout", 180), **kwargs)
+    return subprocess.run(
+        args,
+        capture_output=True,
+        env=kwargs.pop("env", env_with_repo()),
+        cwd=cwd or REPO,
+        timeout=kwargs.pop("timeout", 180),
+        **kwargs,
+    )
 
 
 def watch(tmp_path, *cmd, options=()) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "report.json"
-    proc = run([sys.executable, "-m", "repro", "watch", "--run-dir", str(tmp_path / "run"),
-                "--json", str(out), *options, "--", *cmd])
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "repro",
+            "watch",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--json",
+            str(out),
+            *options,
+            "--",
+            *cmd,
+        ]
+    )
     return proc, (json.loads(out.read_text()) if out.exists() else {})
 
 
 # -- CLI contract -------------------------------------------------------------------------------
 
+
 def test_stdout_is_passed_through_byte_exact_and_exit_code_kept(tmp_path):
-    code = ("import sys; sys.stdout.buffer.write(b'raw \\x00\\xff bytes\\nno newline'); "
-            "sys.stderr.write('err line\\n'); sys.exit(7)")
+    code = (
+        "import sys; sys.stdout.buffer.write(b'raw \\x00\\xff bytes\\nno newline'); "
+        "sys.stderr.write('err line\\n'); sys.exit(7)"
+    )
     plain = run([sys.executable, "-c", code])
     watched, rep = watch(tmp_path, sys.executable, "-c", code)
     assert plain.returncode == 7 and watched.returncode == 7
     assert watched.stdout == plain.stdout == b"raw \x00\xff bytes\nno newline"
     assert b"err line" in watched.stderr
     assert rep["schema"] == "repro.watch/1" and rep["command_exit"] == 7 and rep["exit"] == 7
-    assert [p["torch_hooked"] for p in rep["processes"]] == [False]   # never imported torch
+    assert [p["torch_hooked"] for p in rep["processes"]] == [False]  # never imported torch
     assert rep["findings"] == []
 
 
@@ -69,15 +92,34 @@ def test_program_sees_its_own_sys_path_and_shadowed_sitecustomize_runs(tmp_path)
     env["PYTHONPATH"] = str(own) + os.pathsep + env["PYTHONPATH"]
     plain = run([sys.executable, "-c", code], env=env)
     out = tmp_path / "r.json"
-    watched = run([sys.executable, "-m", "repro", "watch", "--run-dir", str(tmp_path / "run"),
-                   "--json", str(out), "--", sys.executable, "-c", code], env=env)
+    watched = run(
+        [
+            sys.executable,
+            "-m",
+            "repro",
+            "watch",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--json",
+            str(out),
+            "--",
+            sys.executable,
+            "-c",
+            code,
+        ],
+        env=env,
+    )
     assert plain.stdout == watched.stdout == b"1 []\n"
     assert json.loads(out.read_text())["processes"][0]["origins"] == ["sitecustomize"]
 
 
 def test_usage_errors_exit_2_with_one_line(tmp_path):
-    cases = [[], ["--on-finding", "loud", "--", "true"], ["--record", "everything", "--", "true"],
-             ["--", "no-such-command-xyz"]]
+    cases = [
+        [],
+        ["--on-finding", "loud", "--", "true"],
+        ["--record", "everything", "--", "true"],
+        ["--", "no-such-command-xyz"],
+    ]
     for args in cases:
         proc = run([sys.executable, "-m", "repro", "watch", "--run-dir", str(tmp_path / "u"), *args])
         assert proc.returncode == 2, args
@@ -93,6 +135,7 @@ def test_usage_errors_exit_2_with_one_line(tmp_path):
 def test_record_choice_reaches_every_process_and_a_bad_one_falls_back(tmp_path, capsys):
     from repro.watch import command as watch_mod
     from repro.watch import settings as watch_settings
+
     env = watch_mod.watch_env({}, tmp_path, "warn", "ops")
     assert env[watch_settings.ENV_RECORD] == "ops"
     assert watch_settings.ENV_RECORD not in watch_mod.watch_env({}, tmp_path, "warn")
@@ -106,7 +149,7 @@ def test_finding_exits_1_json_names_the_tensor_plumbing(tmp_path):
     plain = run([sys.executable, str(PROGRAMS / "stale_local.py")])
     watched, rep = watch(tmp_path, sys.executable, str(PROGRAMS / "stale_local.py"))
     assert plain.returncode == 0 and b"watched=False" in plain.stderr
-    assert watched.stdout == plain.stdout                     # the program printed the same
+    assert watched.stdout == plain.stdout  # the program printed the same
     assert watched.returncode == 1 and rep["command_exit"] == 0 and rep["exit"] == 1
     (f,) = rep["findings"]
     assert f["mechanism"] == "guard" and f["finding"]["status"] == "freed"
@@ -115,38 +158,53 @@ def test_finding_exits_1_json_names_the_tensor_plumbing(tmp_path):
     assert f["finding"]["when"].startswith("first replay after capture")
     (p,) = rep["processes"]
     assert p["pid"] == f["pid"] and p["findings"] == 1 and p["replays"] == 3 and p["graphs"] == 1
-    assert p["census"].startswith("unavailable: CUDA is not available")   # never claimed on CPU
+    assert p["census"].startswith("unavailable: CUDA is not available")  # never claimed on CPU
     records = (tmp_path / "run").glob("*.jsonl")
     assert sum(1 for line in next(records).read_text().splitlines() if '"finding"' in line) == 1
 
 
 def test_raise_mode_raises_stale_capture_error_before_the_replay_plumbing(tmp_path):
-    watched, rep = watch(tmp_path, sys.executable, str(PROGRAMS / "stale_local.py"),
-                         options=("--on-finding", "raise"))
+    watched, rep = watch(tmp_path, sys.executable, str(PROGRAMS / "stale_local.py"), options=("--on-finding", "raise"))
     err = watched.stderr.decode()
     assert "StaleCaptureError" in err and "local weight of capture_routine" in err
-    assert b"replays 3" not in watched.stdout                 # the first replay never ran
+    assert b"replays 3" not in watched.stdout  # the first replay never ran
     assert watched.returncode == 1 and rep["command_exit"] == 1
     assert len(rep["findings"]) == 1 and rep["processes"][0]["exited"]
 
 
 def test_junit_and_html_are_written_plumbing(tmp_path):
     junit, html = tmp_path / "w.xml", tmp_path / "w.html"
-    watched, _ = watch(tmp_path, sys.executable, str(PROGRAMS / "stale_local.py"),
-                       options=("--junit", str(junit), "--html", str(html)))
+    watched, _ = watch(
+        tmp_path, sys.executable, str(PROGRAMS / "stale_local.py"), options=("--junit", str(junit), "--html", str(html))
+    )
     assert watched.returncode == 1
     assert "<failure" in junit.read_text() and "capture_routine" in junit.read_text()
     assert "FREED" in html.read_text()
 
 
 def test_json_to_stdout_follows_the_program_output(tmp_path):
-    proc = run([sys.executable, "-m", "repro", "watch", "--run-dir", str(tmp_path / "run"), "--json", "-",
-                "--", sys.executable, "-c", "print('first')"])
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "repro",
+            "watch",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--json",
+            "-",
+            "--",
+            sys.executable,
+            "-c",
+            "print('first')",
+        ]
+    )
     head, _, rest = proc.stdout.decode().partition("\n")
     assert head == "first" and json.loads(rest)["schema"] == "repro.watch/1"
 
 
 # -- injection ----------------------------------------------------------------------------------
+
 
 def test_children_grandchildren_and_spawn_workers_are_watched_plumbing(tmp_path):
     plain = run([sys.executable, str(PROGRAMS / "clean_children.py"), "top", "4"])
@@ -154,57 +212,97 @@ def test_children_grandchildren_and_spawn_workers_are_watched_plumbing(tmp_path)
     assert plain.returncode == 4 and watched.returncode == 4  # clean: CMD's own exit code
     assert watched.stdout == plain.stdout
     procs = rep["processes"]
-    roles = sorted(p["argv"][-1] if p["argv"][-1] in ("child", "grandchild") else
-                   "top" if "top" in p["argv"] else "spawn" for p in procs)
+    roles = sorted(
+        p["argv"][-1] if p["argv"][-1] in ("child", "grandchild") else "top" if "top" in p["argv"] else "spawn"
+        for p in procs
+    )
     assert roles.count("top") == 1 and roles.count("child") == 1 and roles.count("grandchild") == 1
-    assert roles.count("spawn") >= 1                          # spawn worker (and its resource tracker)
+    assert roles.count("spawn") >= 1  # spawn worker (and its resource tracker)
     by_pid = {p["pid"]: p for p in procs}
     grandchild = next(p for p in procs if p["argv"][-1] == "grandchild")
     child = by_pid[grandchild["ppid"]]
     assert child["argv"][-1] == "child" and by_pid[child["ppid"]]["argv"][-1] == "4"
     graphs = {p["argv"][-1]: p["graphs"] for p in procs if p["graphs"]}
-    assert len(graphs) == 4 and all(n == 1 for n in graphs.values())   # top, child, grandchild, worker
+    assert len(graphs) == 4 and all(n == 1 for n in graphs.values())  # top, child, grandchild, worker
     assert rep["findings"] == [] and all(p["exited"] for p in procs)
 
 
 def test_torchrun_two_ranks_one_record_file_each_plumbing(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(PROGRAMS / "dist_ranks.py")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(PROGRAMS / "dist_ranks.py"),
+    ]
     watched, rep = watch(tmp_path, *cmd)
     assert b"rank 0 of 2: sum 1" in watched.stdout and b"rank 1 of 2: sum 1" in watched.stdout
     ranks = [p for p in rep["processes"] if p["graphs"]]
     assert sorted(p["rank"] for p in ranks) == [0, 1]
     assert sorted(p["env"]["RANK"] for p in ranks) == ["0", "1"]
     files = {Path(p["record_file"]).name for p in ranks}
-    assert len(files) == 2                                    # one record file per rank
+    assert len(files) == 2  # one record file per rank
     assert sorted(f["rank"] for f in rep["findings"]) == [0, 1]
     assert watched.returncode == 1
 
 
 def test_merge_of_two_run_directories(tmp_path):
     for node in ("a", "b"):
-        proc = run([sys.executable, "-m", "repro", "watch", "--run-dir", str(tmp_path / node), "--",
-                    sys.executable, str(PROGRAMS / "stale_local.py")])
+        proc = run(
+            [
+                sys.executable,
+                "-m",
+                "repro",
+                "watch",
+                "--run-dir",
+                str(tmp_path / node),
+                "--",
+                sys.executable,
+                str(PROGRAMS / "stale_local.py"),
+            ]
+        )
         assert proc.returncode == 1
     out = tmp_path / "merged.json"
-    merged = run([sys.executable, "-m", "repro", "watch-report", str(tmp_path / "a"), str(tmp_path / "b"),
-                  "--json", str(out)])
+    merged = run(
+        [sys.executable, "-m", "repro", "watch-report", str(tmp_path / "a"), str(tmp_path / "b"), "--json", str(out)]
+    )
     rep = json.loads(out.read_text())
     assert merged.returncode == 1 and len(rep["processes"]) == 2 and len(rep["findings"]) == 2
     assert run([sys.executable, "-m", "repro", "watch-report", str(tmp_path / "none")]).returncode == 2
 
 
 def test_ctrl_c_is_forwarded_to_the_group_and_reported(tmp_path):
-    code = ("import signal, sys, time, subprocess\n"
-            "try:\n"
-            "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-            "    print('ready', child.pid, flush=True)\n"
-            "    time.sleep(60)\n"
-            "except KeyboardInterrupt:\n    child.wait(); sys.exit(5)\n")
+    code = (
+        "import signal, sys, time, subprocess\n"
+        "try:\n"
+        "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "    print('ready', child.pid, flush=True)\n"
+        "    time.sleep(60)\n"
+        "except KeyboardInterrupt:\n    child.wait(); sys.exit(5)\n"
+    )
     out = tmp_path / "r.json"
-    proc = subprocess.Popen([sys.executable, "-m", "repro", "watch", "--run-dir", str(tmp_path / "run"),
-                             "--json", str(out), "--", sys.executable, "-c", code],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env_with_repo(), cwd=REPO)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "repro",
+            "watch",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--json",
+            str(out),
+            "--",
+            sys.executable,
+            "-c",
+            code,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env_with_repo(),
+        cwd=REPO,
+    )
     line = proc.stdout.readline().decode().split()
     assert line[0] == "ready"
     grandchild = int(line[1])
@@ -221,6 +319,7 @@ def test_ctrl_c_is_forwarded_to_the_group_and_reported(tmp_path):
 
 
 # -- vLLM entry point ---------------------------------------------------------------------------
+
 
 def install_entry_points(site: Path) -> None:
     """Write the entry points pyproject declares into a dist-info, as an installer would."""
@@ -264,15 +363,20 @@ def test_vllm_plugin_entry_point_activates_only_with_repro_watch(tmp_path, order
     assert off.stdout == b"['repro_watch'] False False None\n", off.stderr
     assert not (tmp_path / "repro-watch").exists()
     runs = tmp_path / "runs"
-    on = run([sys.executable, "-c", VLLM_LOADER, order],
-             env={**base, "REPRO_WATCH": "1", "REPRO_WATCH_DIR": str(runs)}, cwd=tmp_path)
+    on = run(
+        [sys.executable, "-c", VLLM_LOADER, order],
+        env={**base, "REPRO_WATCH": "1", "REPRO_WATCH_DIR": str(runs)},
+        cwd=tmp_path,
+    )
     assert on.stdout == b"['repro_watch'] True True ['vllm-plugin']\n", on.stderr
     (record,) = runs.glob("*.jsonl")
     kinds = [json.loads(line)["kind"] for line in record.read_text().splitlines()]
     assert kinds.count("process") == 1 and kinds.count("hooked") == 1
-    blocked = run([sys.executable, "-c", VLLM_LOADER, order],
-                  env={**base, "REPRO_WATCH": "1", "REPRO_WATCH_DIR": str(runs), "VLLM_PLUGINS": "other"},
-                  cwd=tmp_path)
+    blocked = run(
+        [sys.executable, "-c", VLLM_LOADER, order],
+        env={**base, "REPRO_WATCH": "1", "REPRO_WATCH_DIR": str(runs), "VLLM_PLUGINS": "other"},
+        cwd=tmp_path,
+    )
     assert blocked.stdout == b"[] False False None\n"
 
 
@@ -282,8 +386,25 @@ def test_vllm_plugin_under_repro_watch_is_idempotent_with_sitecustomize(tmp_path
     env = env_with_repo()
     env["PYTHONPATH"] = str(site) + os.pathsep + env["PYTHONPATH"]
     out = tmp_path / "r.json"
-    proc = run([sys.executable, "-m", "repro", "watch", "--run-dir", str(tmp_path / "run"), "--json", str(out),
-                "--", sys.executable, "-c", VLLM_LOADER, "plugin-first"], env=env, cwd=tmp_path)
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "repro",
+            "watch",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--json",
+            str(out),
+            "--",
+            sys.executable,
+            "-c",
+            VLLM_LOADER,
+            "plugin-first",
+        ],
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.stdout == b"['repro_watch'] True True ['sitecustomize', 'vllm-plugin']\n", proc.stderr
     (p,) = json.loads(out.read_text())["processes"]
     assert p["origins"] == ["sitecustomize", "vllm-plugin"]
@@ -291,16 +412,18 @@ def test_vllm_plugin_under_repro_watch_is_idempotent_with_sitecustomize(tmp_path
 
 # -- in-process hooks ---------------------------------------------------------------------------
 
+
 def test_reset_marks_other_graphs_for_a_deep_check_plumbing(tmp_path, monkeypatch):
     import torch
     from repro.watch import hooks as watch_hooks
+
     sys.path.insert(0, str(PROGRAMS))
     try:
         from fake_graph import FakeGraph, capture
     finally:
         sys.path.remove(str(PROGRAMS))
 
-    class Graph(FakeGraph):   # a class of its own: patching must not leak into other tests
+    class Graph(FakeGraph):  # a class of its own: patching must not leak into other tests
         pass
 
     watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "warn", "api"))
@@ -323,7 +446,10 @@ def test_reset_marks_other_graphs_for_a_deep_check_plumbing(tmp_path, monkeypatc
 
 def test_graphs_captured_by_cudagraph_trees_are_counted_not_checked():
     from repro.watch.hooks.capture import capture_site
-    code = compile("def f(get):\n    return get()\n", os.path.join("x", "torch", "_inductor", "cudagraph_trees.py"), "exec")
+
+    code = compile(
+        "def f(get):\n    return get()\n", os.path.join("x", "torch", "_inductor", "cudagraph_trees.py"), "exec"
+    )
     namespace: dict = {}
     exec(code, namespace)
     site, managed = namespace["f"](lambda: capture_site(sys._getframe(1)))
@@ -332,10 +458,12 @@ def test_graphs_captured_by_cudagraph_trees_are_counted_not_checked():
 
 
 def test_finding_records_survive_a_hard_crash_plumbing(tmp_path):
-    code = ("import os, sys; sys.path.insert(0, %r)\n"
-            "import stale_local, torch\n"
-            "stale_local.main([])\n"
-            "os.kill(os.getpid(), 9)\n") % str(PROGRAMS)
+    code = (
+        "import os, sys; sys.path.insert(0, %r)\n"
+        "import stale_local, torch\n"
+        "stale_local.main([])\n"
+        "os.kill(os.getpid(), 9)\n"
+    ) % str(PROGRAMS)
     watched, rep = watch(tmp_path, sys.executable, "-c", code)
     assert watched.returncode == 1 and rep["command_exit"] == 128 + 9
     assert len(rep["findings"]) == 1 and rep["processes"][0]["exited"] is False
@@ -355,6 +483,7 @@ def fake_graph_class():
 def test_fast_path_catches_a_free_between_replays_plumbing(tmp_path):
     import torch
     from repro.watch import hooks as watch_hooks
+
     Graph, capture = fake_graph_class()
 
     class Engine:
@@ -371,18 +500,19 @@ def test_fast_path_catches_a_free_between_replays_plumbing(tmp_path):
     engine, graph = Engine(), Graph()
     engine.capture(graph)
     for _ in range(3):
-        graph.replay()                                        # deep once, then the fast path
+        graph.replay()  # deep once, then the fast path
     assert watcher.log.counters.findings == 0 and watcher.graphs[graph].live is not None
-    engine.cache = torch.zeros(8, 4)                          # rebinding frees the captured cache
+    engine.cache = torch.zeros(8, 4)  # rebinding frees the captured cache
     from repro.diagnose.guard import StaleCaptureError
+
     with pytest.raises(StaleCaptureError) as err:
         graph.replay()
     (finding,) = err.value.findings
     assert finding.slot == "Engine.cache" and finding.status == "freed" and finding.when == "before replay"
-    assert finding.new_ptr == engine.cache.data_ptr()         # the owner's name points elsewhere now
+    assert finding.new_ptr == engine.cache.data_ptr()  # the owner's name points elsewhere now
     lines = [json.loads(line) for line in Path(watcher.log.recorder.path).read_text().splitlines()]
     assert [r["finding"]["slot"] for r in lines if r["kind"] == "finding"] == ["Engine.cache"]
-    graph.replay()                                            # reported once, not at every replay
+    graph.replay()  # reported once, not at every replay
     assert watcher.log.counters.findings == 1
     watcher.log.recorder.close()
 
@@ -392,6 +522,7 @@ def test_fast_path_tests_storages_only_after_a_captured_storage_died_plumbing(tm
     first replay after any death (here another graph's storage) tests the graph's own once."""
     import torch
     from repro.watch import hooks as watch_hooks
+
     Graph, capture = fake_graph_class()
 
     class Engine:
@@ -407,17 +538,17 @@ def test_fast_path_tests_storages_only_after_a_captured_storage_died_plumbing(tm
     with capture(other):
         engine.other.add_(1)
     graph.replay()
-    other.replay()                                            # deep checks: live handles noted
+    other.replay()  # deep checks: live handles noted
     tested = []
     real = watcher.tools.expired
     watcher.tools.expired = lambda h: tested.append(h) or real(h)
     for _ in range(3):
         graph.replay()
-    assert len(tested) == 1                                   # once: live is new since the deep check
+    assert len(tested) == 1  # once: live is new since the deep check
     for _ in range(3):
         graph.replay()
     assert len(tested) == 1 and watcher.log.counters.replays == 8
-    engine.other = torch.zeros(4)                             # other's storage dies
+    engine.other = torch.zeros(4)  # other's storage dies
     assert watcher.tools.guard.drops.n == 1
     graph.replay()
     graph.replay()
@@ -430,6 +561,7 @@ def test_a_settled_graph_replays_past_the_checking_path_until_something_asks_for
     does not enter before_replay; a death anywhere, or another graph's reset, sends it back."""
     import torch
     from repro.watch import hooks as watch_hooks
+
     Graph, capture = fake_graph_class()
     cache, other_cache = torch.zeros(4), torch.zeros(4)
     watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "warn", "api"))
@@ -445,14 +577,14 @@ def test_a_settled_graph_replays_past_the_checking_path_until_something_asks_for
     watcher.checks.before_replay = lambda g: entered.append(g) or real(g)
     for _ in range(4):
         graph.replay()
-    assert entered == [graph, graph]                     # the deep check, then the storages tested once
+    assert entered == [graph, graph]  # the deep check, then the storages tested once
     assert watcher.graphs[graph].fast_at == watcher.tools.drops.n and watcher.log.counters.replays == 4
     other.reset()
     graph.replay()
-    assert entered[-1] is graph and watcher.log.counters.checks_deep == 2   # deep again after the reset
+    assert entered[-1] is graph and watcher.log.counters.checks_deep == 2  # deep again after the reset
     graph.replay()
     graph.replay()
-    assert len(entered) == 4                                 # tested once more, then settled again
+    assert len(entered) == 4  # tested once more, then settled again
     watcher.log.recorder.close()
 
 
@@ -461,6 +593,7 @@ def test_a_replay_that_takes_arguments_gets_them_and_is_still_checked_plumbing(t
     from repro.watch import hooks as watch_hooks
     from repro.watch.hooks.patch import takes_only_self
     from repro.diagnose.guard import StaleCaptureError
+
     Graph, capture = fake_graph_class()
     seen = []
     Graph = type("StreamGraph", (Graph,), {"replay": lambda self, stream=None: seen.append(stream)})
@@ -478,7 +611,7 @@ def test_a_replay_that_takes_arguments_gets_them_and_is_still_checked_plumbing(t
     del holder["cache"]
     with pytest.raises(StaleCaptureError):
         graph.replay(stream="s2")
-    assert seen == ["s1", None]                              # raise mode: the stale replay never ran
+    assert seen == ["s1", None]  # raise mode: the stale replay never ran
     watcher.log.recorder.close()
 
 
@@ -511,6 +644,7 @@ def test_takes_only_self_is_torchs_replay_signature():
 def test_examples_run_as_is_and_under_watch_on_cpu(tmp_path):
     """Without CUDA each example says so and exits 0; watched, nothing changes and nothing is found."""
     import torch
+
     if torch.cuda.is_available():
         pytest.skip("the GPU behaviour is checked by benchmarks/watch_checks.sh")
     names = ["watch_kv_cache.py", "watch_weight_sync.py", "watch_triton_freed.py", "watch_compiled_clean.py"]
@@ -571,8 +705,20 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
 
         def check_graphs(self, when, labels):
             calls.append(("check", tuple(labels), when))
-            return [Finding(slot="<block 0x10 read by k+8>", graph=labels[0], status="reused", when=when,
-                            rank=0, shape=[], dtype="", nbytes=64, old_ptr=0x10, mechanism="census")]
+            return [
+                Finding(
+                    slot="<block 0x10 read by k+8>",
+                    graph=labels[0],
+                    status="reused",
+                    when=when,
+                    rank=0,
+                    shape=[],
+                    dtype="",
+                    nbytes=64,
+                    old_ptr=0x10,
+                    mechanism="census",
+                )
+            ]
 
         def census_line(self):
             return "graph census: stand-in"
@@ -591,6 +737,7 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
         return guard + census
 
     from repro.diagnose.census import Tracing
+
     fake = type(sys)("fake_census")
     fake.census_supported, fake.Tracing = (lambda: (True, "")), Tracing
     fake.CensusBook, fake.merge_findings = Book, merge_findings
@@ -601,17 +748,20 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
     watcher.log.recorder = watch_hooks.Recorder(str(tmp_path))
     watcher.patch(Graph)
     a, b = Graph(), Graph(keep_graph=True)
-    assert a.keep_graph and b.keep_graph                      # forced where the program did not ask
+    assert a.keep_graph and b.keep_graph  # forced where the program did not ask
     kept = torch.ones(2)
     for g in (a, b):
         g.capture_begin()
         kept.add_(1)
         g.capture_end()
-    assert a.instantiated == 1 and b.instantiated == 0        # b's owner asked for keep_graph itself
+    assert a.instantiated == 1 and b.instantiated == 0  # b's owner asked for keep_graph itself
     label_a, label_b = watcher.graphs[a].label, watcher.graphs[b].label
     # Each census reads the trace from its capture's start; nothing was recorded at the
     # dispatcher (the census makes the slots: here it read none).
-    assert [c for c in calls if c[0] == "add"] == [("add", label_a, 0, {"time_us": 0}), ("add", label_b, 0, {"time_us": 1})]
+    assert [c for c in calls if c[0] == "add"] == [
+        ("add", label_a, 0, {"time_us": 0}),
+        ("add", label_b, 0, {"time_us": 1}),
+    ]
     assert watcher.tools.guard.slots == [] and watcher.tools.guard.index_builds == 0
     assert [c for c in calls if c[0] == "hand_over"] == [("hand_over", 0, 0)] * 2
     assert watcher.log.counters.internal_errors == 0
@@ -620,11 +770,11 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
     checks = [c for c in calls if c[0] == "check"]
     # One census check for every graph captured since the last one, at the first replay after them.
     assert checks == [("check", (label_a, label_b), "first replay after capture (replay 1)")]
-    b.reset()                                                 # b's census goes; a is due again
+    b.reset()  # b's census goes; a is due again
     assert label_b not in watcher.tools.census.book.censuses
     a.replay()
     assert [c[1] for c in calls if c[0] == "check"] == [(label_a, label_b), (label_a,)]
-    a.replay()                                                # nothing new: no census check
+    a.replay()  # nothing new: no census check
     assert len([c for c in calls if c[0] == "check"]) == 2
     assert watcher.log.counters.findings == 2
     # The trace rests after each census check and resumes when a capture begins.
@@ -648,16 +798,23 @@ def test_capturing_function_locals_die_at_its_return_plumbing(path):
     assert proc.returncode == 0, proc.stderr
     # Both paths make the local's slot (the recording from the op, the census path from the
     # captured word), named after the local, and neither keeps it alive.
-    assert proc.stdout.decode().split() == ["alive=False", "frames=0", f"kept={path == 'census'}",
-                                            "slots=<local_dst_of_capture>,<local_src_of_capture>", "internal=0"], proc.stderr
+    assert proc.stdout.decode().split() == [
+        "alive=False",
+        "frames=0",
+        f"kept={path == 'census'}",
+        "slots=<local_dst_of_capture>,<local_src_of_capture>",
+        "internal=0",
+    ], proc.stderr
 
 
 # -- everyday edges -------------------------------------------------------------------------------
+
 
 def test_default_run_folders_are_unique_and_created_at_once(tmp_path, monkeypatch):
     """Runs started in the same second (a script, CI jobs, xdist workers) never share a folder."""
     from concurrent.futures import ThreadPoolExecutor
     from repro.watch import command as watch_mod
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with ThreadPoolExecutor(8) as pool:
         dirs = list(pool.map(lambda _: watch_mod.default_run_dir(), range(24)))
@@ -667,8 +824,9 @@ def test_default_run_folders_are_unique_and_created_at_once(tmp_path, monkeypatc
 
 def test_three_watch_runs_in_a_row_all_succeed(tmp_path):
     env = env_with_repo(XDG_CACHE_HOME=str(tmp_path))
-    codes = [run([sys.executable, "-m", "repro", "watch", "--", sys.executable, "-c", "pass"], env=env)
-             for _ in range(3)]
+    codes = [
+        run([sys.executable, "-m", "repro", "watch", "--", sys.executable, "-c", "pass"], env=env) for _ in range(3)
+    ]
     assert [c.returncode for c in codes] == [0, 0, 0], [c.stderr for c in codes]
     assert len(list((tmp_path / "repro" / "runs").glob("watch-*"))) == 3
 
@@ -678,9 +836,12 @@ def test_watch_report_refuses_what_is_not_a_watch_run(tmp_path):
     trial.mkdir(parents=True)
     (trial / "spec.json").write_text("{}")
     (trial / "rank0.jsonl").write_text('{"event": "start", "rank": 0, "pid": 1, "t": 0}\n')
-    for target, needle in [(tmp_path / "run", "a trial run's folder"), (trial, "not a repro watch run"),
-                           (tmp_path / "absent", "does not exist"), (tmp_path / "run" / "00-selftest" / "spec.json",
-                                                                     "not a directory")]:
+    for target, needle in [
+        (tmp_path / "run", "a trial run's folder"),
+        (trial, "not a repro watch run"),
+        (tmp_path / "absent", "does not exist"),
+        (tmp_path / "run" / "00-selftest" / "spec.json", "not a directory"),
+    ]:
         proc = run([sys.executable, "-m", "repro", "watch-report", str(target)])
         lines = proc.stderr.decode().strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
@@ -695,6 +856,7 @@ def test_watch_says_plainly_when_nothing_could_be_checked(tmp_path):
     assert "Nothing checked: no CUDA graph was captured in the 1 watched process(es) (1 imported torch)" in notes
     assert "CUDA graph captures and their replays only" in notes
     import torch
+
     if not torch.cuda.is_available():
         assert "this machine has no GPU" in notes
     assert "Nothing checked" in watched.stderr.decode()
@@ -703,6 +865,7 @@ def test_watch_says_plainly_when_nothing_could_be_checked(tmp_path):
 def test_sight_notes_stay_quiet_once_a_graph_was_checked():
     from repro.watch.command import sight_notes
     from repro.watch.report import WatchedProcess, WatchReport
+
     seen = WatchReport(processes=[WatchedProcess(pid=1, host="h", torch_hooked=True, graphs=2)], findings=[])
     assert sight_notes(seen, gpu_count=0) == []
     blind = WatchReport(processes=[WatchedProcess(pid=1, host="h", torch_hooked=True)], findings=[])
@@ -714,6 +877,7 @@ def test_a_record_holding_text_that_was_not_utf8_is_still_written(tmp_path):
     """An argv byte that was not UTF-8 reaches Python as a surrogate escape; the record of that
     process must still be written (it was lost: strict UTF-8 encoding raised)."""
     from repro.watch import hooks as watch_hooks
+
     recorder = watch_hooks.Recorder(str(tmp_path))
     recorder.write({"kind": "process", "argv": ["prog", "caf\udce9"]})
     recorder.close()
@@ -730,6 +894,7 @@ def test_an_object_reached_under_two_names_is_watched_once_per_name_not_per_capt
     from repro.watch import hooks as watch_hooks
     from repro.watch.hooks.tools import plumbing_files
     from repro.diagnose.guard import CaptureGuard
+
     watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "warn", "api"))
     watcher.tools.guard = CaptureGuard("warn", plumbing=plumbing_files())
 
@@ -739,8 +904,14 @@ def test_an_object_reached_under_two_names_is_watched_once_per_name_not_per_capt
 
         def capture(self):
             watcher.captures.owners.watch(watcher.tools.guard, sys._getframe())
-            return watcher.tools.guard.adopt("g", [_types.SimpleNamespace(addr=self.model.weight.data_ptr(),
-                                                                         describe=lambda: "node 0 kernel k param 0 +0")])
+            return watcher.tools.guard.adopt(
+                "g",
+                [
+                    _types.SimpleNamespace(
+                        addr=self.model.weight.data_ptr(), describe=lambda: "node 0 kernel k param 0 +0"
+                    )
+                ],
+            )
 
     model = torch.nn.Linear(4, 4)
     runner = Runner(model)

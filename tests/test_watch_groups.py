@@ -1,4 +1,5 @@
 """The watch report at engine scale: repeated findings grouped, lines capped, pool contract said."""
+
 from __future__ import annotations
 
 import io
@@ -12,24 +13,37 @@ from repro.outcome import Finding, to_jsonable
 
 
 def finding(slot, graph, status="freed", freed_at="decoder.py:88 in capture (reassigned)"):
-    return Finding(slot=slot, graph=graph, status=status, when="first replay after capture (replay 1)",
-                   rank=0, shape=[8, 1024], dtype="bfloat16", nbytes=16384, old_ptr=0x7F0000000000,
-                   freed_at=freed_at, message=f"graph '{graph}' captured tensor {slot} ...")
+    return Finding(
+        slot=slot,
+        graph=graph,
+        status=status,
+        when="first replay after capture (replay 1)",
+        rank=0,
+        shape=[8, 1024],
+        dtype="bfloat16",
+        nbytes=16384,
+        old_ptr=0x7F0000000000,
+        freed_at=freed_at,
+        message=f"graph '{graph}' captured tensor {slot} ...",
+    )
 
 
 def write_process(run_dir, pid, findings, argv=("python", "engine.py"), pool_managed=0):
     lines = [{"kind": "process", "pid": pid, "host": "h", "argv": list(argv), "started": pid}]
     lines += [{"kind": "finding", "mechanism": "guard", "rank": 0, "finding": to_jsonable(f)} for f in findings]
-    lines.append({"kind": "exit", "counters": {"replays": 10}, "census": "active", "pool_managed": pool_managed,
-                  "cross_pool": 0})
+    lines.append(
+        {"kind": "exit", "counters": {"replays": 10}, "census": "active", "pool_managed": pool_managed, "cross_pool": 0}
+    )
     (run_dir / f"h-{pid}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
 def engine_report(tmp_path):
-    repeated = [finding("<local a of capture_pieces>", f"#{i} piece {i % 33} bs={8 * (i // 33 + 1)}")
-                for i in range(2046)]
-    real = [finding("model.layers.7.rotary", f"#{i} bs={i}", status="freed", freed_at="run.py:9 in reload")
-            for i in (1, 2)]
+    repeated = [
+        finding("<local a of capture_pieces>", f"#{i} piece {i % 33} bs={8 * (i // 33 + 1)}") for i in range(2046)
+    ]
+    real = [
+        finding("model.layers.7.rotary", f"#{i} bs={i}", status="freed", freed_at="run.py:9 in reload") for i in (1, 2)
+    ]
     write_process(tmp_path, 11, repeated[:1000] + real[:1])
     write_process(tmp_path, 12, repeated[1000:] + real[1:], pool_managed=2211)
     return W.load_report([tmp_path])
@@ -44,12 +58,14 @@ def rendered(rep, width=100):
 def test_thousands_of_repeated_findings_read_as_one_line_each_group(tmp_path):
     rep = engine_report(tmp_path)
     groups = rep.groups()
-    assert [(g.pattern, g.count) for g in groups] == [("<local a of capture_pieces>", 2046),
-                                                     ("model.layers.*.rotary", 2)]
+    assert [(g.pattern, g.count) for g in groups] == [
+        ("<local a of capture_pieces>", 2046),
+        ("model.layers.*.rotary", 2),
+    ]
     text = rendered(rep)
     assert "Findings (2048 in 2 groups)" in text
     assert "in 2046 graphs of 2 processes" in text
-    assert text.count("FREED") == 2                       # one headline per group, not per finding
+    assert text.count("FREED") == 2  # one headline per group, not per finding
     assert len(text.splitlines()) < 60
 
 
@@ -82,7 +98,9 @@ def test_junit_has_one_failure_per_group_and_survives_control_characters(tmp_pat
 
 def test_pool_contract_is_said_in_the_console(tmp_path):
     write_process(tmp_path, 11, [], pool_managed=64)
-    assert "pool contract: 64 captured storage(s) lived in their own graph's memory pool" in rendered(W.load_report([tmp_path]), 200)
+    assert "pool contract: 64 captured storage(s) lived in their own graph's memory pool" in rendered(
+        W.load_report([tmp_path]), 200
+    )
 
 
 # ---- the files go through the trial report's writers ------------------------------------------
@@ -129,8 +147,14 @@ def test_html_says_what_the_console_says(tmp_path):
     rep.notes = ["Nothing checked: a note"]
     page = W.report_html(rep)
     text = rendered(rep, 300)
-    for line in ("Processes watched (1)", "Findings (3 in 1 group)", "in 3 graphs, rank 0",
-                 "pool contract: 64 captured storage(s)", "Nothing checked: a note", "records: "):
+    for line in (
+        "Processes watched (1)",
+        "Findings (3 in 1 group)",
+        "in 3 graphs, rank 0",
+        "pool contract: 64 captured storage(s)",
+        "Nothing checked: a note",
+        "records: ",
+    ):
         assert line in text
         assert line.replace("'", "&#39;") in page, line
 
@@ -140,7 +164,7 @@ def test_json_goes_through_the_strict_writer(tmp_path):
     path = next(tmp_path.glob("*.jsonl"))
     head, *rest = path.read_text().splitlines()
     process = json.loads(head)
-    process["started"] = float("nan")          # a bare NaN token, which Python's json reads back
+    process["started"] = float("nan")  # a bare NaN token, which Python's json reads back
     path.write_text("\n".join([json.dumps(process), *rest]) + "\n")
     out = tmp_path / "out" / "w.json"
     W.write_artifacts(W.load_report([tmp_path]), str(out), None, None)
@@ -156,25 +180,52 @@ def test_json_keeps_its_schema(tmp_path):
     """The watch JSON's keys, as tools read them, are unchanged by the shared writer."""
     write_process(tmp_path, 11, [finding("cache.k", "g0")], pool_managed=1)
     doc = json.loads(W.report_json(W.load_report([tmp_path])))
-    assert list(doc) == ["processes", "findings", "command", "run_dirs", "command_exit", "exit", "interrupted",
-                         "on_finding", "created", "notes", "schema", "groups"]
+    assert list(doc) == [
+        "processes",
+        "findings",
+        "command",
+        "run_dirs",
+        "command_exit",
+        "exit",
+        "interrupted",
+        "on_finding",
+        "created",
+        "notes",
+        "schema",
+        "groups",
+    ]
     assert list(doc["findings"][0]) == ["pid", "host", "rank", "mechanism", "finding"]
-    assert list(doc["groups"][0]) == ["pattern", "status", "mechanism", "freed_at", "count", "graphs", "names",
-                                      "processes", "ranks", "findings"]
+    assert list(doc["groups"][0]) == [
+        "pattern",
+        "status",
+        "mechanism",
+        "freed_at",
+        "count",
+        "graphs",
+        "names",
+        "processes",
+        "ranks",
+        "findings",
+    ]
     assert "record_file" in doc["processes"][0] and "pool_managed" in doc["processes"][0]
+
 
 # -- everyday edges: what a CPU run of watch says, at 80 columns and in the page ---------------
 
+
 def cpu_process(run_dir, pid=21, argv=("python3", "examples/watch_kv_cache.py")):
     """A watched process as on a machine without a GPU: torch hooked, no graph captured."""
-    lines = [{"kind": "process", "pid": pid, "host": "h", "argv": list(argv), "started": pid},
-             {"kind": "hooked", "torch": "2.13.0+cpu"},
-             {"kind": "exit", "counters": {"replays": 0}, "census": "not checked (no capture)"}]
+    lines = [
+        {"kind": "process", "pid": pid, "host": "h", "argv": list(argv), "started": pid},
+        {"kind": "hooked", "torch": "2.13.0+cpu"},
+        {"kind": "exit", "counters": {"replays": 0}, "census": "not checked (no capture)"},
+    ]
     (run_dir / f"h-{pid}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
 def test_nothing_captured_reads_as_nothing_checked_not_as_no_findings(tmp_path):
     from repro.watch.command import merge
+
     cpu_process(tmp_path)
     rep = merge([tmp_path])
     assert rep.exit == 0 and not rep.findings
@@ -182,7 +233,7 @@ def test_nothing_captured_reads_as_nothing_checked_not_as_no_findings(tmp_path):
     first = text.splitlines()[0]
     assert first.startswith("nothing checked (no CUDA graph captured)") and "no findings" not in first
     assert "Nothing checked: no CUDA graph was captured in the 1 watched process(es)" in " ".join(text.split())
-    assert "this machine has no GPU" not in text          # merged records: not this machine's to say
+    assert "this machine has no GPU" not in text  # merged records: not this machine's to say
 
 
 def test_a_graph_checked_without_findings_is_no_findings(tmp_path):
@@ -203,19 +254,26 @@ def test_80_columns_break_between_parts_and_never_inside_a_command(tmp_path):
     assert any(line.strip() == "pid 21: examples/watch_kv_cache.py --steps 4" for line in lines), narrow
     wide = rendered(rep, 160)
     row = next(line for line in wide.splitlines() if line.lstrip().startswith("21 "))
-    assert row.rstrip().endswith("examples/watch_kv_cache.py --steps 4")   # in the table where it fits
+    assert row.rstrip().endswith("examples/watch_kv_cache.py --steps 4")  # in the table where it fits
     assert "pid 21:" not in wide
 
 
 def test_watch_page_leads_with_the_verdict_and_what_watch_could_see(tmp_path):
     from repro.watch.command import merge
+
     cpu_process(tmp_path, argv=("python3", "<b>x</b>.py"))
     page = W.report_html(merge([tmp_path]))
-    order = [page.index(s) for s in ('<p class="lead warn"><span class="warn">nothing checked', "Nothing checked: no CUDA graph",
-                                     "<h2>Processes watched (1)</h2>")]
+    order = [
+        page.index(s)
+        for s in (
+            '<p class="lead warn"><span class="warn">nothing checked',
+            "Nothing checked: no CUDA graph",
+            "<h2>Processes watched (1)</h2>",
+        )
+    ]
     assert order == sorted(order)
-    assert ".scroll{overflow-x:auto" in page and '<div class="scroll"><table>' in page   # styled; tables scroll
-    assert "<b>x</b>" not in page and "&lt;b&gt;x&lt;/b&gt;.py" in page                   # escaped by the engine
+    assert ".scroll{overflow-x:auto" in page and '<div class="scroll"><table>' in page  # styled; tables scroll
+    assert "<b>x</b>" not in page and "&lt;b&gt;x&lt;/b&gt;.py" in page  # escaped by the engine
     assert "<script" not in page
 
 
@@ -224,7 +282,7 @@ def test_watch_page_shows_each_problem_once_with_its_facts(tmp_path):
     page = W.report_html(rep)
     assert '<p class="lead bad"><span class="bad">2048 finding(s) in 2 group(s)</span>' in page
     assert "<h2>Findings (2048 in 2 groups)</h2>" in page and page.count('<div class="finding">') == 2
-    assert page.count("<details open>") == 1                             # the first problem open
+    assert page.count("<details open>") == 1  # the first problem open
     assert '<th>found</th><td class=""><span class="mono">2046 times in 2046 graphs of 2 processes' in page
     assert page.index("<h2>Findings") < page.index("<h2>Processes watched")
     assert page.count('<tr class="row-bad">') == 2

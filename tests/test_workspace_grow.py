@@ -7,6 +7,7 @@ graph is replayed: unfixed shows as the guard's findings (the old arena freed, o
 resize_()), and the eager decode through the live arena is right. The GPU test at the end runs
 each mode and variant on CUDA.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -29,8 +30,15 @@ from repro.scenarios import workspace_grow as wg
 from repro.scenarios.workspace_grow_spec import WorkspaceDims, vllm_capture_sizes, workspace_bytes
 
 CPU = torch.device("cpu")
-TINY = WorkspaceDims(num_heads=4, num_kv_heads=2, head_size=16, num_kv_splits=4, max_seq_len=32,
-                     capture_sizes=[1, 2, 4, 8], initial_workspace_mib=0)
+TINY = WorkspaceDims(
+    num_heads=4,
+    num_kv_heads=2,
+    head_size=16,
+    num_kv_splits=4,
+    max_seq_len=32,
+    capture_sizes=[1, 2, 4, 8],
+    initial_workspace_mib=0,
+)
 ARENA = "workspace._current_workspaces[0]"
 
 
@@ -43,6 +51,7 @@ def drive(tmp_path: Path, mode: str, resize: bool = False, steps: int = 2, guard
 
 # ------------------------------------------------------------------------ presets
 
+
 def test_presets_hold_the_upstream_dims():
     real = validate(load_preset("turboquant-decode"))
     m = real.model
@@ -50,7 +59,7 @@ def test_presets_hold_the_upstream_dims():
     assert (m.num_heads, m.num_kv_heads, m.head_size, m.num_kv_splits) == (32, 4, 128, 32)
     assert m.capture_sizes == vllm_capture_sizes(512) and len(m.capture_sizes) == 51
     assert m.capture_sizes[:5] == [1, 2, 4, 8, 16] and m.capture_sizes[-3:] == [480, 496, 512]
-    assert m.initial_workspace_mib == 32                       # FlashInfer's default cached workspace
+    assert m.initial_workspace_mib == 32  # FlashInfer's default cached workspace
     # The 32 MiB arena holds batches up to 56; the capture of 64 is the first to grow it.
     assert workspace_bytes(m, 56) <= 32 << 20 < workspace_bytes(m, 64)
     assert validate(load_preset("workspace-tiny")).model == TINY
@@ -64,6 +73,7 @@ def test_workspace_bytes_are_the_views_aligned_to_256():
 
 # ------------------------------------------------------------------------ the manager
 
+
 def test_views_are_slices_of_one_arena_on_256_byte_boundaries():
     ws = wg.WorkspaceManager(CPU, resize_in_place=False)
     mid_o, output, lse = ws.get_simultaneous(*wg.torch_views(TINY, 3))
@@ -74,7 +84,7 @@ def test_views_are_slices_of_one_arena_on_256_byte_boundaries():
         assert view.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
         assert (view.data_ptr() - arena.data_ptr()) % 256 == 0
     assert output.data_ptr() - arena.data_ptr() == 3 * 1088 // 256 * 256 + 256
-    again = ws.get_simultaneous(*wg.torch_views(TINY, 2))       # smaller: the same arena, no growth
+    again = ws.get_simultaneous(*wg.torch_views(TINY, 2))  # smaller: the same arena, no growth
     assert ws.arena is arena and again[0].data_ptr() == mid_o.data_ptr() and len(ws.growths) == 1
 
 
@@ -93,8 +103,8 @@ def test_resize_in_place_keeps_the_tensor_and_moves_its_storage():
     arena, before = ws.arena, ws.arena.data_ptr()
     arena.fill_(7)
     ws.get_simultaneous(*wg.torch_views(TINY, 8))
-    assert ws.arena is arena and arena.data_ptr() != before    # the same tensor, new memory
-    assert bool((arena[:workspace_bytes(TINY, 1)] == 7).all())  # resize_ copied the old bytes
+    assert ws.arena is arena and arena.data_ptr() != before  # the same tensor, new memory
+    assert bool((arena[: workspace_bytes(TINY, 1)] == 7).all())  # resize_ copied the old bytes
     assert [g.how for g in ws.growths] == ["allocate", "resize_"]
 
 
@@ -102,16 +112,16 @@ def test_the_lock_refuses_growth_with_the_sizes_and_the_fix():
     ws = wg.WorkspaceManager(CPU, resize_in_place=False, initial_bytes=4096)
     ws.lock()
     arena, ptr = ws.arena, ws.arena.data_ptr()
-    ws.get_simultaneous(*wg.torch_views(TINY, 1))              # fits: a locked arena still serves
+    ws.get_simultaneous(*wg.torch_views(TINY, 1))  # fits: a locked arena still serves
     with pytest.raises(wg.WorkspaceLockedError) as err:
         ws.get_simultaneous(*wg.torch_views(TINY, 8))
     message = str(err.value)
     assert "locked at 4096 bytes (4 KiB)" in message
     assert f"asks for {workspace_bytes(TINY, 8)} bytes (10.8 KiB)" in message
-    assert "test_workspace_grow.py:" in message and "test_the_lock_refuses_growth" in message   # who asked
+    assert "test_workspace_grow.py:" in message and "test_the_lock_refuses_growth" in message  # who asked
     assert "would free the arena the captured graphs read" in message
     assert "Reserve the largest request before capture" in message
-    assert ws.arena is arena and arena.data_ptr() == ptr and len(ws.growths) == 0     # nothing freed
+    assert ws.arena is arena and arena.data_ptr() == ptr and len(ws.growths) == 0  # nothing freed
 
 
 def test_fixed_capture_reserves_the_largest_size_and_locks(tmp_path):
@@ -123,6 +133,7 @@ def test_fixed_capture_reserves_the_largest_size_and_locks(tmp_path):
 
 # ------------------------------------------------------------------------ the decode
 
+
 def decode_inputs(dims: WorkspaceDims, b: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     shape = (b, dims.max_seq_len, dims.num_kv_heads, dims.head_size)
@@ -130,16 +141,18 @@ def decode_inputs(dims: WorkspaceDims, b: int, seed: int = 0):
     v = torch.randn(shape, generator=gen).bfloat16()
     q = torch.randn(b, dims.num_heads, dims.head_size, generator=gen).bfloat16()
     lens = torch.randint(1, dims.max_seq_len + 1, (b,), generator=gen, dtype=torch.int32)
-    lens[0], lens[-1] = 1, dims.max_seq_len                    # a one-token sequence and a full one
+    lens[0], lens[-1] = 1, dims.max_seq_len  # a one-token sequence and a full one
     return q, k, v, lens
 
 
-@pytest.mark.parametrize("dims, b", [(TINY, 8), (WorkspaceDims(num_heads=16, num_kv_heads=4, head_size=64,
-                                                              num_kv_splits=8, max_seq_len=256), 12)])
+@pytest.mark.parametrize(
+    "dims, b",
+    [(TINY, 8), (WorkspaceDims(num_heads=16, num_kv_heads=4, head_size=64, num_kv_splits=8, max_seq_len=256), 12)],
+)
 def test_split_kv_decode_matches_one_softmax_within_a_third_of_the_tolerance(dims, b):
     q, k, v, lens = decode_inputs(dims, b)
     ws = wg.WorkspaceManager(CPU, resize_in_place=False)
-    out = wg.split_kv_decode(q, k, v, lens, ws, dims).bfloat16()        # the graph's bf16 output
+    out = wg.split_kv_decode(q, k, v, lens, ws, dims).bfloat16()  # the graph's bf16 output
     cmp = wg.compare(out, wg.reference_attention(q, k, v, lens), wg.TOLERANCE)
     assert cmp.nonfinite == 0 and cmp.mismatches == 0
     assert cmp.max_scaled_err < wg.TOLERANCE / 3, cmp
@@ -153,8 +166,8 @@ def test_the_decode_reads_its_scratch_back_from_the_arena():
     wg.split_kv_stage1(q, k, v, lens, mid_o)
     wg.reduce_splits(mid_o, output, lse)
     right = output.clone()
-    in_arena = ws.arena[: mid_o.numel() * 4].view(torch.float32).view(mid_o.shape)   # the bytes, not a copy
-    in_arena[..., :TINY.head_size].mul_(2)                             # every split's output, not its lse
+    in_arena = ws.arena[: mid_o.numel() * 4].view(torch.float32).view(mid_o.shape)  # the bytes, not a copy
+    in_arena[..., : TINY.head_size].mul_(2)  # every split's output, not its lse
     wg.reduce_splits(mid_o, output, lse)
     assert torch.allclose(output, 2 * right)
     returned = wg.split_kv_decode(q, k, v, lens, ws, TINY)
@@ -172,6 +185,7 @@ def test_compare_counts_nonfinite_apart_from_mismatches():
 
 # ------------------------------------------------------------------------ the scenario, in-process
 
+
 def test_unfixed_replace_frees_the_arena_of_every_smaller_graph(tmp_path):
     rec = drive(tmp_path, "unfixed")
     findings = rec.of("finding")
@@ -186,8 +200,7 @@ def test_unfixed_replace_frees_the_arena_of_every_smaller_graph(tmp_path):
     assert ws["final_bytes"] == workspace_bytes(TINY, 8) and not ws["locked"]
     # Eager on CPU runs through the live arena: every graph's output right, the bug only latent.
     steps = rec.of("step")
-    assert len(steps) == 2 and all(s["mismatches"] == 0 and s["nonfinite"] == 0 and not s["replayed"]
-                                   for s in steps)
+    assert len(steps) == 2 and all(s["mismatches"] == 0 and s["nonfinite"] == 0 and not s["replayed"] for s in steps)
     assert all(s["compared"] == 15 * 4 * 16 and s["extra"]["stale_graphs"] == 3 for s in steps)
     assert [n["text"] for n in rec.of("note")] == [wg.CPU_NOTE]
 
@@ -224,7 +237,7 @@ def test_records_say_what_the_knob_did_and_keep_no_fills_on_cpu(tmp_path):
     d = rec.details
     assert d["after_free"]["knob"] == "release" and "CPU" in d["after_free"]["note"]
     assert d["tolerance"] == wg.TOLERANCE and d["dims"]["capture_sizes"] == [1, 2, 4, 8]
-    assert all("overwritten_bytes" not in s["extra"] for s in rec.of("step"))       # no fills without a GPU
+    assert all("overwritten_bytes" not in s["extra"] for s in rec.of("step"))  # no fills without a GPU
     assert {p["name"] for p in rec.of("phase")} >= {"build", "capture", "replays", "oracle"}
 
 
@@ -247,6 +260,7 @@ def test_fills_count_the_bytes_a_replay_wrote_over():
 
 
 # ------------------------------------------------------------------------ matrices
+
 
 def test_ci_smoke_runs_every_mode_and_variant_on_cpu():
     _, planned = load_matrix("ci-smoke", 0)
@@ -282,15 +296,18 @@ def one_line_error(result) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--set", "model.num_kv_heads=3"], "model.num_heads = 4 is not a multiple of model.num_kv_heads = 3"),
-    (["--set", "model.max_seq_len=30"], "model.max_seq_len = 30 is not a multiple of model.num_kv_splits = 4"),
-    (["--set", "model.capture_sizes=[4, 2]"], "must be positive, strictly increasing integers"),
-    (["--set", "model.initial_workspace_mib=-1"], "model.initial_workspace_mib = -1 must be >= 0"),
-    (["--mode", "reload-safe"], "is not one of 'unfixed', 'fixed'"),
-    (["--tp", "2"], "workspace-grow has no --tp option"),                  # one rank: no TP
-    (["--identity-reload"], "--identity-reload belongs to nvfp4-reload"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--set", "model.num_kv_heads=3"], "model.num_heads = 4 is not a multiple of model.num_kv_heads = 3"),
+        (["--set", "model.max_seq_len=30"], "model.max_seq_len = 30 is not a multiple of model.num_kv_splits = 4"),
+        (["--set", "model.capture_sizes=[4, 2]"], "must be positive, strictly increasing integers"),
+        (["--set", "model.initial_workspace_mib=-1"], "model.initial_workspace_mib = -1 must be >= 0"),
+        (["--mode", "reload-safe"], "is not one of 'unfixed', 'fixed'"),
+        (["--tp", "2"], "workspace-grow has no --tp option"),  # one rank: no TP
+        (["--identity-reload"], "--identity-reload belongs to nvfp4-reload"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     assert needle in one_line_error(invoke("workspace-grow", "--device", "cpu", *args))
 
@@ -309,11 +326,14 @@ def test_print_config_resolves_the_tiny_preset_on_cpu_and_the_switch():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args, outcome, code", [
-    ([], "STALE_CAPTURE", 0),                                  # unfixed: reproduced, as expected
-    (["--mode", "fixed", "--resize-in-place"], "CLEAN", 0),
-    (["--expect", "clean"], "STALE_CAPTURE", 1),               # the bug shows: that expectation fails
-])
+@pytest.mark.parametrize(
+    "args, outcome, code",
+    [
+        ([], "STALE_CAPTURE", 0),  # unfixed: reproduced, as expected
+        (["--mode", "fixed", "--resize-in-place"], "CLEAN", 0),
+        (["--expect", "clean"], "STALE_CAPTURE", 1),  # the bug shows: that expectation fails
+    ],
+)
 def test_the_command_runs_a_trial_and_exits_by_its_expectation(tmp_path, no_gpu, args, outcome, code):
     result = invoke("workspace-grow", "--steps", "1", "--artifacts", str(tmp_path), "--json", "-", *args)
     assert result.exit_code == code, result.stderr
@@ -328,8 +348,8 @@ def test_the_command_runs_a_trial_and_exits_by_its_expectation(tmp_path, no_gpu,
 
 GPU_OUTCOMES = {
     # (mode, resize, after_free): the outcome measured on an H200 (docs/RESULTS.md, sixth series)
-    ("unfixed", False, "release"): {Outcome.ILLEGAL_ADDRESS},   # the grow's own empty_cache() unmaps
-    ("unfixed", True, "keep"): {Outcome.ILLEGAL_ADDRESS},       # the old arenas' segments are released too
+    ("unfixed", False, "release"): {Outcome.ILLEGAL_ADDRESS},  # the grow's own empty_cache() unmaps
+    ("unfixed", True, "keep"): {Outcome.ILLEGAL_ADDRESS},  # the old arenas' segments are released too
     ("unfixed", True, "release"): {Outcome.ILLEGAL_ADDRESS},
     ("unfixed", True, "reuse"): {Outcome.ILLEGAL_ADDRESS},
     ("fixed", False, "release"): {Outcome.CLEAN},
@@ -341,10 +361,16 @@ GPU_OUTCOMES = {
 @pytest.mark.parametrize("mode, resize, after_free", list(GPU_OUTCOMES))
 def test_each_mode_on_cuda(tmp_path, mode, resize, after_free):
     from repro.run.runner import plan, run_planned
+
     if gpus.gpu_count() < 1:
         pytest.skip("needs a CUDA GPU")
-    p = plan("workspace-grow", "turboquant-decode",
-             {"mode": mode, "resize_in_place": resize, "after_free": after_free, "steps": 2}, [], gpus.gpu_count())
+    p = plan(
+        "workspace-grow",
+        "turboquant-decode",
+        {"mode": mode, "resize_in_place": resize, "after_free": after_free, "steps": 2},
+        [],
+        gpus.gpu_count(),
+    )
     assert p.device == "cuda"
     t = run_planned([p], tmp_path).report.trials[0]
     assert t.outcome in GPU_OUTCOMES[(mode, resize, after_free)], (t.outcome, t.first_failure)
@@ -359,10 +385,13 @@ def test_each_mode_on_cuda(tmp_path, mode, resize, after_free):
     if mode == "unfixed" and resize:
         # One finding per placement the arena left (each resize_ leaves one), none for the live one.
         moved = [f for f in t.guard_findings if f.status == "moved"]
-        assert len(moved) == sum(g["how"] == "resize_" for g in ws["grows"]) and len({f.old_ptr for f in moved}) == len(moved)
+        assert len(moved) == sum(g["how"] == "resize_" for g in ws["grows"]) and len({f.old_ptr for f in moved}) == len(
+            moved
+        )
     # The estimate the matrix packs concurrent trials by is not below what the trial reached
     # (a rank that died of the fault may not have said its peak).
     from repro.run.footprint import expected_peak_bytes
+
     peaks = [r.peak_reserved_bytes for r in t.ranks if r.peak_reserved_bytes is not None]
     assert peaks or t.outcome is not Outcome.CLEAN
     assert all(0 < n <= expected_peak_bytes(p.cfg) for n in peaks), (peaks, expected_peak_bytes(p.cfg))

@@ -6,6 +6,7 @@ reuse_kernel=False it builds a NEW kernel each time (the bug family of vLLM #500
 a graph captured before the reload keeps the old kernel's addresses. With reuse_kernel=True
 the kernel is built once and refreshed in place (the fix).
 """
+
 import torch
 from torch import nn
 
@@ -14,7 +15,7 @@ class Kernel:
     """Kernel-owned state: not a parameter, so a layerwise reload does not protect it."""
 
     def __init__(self, weight: torch.Tensor):
-        self.workspace = torch.empty_like(weight)                        # [out, in] prepared weight
+        self.workspace = torch.empty_like(weight)  # [out, in] prepared weight
         self.scale = torch.empty(weight.shape[0], device=weight.device)  # [out] per-row scale
 
     def refresh(self, weight: torch.Tensor) -> None:

@@ -4,6 +4,7 @@ Both pass without the plugin. Under `pytest --repro-watch` the second fails, nam
 captured tensor the reload freed (layer.kernel.workspace) and the test phases that captured
 and replayed the graph: the output still looked right, the graph read freed memory.
 """
+
 import torch
 
 from engine_layer import Layer, new_weights
@@ -15,7 +16,7 @@ def capture(layer: Layer, x: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        layer(x)                                   # warm up outside the capture, as engines do
+        layer(x)  # warm up outside the capture, as engines do
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -37,6 +38,6 @@ def test_reload_rebuilds_the_kernel_under_a_graph(cuda):
     x = torch.randn(BATCH, HIDDEN, device=cuda)
     graph, out = capture(layer, x)
     graph.replay()
-    layer.reload(new_weights(layer, seed=1))      # a new Kernel: the old workspace is freed
+    layer.reload(new_weights(layer, seed=1))  # a new Kernel: the old workspace is freed
     graph.replay()
-    assert torch.isfinite(out).all()              # "looks right": the check engines' tests make
+    assert torch.isfinite(out).all()  # "looks right": the check engines' tests make

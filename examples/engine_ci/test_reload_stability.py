@@ -1,5 +1,6 @@
 """The reload-stability test an engine adds: every tensor a graph may read keeps its storage,
 address and view across a reload to DIFFERENT weights. Runs on CPU (no graph needed)."""
+
 import pytest
 import torch
 

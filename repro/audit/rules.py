@@ -12,6 +12,7 @@ A rule says ``unknown`` when the source has a shape it cannot judge (a call into
 read, no recognisable capture), and its evidence says what it could not see: an unknown is
 never reported as present or absent.
 """
+
 from __future__ import annotations
 
 import ast
@@ -27,7 +28,7 @@ State = Literal["present", "absent", "not-applicable", "unknown"]
 PRESENT: State = "present"
 ABSENT: State = "absent"
 NOT_APPLICABLE: State = "not-applicable"
-UNKNOWN: State = "unknown"        # a shape the rule cannot judge; the evidence says what it lacks
+UNKNOWN: State = "unknown"  # a shape the rule cannot judge; the evidence says what it lacks
 
 PWAL = "process_weights_after_loading"
 
@@ -48,8 +49,8 @@ class FixCheck:
     fix_id: str
     title: str
     state: State
-    file: str                 # path inside the package tree, e.g. vllm/model_executor/...
-    line: int | None          # 1-based line of the evidence in that file
+    file: str  # path inside the package tree, e.g. vllm/model_executor/...
+    line: int | None  # 1-based line of the evidence in that file
     evidence: str
 
     def to_dict(self) -> dict[str, Any]:
@@ -58,13 +59,15 @@ class FixCheck:
 
 # --------------------------------------------------------------------------- rules
 
+
 @dataclass(frozen=True)
 class RuleVerdict:
     """What a rule concluded about one function body (not a finding of a trial: repro.outcome.Finding)."""
+
     state: State
     line: int | None
     evidence: str
-    file: str | None = None   # where `line` is, when the evidence is in one of Fix.also
+    file: str | None = None  # where `line` is, when the evidence is in one of Fix.also
 
 
 # A rule sees the function's AST (line numbers are those of the real file) and a Resolver:
@@ -75,24 +78,29 @@ AstRule = Callable[[ast.FunctionDef, "Resolver"], RuleVerdict]
 
 @dataclass(frozen=True)
 class Fix:
-    fix_id: str               # upstream PR number, without '#'
+    fix_id: str  # upstream PR number, without '#'
     title: str
-    file: str                 # path inside the package tree ("vllm/...")
-    function: str             # the function/method whose body carries the fix
+    file: str  # path inside the package tree ("vllm/...")
+    function: str  # the function/method whose body carries the fix
     rule: AstRule
     url: str = ""
-    also: tuple[str, ...] = ()   # other files the rule reads (absent ones read as None)
+    also: tuple[str, ...] = ()  # other files the rule reads (absent ones read as None)
 
 
 def self_attr(node: ast.AST) -> str | None:
     """'x' for ``self.x`` or ``getattr(self, "x"[, default])``, else None."""
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-            and node.value.id == "self":
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
         return node.attr
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
-            and node.func.id == "getattr" and len(node.args) >= 2 \
-            and isinstance(node.args[0], ast.Name) and node.args[0].id == "self" \
-            and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "getattr"
+        and len(node.args) >= 2
+        and isinstance(node.args[0], ast.Name)
+        and node.args[0].id == "self"
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    ):
         return node.args[1].value
     return None
 
@@ -168,7 +176,7 @@ def self_reads(fn: ast.AST) -> dict[str, int]:
         if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
             attr = self_attr(node)
         elif isinstance(node, ast.Call):
-            attr = self_attr(node)   # getattr(self, "x", None)
+            attr = self_attr(node)  # getattr(self, "x", None)
         if attr is not None:
             reads.setdefault(attr, node.lineno)
     return reads
@@ -188,34 +196,43 @@ def rule_cached_gather(fn: ast.FunctionDef, resolve: Callable[[str], Any]) -> Ru
     for stmt, target, value in assignments(fn):
         attr = self_attr(target)
         if attr is None or is_none(value):
-            continue   # `self.x = None` is a reset, not a cache fill
+            continue  # `self.x = None` is a reset, not a cache fill
         ids = identifiers(value)
         if ids & tainted or any(w in i.lower() for i in ids for w in WEIGHTY):
             writes.append((stmt, attr, value))
     for stmt, attr, value in writes:
         if attr in reads:
-            return RuleVerdict(PRESENT, stmt.lineno,
-                           f"self.{attr} = {short(value)} at line {stmt.lineno}, "
-                           f"read back at line {reads[attr]}")
+            return RuleVerdict(
+                PRESENT,
+                stmt.lineno,
+                f"self.{attr} = {short(value)} at line {stmt.lineno}, read back at line {reads[attr]}",
+            )
     if writes:
         stmt, attr, _ = writes[0]
-        return RuleVerdict(ABSENT, stmt.lineno,
-                       f"self.{attr} is written at line {stmt.lineno} but never read back "
-                       f"in {fn.name}, so it is not used as a cache")
+        return RuleVerdict(
+            ABSENT,
+            stmt.lineno,
+            f"self.{attr} is written at line {stmt.lineno} but never read back "
+            f"in {fn.name}, so it is not used as a cache",
+        )
     gather = first_gather(fn)
     if gather is not None:
-        return RuleVerdict(ABSENT, gather.lineno,
-                       f"{short(gather.func)}(...) at line {gather.lineno} goes into a local "
-                       f"only; no self.<attr> cache in {fn.name}")
-    return RuleVerdict(ABSENT, fn.lineno,
-                   f"{fn.name} stores no gathered weight on self (no all-gather found either)")
+        return RuleVerdict(
+            ABSENT,
+            gather.lineno,
+            f"{short(gather.func)}(...) at line {gather.lineno} goes into a local "
+            f"only; no self.<attr> cache in {fn.name}",
+        )
+    return RuleVerdict(ABSENT, fn.lineno, f"{fn.name} stores no gathered weight on self (no all-gather found either)")
 
 
 # -- #50074: the MoE kernel is built only once -------------------------------------------
 
+
 def block_fields(stmt: ast.stmt) -> list[list[ast.stmt]]:
-    blocks = [getattr(stmt, name) for name in ("body", "orelse", "finalbody")
-              if isinstance(getattr(stmt, name, None), list)]
+    blocks = [
+        getattr(stmt, name) for name in ("body", "orelse", "finalbody") if isinstance(getattr(stmt, name, None), list)
+    ]
     blocks += [h.body for h in getattr(stmt, "handlers", [])]
     blocks += [case.body for case in getattr(stmt, "cases", [])]
     return blocks
@@ -235,8 +252,7 @@ def conditions_for(body: list[ast.stmt], target: ast.AST) -> list[tuple[ast.expr
     for i, stmt in enumerate(body):
         if not contains(stmt, target):
             continue
-        held = [(s.test, False) for s in body[:i]
-                if isinstance(s, ast.If) and not s.orelse and always_exits(s.body)]
+        held = [(s.test, False) for s in body[:i] if isinstance(s, ast.If) and not s.orelse and always_exits(s.body)]
         if stmt is target:
             return held
         if isinstance(stmt, ast.If):
@@ -260,7 +276,7 @@ def tests_unset(test: ast.expr, holds: bool, attr: str) -> bool:
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         return tests_unset(test.operand, not holds, attr)
     if self_attr(test) == attr:
-        return not holds          # `if not self.k` / `else` of `if self.k`
+        return not holds  # `if not self.k` / `else` of `if self.k`
     if isinstance(test, ast.Compare) and len(test.ops) == 1:
         left, right = test.left, test.comparators[0]
         if is_none(left):
@@ -277,30 +293,38 @@ def tests_unset(test: ast.expr, holds: bool, attr: str) -> bool:
 
 def kernel_builds(fn: ast.AST) -> list[tuple[ast.stmt, str, ast.expr]]:
     """`self.<...kernel...> = <call>` statements: the construction of a kernel object."""
-    return [(stmt, attr, value) for stmt, target, value in assignments(fn)
-            if (attr := self_attr(target)) is not None and "kernel" in attr.lower()
-            and isinstance(value, ast.Call)]
+    return [
+        (stmt, attr, value)
+        for stmt, target, value in assignments(fn)
+        if (attr := self_attr(target)) is not None and "kernel" in attr.lower() and isinstance(value, ast.Call)
+    ]
 
 
 def rule_kernel_built_once(fn: ast.FunctionDef, resolve: Callable[[str], Any]) -> RuleVerdict:
     builds = kernel_builds(fn)
     if not builds:
-        return RuleVerdict(ABSENT, fn.lineno,
-                       f"no self.<kernel> = <call> construction found in {fn.name}; "
-                       "cannot see a kernel being built")
+        return RuleVerdict(
+            ABSENT,
+            fn.lineno,
+            f"no self.<kernel> = <call> construction found in {fn.name}; cannot see a kernel being built",
+        )
     guarded = []
     for stmt, attr, value in builds:
-        guard = next((test for test, holds in conditions_for(fn.body, stmt)
-                      if tests_unset(test, holds, attr)), None)
+        guard = next((test for test, holds in conditions_for(fn.body, stmt) if tests_unset(test, holds, attr)), None)
         if guard is None:
-            return RuleVerdict(ABSENT, stmt.lineno,
-                           f"self.{attr} = {short(value.func)}(...) at line {stmt.lineno} "
-                           "runs on every call (no `is None` guard)")
+            return RuleVerdict(
+                ABSENT,
+                stmt.lineno,
+                f"self.{attr} = {short(value.func)}(...) at line {stmt.lineno} runs on every call (no `is None` guard)",
+            )
         guarded.append((stmt, attr, value, guard))
     stmt, attr, value, guard = guarded[0]
-    return RuleVerdict(PRESENT, stmt.lineno,
-                   f"self.{attr} = {short(value.func)}(...) at line {stmt.lineno} guarded by "
-                   f"`{short(guard)}` (line {guard.lineno})")
+    return RuleVerdict(
+        PRESENT,
+        stmt.lineno,
+        f"self.{attr} = {short(value.func)}(...) at line {stmt.lineno} guarded by "
+        f"`{short(guard)}` (line {guard.lineno})",
+    )
 
 
 # -- #57954: the reused config's alphas are refreshed before expert PWAL ------------------
@@ -328,28 +352,33 @@ def alpha_writes(fn: ast.AST, alpha: str) -> list[tuple[ast.AST, str]]:
     aliases = alias_map(fn)
     found: list[tuple[ast.AST, str]] = []
     for node in walk_in_order(fn):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr == "copy_":
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "copy_":
             receiver = node.func.value
             if refers_to(receiver, alpha, aliases) and node.args:
                 found.append((node, f"{short(receiver, 50)}.copy_({short(node.args[0], 40)})"))
             elif node.args and refers_to(node.args[0], alpha, aliases):
                 found.append((node, short(node, 90)))
         elif isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Subscript) and refers_to(t.value, alpha, aliases)
-                for t in node.targets):
+            isinstance(t, ast.Subscript) and refers_to(t.value, alpha, aliases) for t in node.targets
+        ):
             found.append((node, short(node, 90)))
     return found
 
 
 def self_method_calls(fn: ast.AST) -> list[tuple[ast.Call, str]]:
-    return [(n, n.func.attr) for n in walk_in_order(fn)
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-            and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"]
+    return [
+        (n, n.func.attr)
+        for n in walk_in_order(fn)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and isinstance(n.func.value, ast.Name)
+        and n.func.value.id == "self"
+    ]
 
 
-def alpha_refreshes(fn: ast.FunctionDef, resolve: Callable[[str], Any],
-                    alpha: str) -> list[tuple[tuple[int, int], int, str]]:
+def alpha_refreshes(
+    fn: ast.FunctionDef, resolve: Callable[[str], Any], alpha: str
+) -> list[tuple[tuple[int, int], int, str]]:
     """(position in fn, line, description) of each write into `alpha`, including writes
     made one call deep in a sibling method, positioned at the call site."""
     hits = [(position(n), n.lineno, text) for n, text in alpha_writes(fn, alpha)]
@@ -358,14 +387,16 @@ def alpha_refreshes(fn: ast.FunctionDef, resolve: Callable[[str], Any],
         if helper is None or helper is fn or name == PWAL:
             continue
         for n, text in alpha_writes(helper, alpha):
-            hits.append((position(call), n.lineno, f"{text} in self.{name}() called at line "
-                                                   f"{call.lineno}"))
+            hits.append((position(call), n.lineno, f"{text} in self.{name}() called at line {call.lineno}"))
     return sorted(hits)
 
 
 def pwal_calls(fn: ast.AST) -> list[ast.Call]:
-    calls = [n for n in walk_in_order(fn) if isinstance(n, ast.Call)
-             and isinstance(n.func, ast.Attribute) and n.func.attr == PWAL]
+    calls = [
+        n
+        for n in walk_in_order(fn)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == PWAL
+    ]
     # Prefer the expert-level call the fix is about; fall back to any PWAL call.
     experts = [c for c in calls if "fused_experts" in identifiers(c.func)]
     return experts or calls
@@ -374,9 +405,9 @@ def pwal_calls(fn: ast.AST) -> list[ast.Call]:
 def rule_alphas_refreshed(fn: ast.FunctionDef, resolve: Callable[[str], Any]) -> RuleVerdict:
     pwals = pwal_calls(fn)
     if not pwals:
-        return RuleVerdict(ABSENT, fn.lineno,
-                       f"no {PWAL}(...) call in {fn.name}; cannot place an alpha refresh "
-                       "before it")
+        return RuleVerdict(
+            ABSENT, fn.lineno, f"no {PWAL}(...) call in {fn.name}; cannot place an alpha refresh before it"
+        )
     last = pwals[-1]
     where = f"{short(last.func)}(...) at line {last.lineno}"
     before, late = [], []
@@ -396,21 +427,23 @@ def rule_alphas_refreshed(fn: ast.FunctionDef, resolve: Callable[[str], Any]) ->
     after = [(alpha, hit) for alpha, hit in late if hit is not None]
     if after:
         alpha, (_, line, text) = after[0]
-        return RuleVerdict(ABSENT, line, f"{text} at line {line} comes after {where}: "
-                                     "expert post-processing still sees the old alphas")
+        return RuleVerdict(
+            ABSENT, line, f"{text} at line {line} comes after {where}: expert post-processing still sees the old alphas"
+        )
     if before:
-        return RuleVerdict(ABSENT, before[0][1],
-                       f"only {before[0][2]} (line {before[0][1]}) before {where}; "
-                       f"{', '.join(missing)} not refreshed")
-    return RuleVerdict(ABSENT, last.lineno,
-                   f"no in-place refresh of {' / '.join(ALPHAS)} before {where}")
+        return RuleVerdict(
+            ABSENT,
+            before[0][1],
+            f"only {before[0][2]} (line {before[0][1]}) before {where}; {', '.join(missing)} not refreshed",
+        )
+    return RuleVerdict(ABSENT, last.lineno, f"no in-place refresh of {' / '.join(ALPHAS)} before {where}")
 
 
 # -- shared by the Model Runner V2 rules -------------------------------------------------------
 
 V2_RUNNER = "vllm/v1/worker/gpu/model_runner.py"
 V2_BLOCK_TABLE = "vllm/v1/worker/gpu/block_table.py"
-GPU_WORKER = "vllm/v1/worker/gpu_worker.py"   # one Worker drives the V1 and the V2 runner
+GPU_WORKER = "vllm/v1/worker/gpu_worker.py"  # one Worker drives the V1 and the V2 runner
 
 
 def call_name(call: ast.Call) -> str | None:
@@ -452,12 +485,11 @@ def first_def(resolve: Resolver, file: str, name: str) -> ast.FunctionDef | None
 # accepts too. A lock after capture does not cover a growth *between* two captures (vLLM
 # #45670/#46067: ascending capture sizes); no rule here judges that.
 
-CAPTURE_CALL = re.compile(r"^_?capture(_\w+)?$")   # capture(), _capture_cudagraphs(), ...
+CAPTURE_CALL = re.compile(r"^_?capture(_\w+)?$")  # capture(), _capture_cudagraphs(), ...
 
 
 def capture_calls(fn: ast.AST) -> list[ast.Call]:
-    return [c for c in calls_in(fn) if (name := call_name(c)) and name != "capture_model"
-            and CAPTURE_CALL.match(name)]
+    return [c for c in calls_in(fn) if (name := call_name(c)) and name != "capture_model" and CAPTURE_CALL.match(name)]
 
 
 def is_workspace_lock(call: ast.Call) -> bool:
@@ -465,12 +497,16 @@ def is_workspace_lock(call: ast.Call) -> bool:
     name = call_name(call)
     if name == "lock_workspace":
         return True
-    return name == "lock" and isinstance(call.func, ast.Attribute) \
+    return (
+        name == "lock"
+        and isinstance(call.func, ast.Attribute)
         and any("workspace" in i.lower() for i in identifiers(call.func.value))
+    )
 
 
-def locks_after(fn: ast.AST, after: tuple[int, int],
-                lookup: Callable[[str], ast.FunctionDef | None]) -> list[tuple[ast.Call, str]]:
+def locks_after(
+    fn: ast.AST, after: tuple[int, int], lookup: Callable[[str], ast.FunctionDef | None]
+) -> list[tuple[ast.Call, str]]:
     """Workspace locks that run after `after` in fn: direct calls, and those one call deep
     in a method fn calls after it (the lock factored into a helper), described at the call."""
     found = []
@@ -479,23 +515,34 @@ def locks_after(fn: ast.AST, after: tuple[int, int],
             continue
         if is_workspace_lock(call):
             found.append((call, f"{short(call.func)}() at line {call.lineno}"))
-        elif isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) \
-                and call.func.value.id == "self":
+        elif (
+            isinstance(call.func, ast.Attribute)
+            and isinstance(call.func.value, ast.Name)
+            and call.func.value.id == "self"
+        ):
             helper = lookup(call.func.attr)
             if helper is not None and helper is not fn:
                 lock = next((c for c in calls_in(helper) if is_workspace_lock(c)), None)
                 if lock is not None:
-                    found.append((call, f"{short(lock.func)}() in self.{call.func.attr}() called "
-                                        f"at line {call.lineno}"))
+                    found.append(
+                        (call, f"{short(lock.func)}() in self.{call.func.attr}() called at line {call.lineno}")
+                    )
     return found
 
 
-def unread_self_calls(fn: ast.AST, after: tuple[int, int],
-                      lookup: Callable[[str], ast.FunctionDef | None]) -> list[ast.Call]:
+def unread_self_calls(
+    fn: ast.AST, after: tuple[int, int], lookup: Callable[[str], ast.FunctionDef | None]
+) -> list[ast.Call]:
     """``self.m()`` calls after `after` whose method is in none of the files read."""
-    return [c for c in calls_in(fn) if position(c) > after
-            and isinstance(c.func, ast.Attribute) and isinstance(c.func.value, ast.Name)
-            and c.func.value.id == "self" and lookup(c.func.attr) is None]
+    return [
+        c
+        for c in calls_in(fn)
+        if position(c) > after
+        and isinstance(c.func, ast.Attribute)
+        and isinstance(c.func.value, ast.Name)
+        and c.func.value.id == "self"
+        and lookup(c.func.attr) is None
+    ]
 
 
 def worker_lock(resolve: Resolver) -> tuple[ast.FunctionDef | None, tuple[ast.Call, str] | None]:
@@ -513,38 +560,54 @@ def worker_lock(resolve: Resolver) -> tuple[ast.FunctionDef | None, tuple[ast.Ca
 def rule_workspace_locked_after_capture(fn: ast.FunctionDef, resolve: Resolver) -> RuleVerdict:
     captures = capture_calls(fn)
     if not captures:
-        return RuleVerdict(UNKNOWN, fn.lineno,
-                           f"{fn.name}() calls nothing named capture or _capture_*: the rule "
-                           "cannot see where graphs are captured, so it cannot tell whether "
-                           "the workspace is locked after them")
+        return RuleVerdict(
+            UNKNOWN,
+            fn.lineno,
+            f"{fn.name}() calls nothing named capture or _capture_*: the rule "
+            "cannot see where graphs are captured, so it cannot tell whether "
+            "the workspace is locked after them",
+        )
     last = captures[-1]
     captured = f"{short(last.func)}() at line {last.lineno}"
     locks = locks_after(fn, position(last), resolve)
     if locks:
         call, text = locks[0]
-        return RuleVerdict(PRESENT, call.lineno, f"{text}, after the capture by {captured}: a "
-                                                 "later workspace growth raises")
+        return RuleVerdict(
+            PRESENT, call.lineno, f"{text}, after the capture by {captured}: a later workspace growth raises"
+        )
     warmup, lock = worker_lock(resolve)
     if lock is not None:
         call, text = lock
-        return RuleVerdict(PRESENT, call.lineno,
-                           f"Worker.compile_or_warm_up_model() locks the workspace after "
-                           f"capture_model(): {text} of {GPU_WORKER}", file=GPU_WORKER)
+        return RuleVerdict(
+            PRESENT,
+            call.lineno,
+            f"Worker.compile_or_warm_up_model() locks the workspace after capture_model(): {text} of {GPU_WORKER}",
+            file=GPU_WORKER,
+        )
     unread = unread_self_calls(fn, position(last), resolve)
     if unread:
         names = ", ".join(f"self.{c.func.attr}() (line {c.lineno})" for c in unread)
-        return RuleVerdict(UNKNOWN, unread[0].lineno,
-                           f"no lock after the capture by {captured}, but {fn.name}() then "
-                           f"calls {names}, defined in none of the files read: the rule "
-                           "cannot see whether it locks the workspace")
+        return RuleVerdict(
+            UNKNOWN,
+            unread[0].lineno,
+            f"no lock after the capture by {captured}, but {fn.name}() then "
+            f"calls {names}, defined in none of the files read: the rule "
+            "cannot see whether it locks the workspace",
+        )
     before = [c for c in calls_in(fn) if is_workspace_lock(c)]
     earlier = f" (the lock at line {before[0].lineno} runs before it)" if before else ""
-    worker = ("or in Worker.compile_or_warm_up_model()" if warmup is not None
-              else f"(and no Worker.compile_or_warm_up_model() in {GPU_WORKER} to read)")
-    return RuleVerdict(ABSENT, last.lineno,
-                       f"graphs captured by {captured}{earlier}; no lock_workspace() after it "
-                       f"in {fn.name}() {worker}: a later workspace growth frees the arena "
-                       "the graphs read")
+    worker = (
+        "or in Worker.compile_or_warm_up_model()"
+        if warmup is not None
+        else f"(and no Worker.compile_or_warm_up_model() in {GPU_WORKER} to read)"
+    )
+    return RuleVerdict(
+        ABSENT,
+        last.lineno,
+        f"graphs captured by {captured}{earlier}; no lock_workspace() after it "
+        f"in {fn.name}() {worker}: a later workspace growth frees the arena "
+        "the graphs read",
+    )
 
 
 # -- #53508: block-table layout tensors keep their storage across a KV-cache wake ------------
@@ -562,13 +625,41 @@ def rule_workspace_locked_after_capture(fn: ast.FunctionDef, resolve: Resolver) 
 
 LAYOUT_HOOK = "post_kv_cache_wake_up"
 IN_PLACE_OPS = ("copy_", "fill_", "zero_")
-TENSOR_FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange",
-                    "zeros_like", "ones_like", "empty_like", "full_like", "stack", "cat",
-                    "clone"}
+TENSOR_FACTORIES = {
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "stack",
+    "cat",
+    "clone",
+}
 # Methods that read a tensor or container without replacing anything: not worth following.
-READ_ONLY = {"data_ptr", "stride", "size", "numel", "dim", "item", "tolist", "element_size",
-             "view", "reshape", "contiguous", "get", "items", "keys", "values"}
-FOLLOW_DEPTH = 2      # hook -> BlockTables method -> its helper
+READ_ONLY = {
+    "data_ptr",
+    "stride",
+    "size",
+    "numel",
+    "dim",
+    "item",
+    "tolist",
+    "element_size",
+    "view",
+    "reshape",
+    "contiguous",
+    "get",
+    "items",
+    "keys",
+    "values",
+}
+FOLLOW_DEPTH = 2  # hook -> BlockTables method -> its helper
 
 
 @dataclass(frozen=True)
@@ -576,7 +667,7 @@ class WakeEffect:
     kind: Literal["rebuild", "in_place", "unread"]
     node: ast.AST
     text: str
-    file: str             # the file the node is in (a BlockTables method: block_table.py)
+    file: str  # the file the node is in (a BlockTables method: block_table.py)
 
 
 def makes_tensor(value: ast.AST, resolve: Resolver) -> bool:
@@ -589,8 +680,12 @@ def makes_tensor(value: ast.AST, resolve: Resolver) -> bool:
         return True
     helper = resolve(name) if self_rooted(value.func) else None
     return helper is not None and any(
-        isinstance(n, ast.Return) and n.value is not None and isinstance(n.value, ast.Call)
-        and (call_name(n.value) in TENSOR_FACTORIES) for n in ast.walk(helper))
+        isinstance(n, ast.Return)
+        and n.value is not None
+        and isinstance(n.value, ast.Call)
+        and (call_name(n.value) in TENSOR_FACTORIES)
+        for n in ast.walk(helper)
+    )
 
 
 def is_layout(target: ast.AST, resolve: Resolver, in_fn: ast.AST) -> bool:
@@ -606,21 +701,20 @@ def wake_effects(fn: ast.AST, resolve: Resolver, depth: int = FOLLOW_DEPTH) -> l
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
-                if isinstance(target, ast.Attribute) and self_rooted(target) \
-                        and makes_tensor(node.value, resolve) and is_layout(target, resolve, fn):
-                    effects.append(WakeEffect("rebuild", node,
-                                              f"{short(target, 50)} = {short(node.value, 50)}",
-                                              file))
-                elif isinstance(target, ast.Subscript) and self_rooted(target) \
-                        and is_layout(target, resolve, fn):
+                if (
+                    isinstance(target, ast.Attribute)
+                    and self_rooted(target)
+                    and makes_tensor(node.value, resolve)
+                    and is_layout(target, resolve, fn)
+                ):
+                    effects.append(WakeEffect("rebuild", node, f"{short(target, 50)} = {short(node.value, 50)}", file))
+                elif isinstance(target, ast.Subscript) and self_rooted(target) and is_layout(target, resolve, fn):
                     effects.append(WakeEffect("in_place", node, short(node, 70), file))
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and self_rooted(node.func.value):
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and self_rooted(node.func.value):
             name = node.func.attr
             if name in IN_PLACE_OPS:
                 if is_layout(node.func.value, resolve, fn):
-                    effects.append(WakeEffect("in_place", node,
-                                              f"{short(node.func.value, 50)}.{name}(...)", file))
+                    effects.append(WakeEffect("in_place", node, f"{short(node.func.value, 50)}.{name}(...)", file))
             elif name not in READ_ONLY and name not in TENSOR_FACTORIES:
                 helper = resolve(name)
                 if helper is None:
@@ -636,10 +730,15 @@ def hook_runs_at_wake(resolve: Resolver) -> tuple[bool | None, ast.AST | None]:
     wake = first_def(resolve, GPU_WORKER, "wake_up")
     if wake is None:
         return None, None
-    bodies = [wake] + [h for c in calls_in(wake) if isinstance(c.func, ast.Attribute)
-                       and isinstance(c.func.value, ast.Name) and c.func.value.id == "self"
-                       and (h := first_def(resolve, GPU_WORKER, c.func.attr)) is not None
-                       and h is not wake]
+    bodies = [wake] + [
+        h
+        for c in calls_in(wake)
+        if isinstance(c.func, ast.Attribute)
+        and isinstance(c.func.value, ast.Name)
+        and c.func.value.id == "self"
+        and (h := first_def(resolve, GPU_WORKER, c.func.attr)) is not None
+        and h is not wake
+    ]
     for body in bodies:
         hook = next((c for c in calls_in(body) if call_name(c) == LAYOUT_HOOK), None)
         if hook is not None:
@@ -652,8 +751,8 @@ def allocation_context_param(fn: ast.FunctionDef) -> str | None:
     args = fn.args
     for arg in (*args.posonlyargs, *args.args, *args.kwonlyargs):
         if "allocation_context" in arg.arg and any(
-                isinstance(n, ast.Name) and n.id == arg.arg for stmt in fn.body
-                for n in ast.walk(stmt)):
+            isinstance(n, ast.Name) and n.id == arg.arg for stmt in fn.body for n in ast.walk(stmt)
+        ):
             return arg.arg
     return None
 
@@ -665,43 +764,61 @@ def pool_around_init(resolve: Resolver) -> ast.With | None:
         return None
     aliases = alias_map(init)
     for node in walk_in_order(init):
-        if isinstance(node, (ast.With, ast.AsyncWith)) \
-                and any(call_name(c) == "initialize_kv_cache" for s in node.body for c in calls_in(s)) \
-                and any("pool" in i.lower() for item in node.items
-                        for i in identifiers(item.context_expr)
-                        | {a for n in identifiers(item.context_expr) for a in aliases.get(n, ())}):
+        if (
+            isinstance(node, (ast.With, ast.AsyncWith))
+            and any(call_name(c) == "initialize_kv_cache" for s in node.body for c in calls_in(s))
+            and any(
+                "pool" in i.lower()
+                for item in node.items
+                for i in identifiers(item.context_expr)
+                | {a for n in identifiers(item.context_expr) for a in aliases.get(n, ())}
+            )
+        ):
             return node
     return None
 
 
-def judge_wake_effects(hook: ast.FunctionDef, call: ast.AST | None, effects: list[WakeEffect],
-                       resolve: Resolver) -> RuleVerdict:
+def judge_wake_effects(
+    hook: ast.FunctionDef, call: ast.AST | None, effects: list[WakeEffect], resolve: Resolver
+) -> RuleVerdict:
     """The verdict when the wake-up hook touches the layout: a rebuild outweighs code the rule
     cannot read, which outweighs an in-place refresh. `call`: where the worker runs the hook
     (None: no Worker.wake_up() to read)."""
-    effect = next(e for kind in ("rebuild", "unread", "in_place") for e in effects
-                  if e.kind == kind)
+    effect = next(e for kind in ("rebuild", "unread", "in_place") for e in effects if e.kind == kind)
     file = None if effect.file == resolve.home else effect.file
     at = f"{effect.file}:{effect.node.lineno}" if file else f"line {effect.node.lineno}"
     if call is None:
-        return RuleVerdict(UNKNOWN, hook.lineno,
-                           f"{LAYOUT_HOOK}() (line {hook.lineno}) touches the block-table layout "
-                           f"({effect.text}, {at}), but there is no Worker.wake_up() in "
-                           f"{GPU_WORKER} to read: the rule cannot tell whether it runs at a "
-                           "KV-cache wake")
+        return RuleVerdict(
+            UNKNOWN,
+            hook.lineno,
+            f"{LAYOUT_HOOK}() (line {hook.lineno}) touches the block-table layout "
+            f"({effect.text}, {at}), but there is no Worker.wake_up() in "
+            f"{GPU_WORKER} to read: the rule cannot tell whether it runs at a "
+            "KV-cache wake",
+        )
     called = f"Worker.wake_up() calls {LAYOUT_HOOK}() ({GPU_WORKER}:{call.lineno})"
     if effect.kind == "rebuild":
-        return RuleVerdict(ABSENT, effect.node.lineno,
-                           f"{called}, which rebinds {effect.text} ({at}): graphs captured "
-                           "before sleep keep reading the old tensor", file=file)
+        return RuleVerdict(
+            ABSENT,
+            effect.node.lineno,
+            f"{called}, which rebinds {effect.text} ({at}): graphs captured before sleep keep reading the old tensor",
+            file=file,
+        )
     if effect.kind == "unread":
-        return RuleVerdict(UNKNOWN, effect.node.lineno,
-                           f"{called}, which calls {effect.text} ({at}), defined in none of the "
-                           "files read: the rule cannot tell whether it rebuilds the layout "
-                           "tensors or refreshes them in place", file=file)
-    return RuleVerdict(PRESENT, effect.node.lineno,
-                       f"{called}, which refreshes the layout in place ({effect.text}, {at}); "
-                       "nothing is rebound", file=file)
+        return RuleVerdict(
+            UNKNOWN,
+            effect.node.lineno,
+            f"{called}, which calls {effect.text} ({at}), defined in none of the "
+            "files read: the rule cannot tell whether it rebuilds the layout "
+            "tensors or refreshes them in place",
+            file=file,
+        )
+    return RuleVerdict(
+        PRESENT,
+        effect.node.lineno,
+        f"{called}, which refreshes the layout in place ({effect.text}, {at}); nothing is rebound",
+        file=file,
+    )
 
 
 def judge_untouched_layout(fn: ast.FunctionDef, idle: str, resolve: Resolver) -> RuleVerdict:
@@ -709,22 +826,31 @@ def judge_untouched_layout(fn: ast.FunctionDef, idle: str, resolve: Resolver) ->
     level-1 sleep only if it was made outside the kv_cache pool."""
     param = allocation_context_param(fn)
     if param is not None:
-        return RuleVerdict(PRESENT, fn.lineno,
-                           f"{fn.name}() takes and uses {param} (the kv_cache pool wraps only "
-                           f"the backing allocation) and {idle}: the layout tensors keep their "
-                           "storage and values across sleep")
+        return RuleVerdict(
+            PRESENT,
+            fn.lineno,
+            f"{fn.name}() takes and uses {param} (the kv_cache pool wraps only "
+            f"the backing allocation) and {idle}: the layout tensors keep their "
+            "storage and values across sleep",
+        )
     pool = pool_around_init(resolve)
     if pool is not None:
-        return RuleVerdict(ABSENT, pool.lineno,
-                           f"Worker.initialize_from_config() enters the kv_cache pool around "
-                           f"initialize_kv_cache() ({GPU_WORKER}:{pool.lineno}) and {idle}: "
-                           "level-1 sleep loses the layout tensors' values at the same address",
-                           file=GPU_WORKER)
-    return RuleVerdict(UNKNOWN, fn.lineno,
-                       f"{idle}, and {fn.name}() takes no allocation context while no "
-                       f"Worker.initialize_from_config() in {GPU_WORKER} visibly enters the "
-                       "kv_cache pool around it: the rule cannot see where the pool scope "
-                       "ends, so it cannot tell whether the layout tensors survive sleep")
+        return RuleVerdict(
+            ABSENT,
+            pool.lineno,
+            f"Worker.initialize_from_config() enters the kv_cache pool around "
+            f"initialize_kv_cache() ({GPU_WORKER}:{pool.lineno}) and {idle}: "
+            "level-1 sleep loses the layout tensors' values at the same address",
+            file=GPU_WORKER,
+        )
+    return RuleVerdict(
+        UNKNOWN,
+        fn.lineno,
+        f"{idle}, and {fn.name}() takes no allocation context while no "
+        f"Worker.initialize_from_config() in {GPU_WORKER} visibly enters the "
+        "kv_cache pool around it: the rule cannot see where the pool scope "
+        "ends, so it cannot tell whether the layout tensors survive sleep",
+    )
 
 
 def rule_layout_kept_at_wake(fn: ast.FunctionDef, resolve: Resolver) -> RuleVerdict:
@@ -808,13 +934,15 @@ def find_fix(fix_id: str) -> Fix:
 
 # --------------------------------------------------------------------------- locating code
 
+
 @dataclass
 class Site:
     """One definition of the audited function, or where one is that does not parse here."""
+
     node: ast.FunctionDef | None
     resolve: Callable[[str], ast.FunctionDef | None]
-    line: int                 # 1-based line of the `def`
-    error: str = ""           # why node is None
+    line: int  # 1-based line of the `def`
+    error: str = ""  # why node is None
 
 
 CONFLICT_MARKER = re.compile(r"^(<{7}|={7}|>{7}|\|{7})(\s|$)")
@@ -838,8 +966,7 @@ def text_function_spans(text: str, name: str) -> list[tuple[int, int]]:
             this = len(lines[j]) - len(lines[j].lstrip())
             # A line at or left of the `def` ends it, unless it closes the signature or is
             # a leftover merge-conflict marker (a common reason a file stops parsing).
-            if this <= indent and not stripped.startswith((")", "]", "}")) \
-                    and not CONFLICT_MARKER.match(lines[j]):
+            if this <= indent and not stripped.startswith((")", "]", "}")) and not CONFLICT_MARKER.match(lines[j]):
                 break
             end = j + 1
         spans.append((i, end))
@@ -857,8 +984,7 @@ def parse_span(text: str, name: str) -> list[Site]:
             out.append(Site(None, lambda _: None, start + 1, unparsable_text(exc, lines, start, end)))
             continue
         ast.increment_lineno(tree, start)
-        fn = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))),
-                  None)
+        fn = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
         out.append(Site(fn, lambda _: None, start + 1, "" if fn else "no function in its span"))
     return out
 
@@ -881,6 +1007,7 @@ def locate_sites(text: str, name: str) -> list[Site]:
         # somewhere); the function itself usually still parses on its own.
         def resolve_text(method: str) -> ast.FunctionDef | None:
             return next((s.node for s in parse_span(text, method) if s.node is not None), None)
+
         return [dataclasses.replace(s, resolve=resolve_text) for s in parse_span(text, name)]
     sites = []
     for owner in ast.walk(tree):
@@ -901,28 +1028,25 @@ class Resolver:
     one named file only. ``file_of`` says which file a returned node came from, for evidence.
     """
 
-    def __init__(self, siblings: Callable[[str], ast.FunctionDef | None], home: str,
-                 others: dict[str, str | None]):
+    def __init__(self, siblings: Callable[[str], ast.FunctionDef | None], home: str, others: dict[str, str | None]):
         self.siblings = siblings
         self.home = home
         self.others = others
         self._found: dict[tuple[str, str], list[ast.FunctionDef]] = {}
-        self._files: dict[int, str] = {}      # id(node) -> file, for nodes from `others`
+        self._files: dict[int, str] = {}  # id(node) -> file, for nodes from `others`
 
     def __call__(self, name: str) -> ast.FunctionDef | None:
         node = self.siblings(name)
         if node is not None:
             return node
-        return next((found[0] for file in self.others if (found := self.defined(file, name))),
-                    None)
+        return next((found[0] for file in self.others if (found := self.defined(file, name))), None)
 
     def defined(self, file: str, name: str) -> list[ast.FunctionDef]:
         """Every definition of `name` that parses in `file` ([] when the file is absent)."""
         key = (file, name)
         if key not in self._found:
             text = self.others.get(file)
-            nodes = [s.node for s in locate_sites(text, name) if s.node is not None] \
-                if text is not None else []
+            nodes = [s.node for s in locate_sites(text, name) if s.node is not None] if text is not None else []
             self._files.update((id(n), file) for n in nodes)
             self._found[key] = nodes
         return self._found[key]
@@ -937,6 +1061,7 @@ def judge(fix: Fix, text: str | None, others: dict[str, str | None] | None = Non
 
     A definition whose own body does not parse cannot be judged: AuditError names it, rather
     than a guess from text (a leftover merge-conflict marker is the usual cause)."""
+
     def check(state: State, line: int | None, evidence: str, file: str | None = None) -> FixCheck:
         return FixCheck(fix.fix_id, fix.title, state, file or fix.file, line, evidence)
 
@@ -944,14 +1069,18 @@ def judge(fix: Fix, text: str | None, others: dict[str, str | None] | None = Non
         return check(NOT_APPLICABLE, None, f"{fix.file} does not exist in this version")
     sites = locate_sites(text, fix.function)
     if not sites:
-        return check(ABSENT, None,
-                     f"{fix.file} exists but defines no {fix.function}(); the rule cannot "
-                     "find where the fix would live")
+        return check(
+            ABSENT,
+            None,
+            f"{fix.file} exists but defines no {fix.function}(); the rule cannot find where the fix would live",
+        )
     broken = next((s for s in sites if s.node is None), None)
     if broken is not None:
-        raise AuditError(f"{fix.file}:{broken.line}: {fix.function}() does not parse "
-                         f"({broken.error}), so fix #{fix.fix_id} cannot be judged; repair the "
-                         "file or audit another copy.")
+        raise AuditError(
+            f"{fix.file}:{broken.line}: {fix.function}() does not parse "
+            f"({broken.error}), so fix #{fix.fix_id} cannot be judged; repair the "
+            "file or audit another copy."
+        )
     texts = {file: (others or {}).get(file) for file in fix.also}
     findings = [fix.rule(site.node, Resolver(site.resolve, fix.file, texts)) for site in sites]
     # Several definitions (e.g. one per class): the fix is carried if any carries it.

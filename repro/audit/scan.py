@@ -7,6 +7,7 @@ reads the source as text -- from the installed package (located with
 executes nothing), from a directory, or member by member from a .whl/.zip/sdist archive --
 and hands each file to repro.audit.rules, which knows the fixes and judges them.
 """
+
 from __future__ import annotations
 
 import ast
@@ -23,8 +24,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 from repro.audit.rules import (  # noqa: F401  (FIXES, FixCheck, find_fix: the audit's public API)
-    ABSENT, FIXES, NOT_APPLICABLE, PRESENT, UNKNOWN, UNPARSABLE, AuditError, FixCheck, find_fix,
-    judge_all, normalize_fix_id,
+    ABSENT,
+    FIXES,
+    NOT_APPLICABLE,
+    PRESENT,
+    UNKNOWN,
+    UNPARSABLE,
+    AuditError,
+    FixCheck,
+    find_fix,
+    judge_all,
+    normalize_fix_id,
 )
 
 Kind = Literal["installed", "directory", "archive"]
@@ -40,7 +50,7 @@ class VllmNotInstalled(AuditError):
 
 @dataclass
 class AuditResult:
-    source: str               # what was audited: a directory or an archive path
+    source: str  # what was audited: a directory or an archive path
     kind: Kind
     version: str | None
     checks: list[FixCheck] = field(default_factory=list)
@@ -63,15 +73,14 @@ class AuditResult:
 
 # --------------------------------------------------------------------------- versions
 
-ARCHIVE_VERSION = re.compile(r"^vllm-(\d[^-]*?)(?:-|\.tar\.gz$|\.tgz$|\.tar$|\.zip$|\.whl$)",
-                             re.IGNORECASE)
+ARCHIVE_VERSION = re.compile(r"^vllm-(\d[^-]*?)(?:-|\.tar\.gz$|\.tgz$|\.tar$|\.zip$|\.whl$)", re.IGNORECASE)
 
 
 def version_from_metadata(text: str | None) -> str | None:
     """Version: of a METADATA / PKG-INFO text (RFC 822 headers), if its Name: is vllm."""
     if not text:
         return None
-    headers = HeaderParser().parsestr(text, headersonly=True)   # the body may quote "Version:"
+    headers = HeaderParser().parsestr(text, headersonly=True)  # the body may quote "Version:"
     if (headers.get("Name") or "").strip().lower() != "vllm":
         return None
     version = (headers.get("Version") or "").strip()
@@ -91,10 +100,12 @@ def version_from_module(text: str | None) -> str | None:
         m = re.search(r"^__version__\s*=\s*(?:\w+\s*=\s*)*['\"]([^'\"]+)['\"]", text, re.M)
         return m.group(1) if m else None
     for stmt in tree.body:
-        if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Constant) \
-                and isinstance(stmt.value.value, str) \
-                and any(isinstance(t, ast.Name) and t.id in ("__version__", "version")
-                        for t in stmt.targets):
+        if (
+            isinstance(stmt, ast.Assign)
+            and isinstance(stmt.value, ast.Constant)
+            and isinstance(stmt.value.value, str)
+            and any(isinstance(t, ast.Name) and t.id in ("__version__", "version") for t in stmt.targets)
+        ):
             return stmt.value.value
     return None
 
@@ -114,6 +125,7 @@ def first_version(candidates: Iterable[Callable[[], str | None]]) -> str | None:
 
 # --------------------------------------------------------------------------- sources
 
+
 def read_text_file(path: Path) -> str | None:
     try:
         if not path.is_file() or path.stat().st_size > MAX_MEMBER_BYTES:
@@ -125,6 +137,7 @@ def read_text_file(path: Path) -> str | None:
 
 def package_dir_in(path: Path) -> Path | None:
     """The vllm/ package for a repo root / site-packages (DIR/vllm) or the package itself."""
+
     def looks_like_package(p: Path) -> bool:
         return p.is_dir() and ((p / "__init__.py").is_file() or (p / "model_executor").is_dir())
 
@@ -145,38 +158,40 @@ def directory_version(package: Path) -> str | None:
                 return found
         return None
 
-    return first_version([
-        dist_info,
-        lambda: version_from_metadata(read_text_file(root / "PKG-INFO")),
-        lambda: version_from_module(read_text_file(package / "_version.py")),
-        lambda: version_from_module(read_text_file(package / "version.py")),
-    ])
+    return first_version(
+        [
+            dist_info,
+            lambda: version_from_metadata(read_text_file(root / "PKG-INFO")),
+            lambda: version_from_module(read_text_file(package / "_version.py")),
+            lambda: version_from_module(read_text_file(package / "version.py")),
+        ]
+    )
 
 
-def audit_package_dir(package: Path, source: str, kind: Kind,
-                      version: str | None = None) -> AuditResult:
+def audit_package_dir(package: Path, source: str, kind: Kind, version: str | None = None) -> AuditResult:
     def read(rel: str) -> str | None:
         # Fix paths are "vllm/..."; the package folder may be named otherwise (a vendored
         # copy), so resolve the part after the first component under it.
         return read_text_file(package / rel.split("/", 1)[1])
 
-    return AuditResult(source=source, kind=kind,
-                       version=version or directory_version(package),
-                       checks=judge_all(read))
+    return AuditResult(source=source, kind=kind, version=version or directory_version(package), checks=judge_all(read))
 
 
 def audit_directory(path: str | Path) -> AuditResult:
     p = Path(path).expanduser()
     if not p.exists():
-        raise AuditError(f"{p} does not exist; pass --path a vLLM checkout or its vllm/ "
-                         "package folder.")
+        raise AuditError(f"{p} does not exist; pass --path a vLLM checkout or its vllm/ package folder.")
     if not p.is_dir():
-        raise AuditError(f"{p} is not a directory; use --wheel for an archive or pass --path a "
-                         "vLLM checkout or its vllm/ package folder.")
+        raise AuditError(
+            f"{p} is not a directory; use --wheel for an archive or pass --path a "
+            "vLLM checkout or its vllm/ package folder."
+        )
     package = package_dir_in(p)
     if package is None:
-        raise AuditError(f"No vllm package found in {p} (looked for {p / 'vllm'} and for {p} "
-                         "itself being vllm/); pass --path a vLLM checkout or its vllm/ folder.")
+        raise AuditError(
+            f"No vllm package found in {p} (looked for {p / 'vllm'} and for {p} "
+            "itself being vllm/); pass --path a vLLM checkout or its vllm/ folder."
+        )
     return audit_package_dir(package, str(p), "directory")
 
 
@@ -184,15 +199,19 @@ def installed_package_dir() -> Path:
     # find_spec on a top-level name asks the path finders only; no vllm code runs.
     spec = importlib.util.find_spec("vllm")
     if spec is None:
-        raise VllmNotInstalled("vllm is not installed in this Python environment "
-                         "(importlib.util.find_spec('vllm') found nothing); install it, or "
-                         "audit a checkout with --path DIR or an archive with --wheel FILE.")
+        raise VllmNotInstalled(
+            "vllm is not installed in this Python environment "
+            "(importlib.util.find_spec('vllm') found nothing); install it, or "
+            "audit a checkout with --path DIR or an archive with --wheel FILE."
+        )
     if spec.origin and spec.origin not in ("namespace", "built-in", "frozen"):
         return Path(spec.origin).parent
     locations = list(spec.submodule_search_locations or [])
     if not locations:
-        raise AuditError("vllm is importable but has no file location (origin "
-                         f"{spec.origin!r}); audit its source with --path DIR instead.")
+        raise AuditError(
+            "vllm is importable but has no file location (origin "
+            f"{spec.origin!r}); audit its source with --path DIR instead."
+        )
     return Path(locations[0])
 
 
@@ -244,9 +263,10 @@ def package_prefix(names: Iterable[str]) -> str | None:
 @dataclass
 class ArchiveScan:
     """What one pass over an archive collected: candidate files and metadata texts."""
+
     names: list[str] = field(default_factory=list)
-    files: dict[tuple[str, str], str] = field(default_factory=dict)   # (prefix, rel) -> text
-    metadata: list[str] = field(default_factory=list)                  # METADATA / PKG-INFO
+    files: dict[tuple[str, str], str] = field(default_factory=dict)  # (prefix, rel) -> text
+    metadata: list[str] = field(default_factory=list)  # METADATA / PKG-INFO
 
 
 def is_metadata_member(name: str) -> bool:
@@ -300,36 +320,38 @@ def scan_archive(path: Path) -> ArchiveScan:
         if zipfile.is_zipfile(path):
             return scan_zip(path)
         return scan_tar(path)
-    except (zipfile.BadZipFile, tarfile.TarError, OSError, EOFError, ValueError,
-            zlib.error) as exc:
-        raise AuditError(f"Cannot read {path} as a .whl/.zip or .tar.gz archive ({exc}); "
-                         "re-download it or pass a valid vLLM wheel or sdist.") from exc
+    except (zipfile.BadZipFile, tarfile.TarError, OSError, EOFError, ValueError, zlib.error) as exc:
+        raise AuditError(
+            f"Cannot read {path} as a .whl/.zip or .tar.gz archive ({exc}); "
+            "re-download it or pass a valid vLLM wheel or sdist."
+        ) from exc
 
 
 def audit_archive(path: str | Path) -> AuditResult:
     p = Path(path).expanduser()
     if not p.is_file():
-        raise AuditError(f"{p} does not exist or is not a file; pass --wheel an existing vLLM "
-                         ".whl, .zip or .tar.gz.")
+        raise AuditError(f"{p} does not exist or is not a file; pass --wheel an existing vLLM .whl, .zip or .tar.gz.")
     scan = scan_archive(p)
     prefix = package_prefix(scan.names)
     if prefix is None:
-        raise AuditError(f"No vllm package (vllm/__init__.py) inside {p}; pass --wheel a vLLM "
-                         "wheel or sdist.")
+        raise AuditError(f"No vllm package (vllm/__init__.py) inside {p}; pass --wheel a vLLM wheel or sdist.")
 
     def read(rel: str) -> str | None:
         return scan.files.get((prefix, rel))
 
-    version = first_version([
-        *[(lambda t=t: version_from_metadata(t)) for t in scan.metadata],
-        lambda: version_from_module(read("vllm/_version.py")),
-        lambda: version_from_module(read("vllm/version.py")),
-        lambda: version_from_archive_name(p),
-    ])
+    version = first_version(
+        [
+            *[(lambda t=t: version_from_metadata(t)) for t in scan.metadata],
+            lambda: version_from_module(read("vllm/_version.py")),
+            lambda: version_from_module(read("vllm/version.py")),
+            lambda: version_from_archive_name(p),
+        ]
+    )
     return AuditResult(source=str(p), kind="archive", version=version, checks=judge_all(read))
 
 
 # --------------------------------------------------------------------------- verdicts
+
 
 def missing_required(result: AuditResult, required_ids: Iterable[str]) -> list[str]:
     """Required fixes the audited source does not carry, in the order asked.
@@ -375,6 +397,5 @@ def render(result: AuditResult, console: Any) -> None:
         style = STATE_STYLE.get(c.state, "")
         # Text cells, not markup: evidence quotes code such as `w[: n]`, which rich would
         # otherwise read as style tags.
-        table.add_row(Text(f"#{c.fix_id}"), Text(c.title), Text(c.state, style=style),
-                      Text(where), Text(c.evidence))
+        table.add_row(Text(f"#{c.fix_id}"), Text(c.title), Text(c.state, style=style), Text(where), Text(c.evidence))
     console.print(table)

@@ -4,7 +4,9 @@ records a user reads of it (blocks, words, references, fates) in its neighbours 
 A package rather than census.py so that the old file is gone and git follows the module to its new
 place (a change to census.py made elsewhere merges into repro/diagnose/census.py).
 """
+
 from repro.diagnose.census import *  # noqa: F401,F403
+
 # What a census's records are made of, from where each lives (census.py itself uses only some).
 from repro.diagnose.allocator import Block, BlockState, PoolMap  # noqa: F401
 from repro.diagnose.captured import GraphCensus, Reference, Word  # noqa: F401

@@ -5,6 +5,7 @@ segments with their blocks), so what reads one runs without torch or a GPU. What
 itself (take_snapshot, take_segments, allocator_counters, start_trace: the alloc/free trace
 trace_index.py reads) imports it when called: importing this module needs no torch.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -12,22 +13,23 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:       # annotations only: importing this module needs no torch
+if TYPE_CHECKING:  # annotations only: importing this module needs no torch
     import torch
 
 # Allocator trace kept while censuses are live. Without stacks an entry is small, but every
 # snapshot copies the whole ring, so it is bounded to keep a check within milliseconds.
 TRACE_ENTRIES = 8192
 DEFAULT_POOL = (0, 0)
-SEEN_LIMIT = 1 << 20                       # addresses PoolMap remembers between refreshes
+SEEN_LIMIT = 1 << 20  # addresses PoolMap remembers between refreshes
 
 
 class BlockState(StrEnum):
     """A caching-allocator block's "state" in torch's memory snapshot."""
-    ACTIVE_ALLOCATED = "active_allocated"          # used by a tensor
-    ACTIVE_PENDING_FREE = "active_pending_free"    # freed, waiting for its streams' events
+
+    ACTIVE_ALLOCATED = "active_allocated"  # used by a tensor
+    ACTIVE_PENDING_FREE = "active_pending_free"  # freed, waiting for its streams' events
     ACTIVE_AWAITING_FREE = "active_awaiting_free"  # the same, as torch's memory.py documents it
-    INACTIVE = "inactive"                          # free, cached
+    INACTIVE = "inactive"  # free, cached
 
 
 # States whose memory no tensor holds any more.
@@ -40,11 +42,12 @@ _BLOCK_STATES = {s.value: s for s in BlockState}
 @dataclass(frozen=True)
 class Block:
     """One caching-allocator block, from a snapshot."""
+
     start: int
     size: int
-    state: BlockState | str                # torch's word; one BlockState does not know stays a str
-    pool: tuple[int, int]                  # segment_pool_id; (0, 0) is the default pool
-    segment: int                           # start address of its segment
+    state: BlockState | str  # torch's word; one BlockState does not know stays a str
+    pool: tuple[int, int]  # segment_pool_id; (0, 0) is the default pool
+    segment: int  # start address of its segment
 
     @property
     def end(self) -> int:
@@ -70,8 +73,15 @@ def blocks_of(snapshot: dict[str, Any], device: int | None = None) -> list[Block
         for b in seg.get("blocks", []):
             start = b.get("address", addr)
             state = b.get("state", BlockState.INACTIVE)
-            out.append(Block(start=start, size=b["size"], state=_BLOCK_STATES.get(state, state),
-                             pool=(int(pool[0]), int(pool[1])), segment=seg["address"]))
+            out.append(
+                Block(
+                    start=start,
+                    size=b["size"],
+                    state=_BLOCK_STATES.get(state, state),
+                    pool=(int(pool[0]), int(pool[1])),
+                    segment=seg["address"],
+                )
+            )
             addr = start + b["size"]
     out.sort(key=lambda b: b.start)
     return out
@@ -103,11 +113,11 @@ class PoolMap:
     def __init__(self, device: int | None = None):
         self.device = device
         self.starts: list[int] = []
-        self.segments: list[tuple[int, int, tuple[int, int]]] = []   # (start, end, pool)
+        self.segments: list[tuple[int, int, tuple[int, int]]] = []  # (start, end, pool)
         self.signature: tuple | None = None
         self.refreshes = 0
-        self.events: int | None = None     # allocator_events() as of the last check()
-        self.seen: dict[int, Any] = {}     # address -> its segment (or None), until the next refresh
+        self.events: int | None = None  # allocator_events() as of the last check()
+        self.seen: dict[int, Any] = {}  # address -> its segment (or None), until the next refresh
         self._arrays: tuple | None = None  # the segments as tensors (Deferred.add_chunks)
 
     def pool_of(self, addr: int) -> tuple[int, int] | None:
@@ -133,7 +143,7 @@ class PoolMap:
         i = bisect.bisect_right(self.starts, addr) - 1
         found = self.segments[i] if i >= 0 and addr < self.segments[i][1] else None
         if len(self.seen) < SEEN_LIMIT:
-            self.seen[addr] = found     # graphs of one engine read the same weights, again and again
+            self.seen[addr] = found  # graphs of one engine read the same weights, again and again
         return found
 
     def check(self) -> None:
@@ -151,10 +161,14 @@ class PoolMap:
         if snapshot is None:
             snapshot, self.device = take_segments()
         self.segments = sorted(
-            (seg["address"], seg["address"] + seg["total_size"],
-             tuple(int(x) for x in (seg.get("segment_pool_id") or DEFAULT_POOL)))
+            (
+                seg["address"],
+                seg["address"] + seg["total_size"],
+                tuple(int(x) for x in (seg.get("segment_pool_id") or DEFAULT_POOL)),
+            )
             for seg in snapshot.get("segments", [])
-            if self.device is None or seg.get("device", self.device) == self.device)
+            if self.device is None or seg.get("device", self.device) == self.device
+        )
         self.starts = [seg[0] for seg in self.segments]
         self.seen = {}
         self._arrays = None
@@ -165,11 +179,14 @@ class PoolMap:
         start: the segments to sort a graph's words by in one search."""
         if self._arrays is None:
             import torch
+
             pools = sorted({seg[2] for seg in self.segments})
-            self._arrays = (torch.tensor([seg[0] for seg in self.segments], dtype=torch.int64),
-                            torch.tensor([seg[1] for seg in self.segments], dtype=torch.int64),
-                            torch.tensor([pools.index(seg[2]) for seg in self.segments], dtype=torch.int64),
-                            pools)
+            self._arrays = (
+                torch.tensor([seg[0] for seg in self.segments], dtype=torch.int64),
+                torch.tensor([seg[1] for seg in self.segments], dtype=torch.int64),
+                torch.tensor([pools.index(seg[2]) for seg in self.segments], dtype=torch.int64),
+                pools,
+            )
         return self._arrays
 
 
@@ -183,12 +200,15 @@ def allocator_counters(device: int | None = None) -> tuple[tuple | None, int | N
     their capture. (None, None) where the counters cannot be read."""
     try:
         import torch
+
         stats = torch._C._cuda_memoryStats(torch.cuda.current_device() if device is None else device)
         alloc, seg, reserved = stats["allocation"]["all"], stats["segment"]["all"], stats["reserved_bytes"]["all"]
     except Exception:
-        return None, None                  # unknown: every check reads the segments again
-    return ((seg["allocated"], seg["freed"], reserved["current"], reserved["allocated"], reserved["freed"]),
-            alloc["allocated"] + 2 * alloc["freed"] + seg["allocated"] + seg["freed"])
+        return None, None  # unknown: every check reads the segments again
+    return (
+        (seg["allocated"], seg["freed"], reserved["current"], reserved["allocated"], reserved["freed"]),
+        alloc["allocated"] + 2 * alloc["freed"] + seg["allocated"] + seg["freed"],
+    )
 
 
 def allocator_events(device: int | None = None) -> int | None:
@@ -202,6 +222,7 @@ def segment_signature(device: int | None) -> tuple | None:
 def take_snapshot() -> tuple[dict[str, Any], int]:
     """(allocator snapshot of the current device, that device's index)."""
     import torch
+
     device = torch.cuda.current_device()
     return torch.cuda.memory._snapshot(device), device
 
@@ -212,10 +233,11 @@ def take_segments() -> tuple[dict[str, Any], int]:
     cost. An engine's capture phase reads the segments again after most captures (its shared
     pool grows)."""
     import torch
+
     try:
-        segments = torch._C._cuda_memorySnapshot((0, 0, False))["segments"]   # (pool 0 0: all; no trace)
+        segments = torch._C._cuda_memorySnapshot((0, 0, False))["segments"]  # (pool 0 0: all; no trace)
     except (TypeError, RuntimeError, AttributeError, KeyError):
-        return take_snapshot()             # a torch whose snapshot always copies the trace
+        return take_snapshot()  # a torch whose snapshot always copies the trace
     return {"segments": segments}, torch.cuda.current_device()
 
 
@@ -226,10 +248,10 @@ def start_trace(max_entries: int = TRACE_ENTRIES) -> None:
     recording serves the census as well, and this call would replace its settings.
     """
     import torch
+
     # context=None: no entry gathers a stack (stacks only says what one would hold; "python" is
     # the lighter choice). A gathered python stack holds code objects, never frames.
-    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
-                                             max_entries=max_entries)
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=max_entries)
 
 
 def pool_id(pool: Any) -> tuple[int, int] | None:

@@ -6,6 +6,7 @@ Reference: a captured word and the block it pointed into at capture. GraphCensus
 words and references, with what is not a finding (own-pool words, addresses outside the
 allocator, blocks already free at capture, unreadable nodes) counted. Plain data: no torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,12 +20,13 @@ from repro.diagnose.cuda_driver import NodeKind
 @dataclass
 class Reference:
     """One captured word that points into an allocator block."""
-    node: int                              # index of the node in the graph (child graphs flattened)
-    kind: NodeKind                         # KERNEL, MEMCPY or MEMSET: the nodes whose words are read
-    kernel: str                            # kernel name ("" for memcpy/memset)
-    where: str                             # "param 3 +8", "extra +1528", "src", "dst"
-    offset: int                            # byte offset in the parameter buffer (0 for memcpy/memset)
-    addr: int                              # the word's value
+
+    node: int  # index of the node in the graph (child graphs flattened)
+    kind: NodeKind  # KERNEL, MEMCPY or MEMSET: the nodes whose words are read
+    kernel: str  # kernel name ("" for memcpy/memset)
+    where: str  # "param 3 +8", "extra +1528", "src", "dst"
+    offset: int  # byte offset in the parameter buffer (0 for memcpy/memset)
+    addr: int  # the word's value
     block: Block
 
     def describe(self) -> str:
@@ -44,13 +46,14 @@ def short_name(name: str, limit: int = 96) -> str:
 class Word(NamedTuple):
     """A captured word that may point into allocator memory; matched to a block later (a
     tuple: a full decoder graph holds thousands)."""
+
     node: int
     kind: NodeKind
     kernel: str
     where: str
     offset: int
     addr: int
-    pool: tuple[int, int]                  # the pool of its segment when read
+    pool: tuple[int, int]  # the pool of its segment when read
 
     def describe(self) -> str:
         return describe_site(self.node, self.kind, self.kernel, self.where)
@@ -59,20 +62,21 @@ class Word(NamedTuple):
 @dataclass
 class GraphCensus:
     """What one captured graph holds, and how it compares with the allocator at capture time."""
+
     label: str
     pool: tuple[int, int] | None
     nodes: int = 0
     kernels: int = 0
-    node_types: dict[str, int] = field(default_factory=dict)   # NodeKind (or "type N") -> nodes
-    words: int = 0                         # 8-byte words read from parameters and pointers
-    references: list[Reference] = field(default_factory=list)   # outside the graph's own pool
-    own_pool: int = 0                      # references into the graph's own pool (safe)
-    outside: int = 0                       # device addresses outside any allocator block
-    free_at_capture: int = 0               # words into blocks already free at census time
-    unreadable: list[str] = field(default_factory=list)         # "node 12 kernel foo: why"
-    foreign_pools: dict[str, int] = field(default_factory=dict) # "pool (1, 2)" -> references
-    marker: dict[str, Any] | None = None   # trace position at census time
-    reported: dict[int, Status] = field(default_factory=dict)   # block start -> status said
+    node_types: dict[str, int] = field(default_factory=dict)  # NodeKind (or "type N") -> nodes
+    words: int = 0  # 8-byte words read from parameters and pointers
+    references: list[Reference] = field(default_factory=list)  # outside the graph's own pool
+    own_pool: int = 0  # references into the graph's own pool (safe)
+    outside: int = 0  # device addresses outside any allocator block
+    free_at_capture: int = 0  # words into blocks already free at census time
+    unreadable: list[str] = field(default_factory=list)  # "node 12 kernel foo: why"
+    foreign_pools: dict[str, int] = field(default_factory=dict)  # "pool (1, 2)" -> references
+    marker: dict[str, Any] | None = None  # trace position at census time
+    reported: dict[int, Status] = field(default_factory=dict)  # block start -> status said
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     # Words into memory of the default or another pool, not yet matched to allocator blocks:
@@ -82,7 +86,7 @@ class GraphCensus:
     # Segments of the own pool the graph reads (start -> its first word there): while the graph
     # lives its pool keeps them; one returned to the driver is a finding.
     own_segments: dict[int, Reference] = field(default_factory=dict)
-    events_at: int | None = None           # allocator_events() at census time
+    events_at: int | None = None  # allocator_events() at census time
     # Addresses of words the guard took (CaptureGuard.adopt): inside storages it names and holds
     # a weak reference to, so their lifetime is checked through it, not through the trace.
     held: list[int] = field(default_factory=list)
@@ -107,11 +111,21 @@ class GraphCensus:
 
     def summary(self) -> dict[str, Any]:
         """Counts for the trial record (no addresses of every word)."""
-        return {"graph": self.label, "nodes": self.nodes, "kernels": self.kernels,
-                "node_types": dict(self.node_types), "words": self.words,
-                "references": len(self.references), "blocks": len(self.blocks()),
-                "own_pool": self.own_pool, "outside_allocator": self.outside,
-                "free_at_capture": self.free_at_capture,
-                "unreadable": len(self.unreadable), "foreign_pools": dict(self.foreign_pools),
-                "unmatched": len(self.pending), "held": len(self.held),
-                "seconds": round(self.seconds, 6), "notes": list(self.notes)}
+        return {
+            "graph": self.label,
+            "nodes": self.nodes,
+            "kernels": self.kernels,
+            "node_types": dict(self.node_types),
+            "words": self.words,
+            "references": len(self.references),
+            "blocks": len(self.blocks()),
+            "own_pool": self.own_pool,
+            "outside_allocator": self.outside,
+            "free_at_capture": self.free_at_capture,
+            "unreadable": len(self.unreadable),
+            "foreign_pools": dict(self.foreign_pools),
+            "unmatched": len(self.pending),
+            "held": len(self.held),
+            "seconds": round(self.seconds, 6),
+            "notes": list(self.notes),
+        }

@@ -62,6 +62,7 @@ Limits (also in README.md):
     same address can no longer be told from the block never having been freed, and the check
     says so in GraphCensus.notes.
 """
+
 from __future__ import annotations
 
 import collections
@@ -70,8 +71,15 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from repro.outcome import Finding, Mechanism, Status
-from repro.diagnose.allocator import (TRACE_ENTRIES, BlockIndex, PoolMap, allocator_events, pool_id, start_trace,
-                                      take_snapshot)
+from repro.diagnose.allocator import (
+    TRACE_ENTRIES,
+    BlockIndex,
+    PoolMap,
+    allocator_events,
+    pool_id,
+    start_trace,
+    take_snapshot,
+)
 from repro.diagnose.captured import GraphCensus, Reference
 from repro.diagnose.cuda_driver import DriverError, load_driver
 from repro.diagnose.fates import Fate, census_fates, census_finding
@@ -79,15 +87,16 @@ from repro.diagnose.graph_walk import read_graph
 from repro.diagnose.trace_index import Trace, clock_marker, entries_at_points, entries_over_blocks, marker_of, trace_of
 from repro.diagnose.words import Deferred, Matcher, first_touches, match_pending
 
-if TYPE_CHECKING:       # annotations only: CUDA work is lazy, importing this module needs no torch
+if TYPE_CHECKING:  # annotations only: CUDA work is lazy, importing this module needs no torch
     import torch
 
 
 class Tracing(StrEnum):
     """Where a CensusBook's allocator trace comes from."""
-    START = "start"                        # the book starts recording it (start_trace)
-    EXTERNAL = "external"                  # the caller already records memory history (with stacks)
-    NONE = "none"                          # no trace: the checks see state only
+
+    START = "start"  # the book starts recording it (start_trace)
+    EXTERNAL = "external"  # the caller already records memory history (with stacks)
+    NONE = "none"  # no trace: the checks see state only
 
 
 def census_supported() -> tuple[bool, str]:
@@ -109,11 +118,17 @@ def census_supported() -> tuple[bool, str]:
     return True, ""
 
 
-def take_census(graph: torch.cuda.CUDAGraph, label: str, pool: tuple[int, int] | None = None,
-                snapshot: dict[str, Any] | None = None,
-                pool_names: dict[tuple[int, int], str] | None = None,
-                device: int | None = None, traced: bool = True, pools: PoolMap | None = None,
-                since: dict[str, Any] | None = None) -> GraphCensus:
+def take_census(
+    graph: torch.cuda.CUDAGraph,
+    label: str,
+    pool: tuple[int, int] | None = None,
+    snapshot: dict[str, Any] | None = None,
+    pool_names: dict[tuple[int, int], str] | None = None,
+    device: int | None = None,
+    traced: bool = True,
+    pools: PoolMap | None = None,
+    since: dict[str, Any] | None = None,
+) -> GraphCensus:
     """Census of a graph captured with CUDAGraph(keep_graph=True); see the module docstring.
 
     snapshot: an allocator snapshot taken right after the capture: every word is matched to
@@ -134,8 +149,9 @@ def take_census(graph: torch.cuda.CUDAGraph, label: str, pool: tuple[int, int] |
     try:
         raw = graph.raw_cuda_graph()
     except RuntimeError as e:
-        raise DriverError(f"graph '{label}' has no raw CUDA graph ({e}); create it with "
-                          "torch.cuda.CUDAGraph(keep_graph=True)") from None
+        raise DriverError(
+            f"graph '{label}' has no raw CUDA graph ({e}); create it with torch.cuda.CUDAGraph(keep_graph=True)"
+        ) from None
     own = pool_id(pool if pool is not None else graph.pool())
     census = GraphCensus(label=label, pool=own)
     if snapshot is not None:
@@ -155,8 +171,14 @@ def take_census(graph: torch.cuda.CUDAGraph, label: str, pool: tuple[int, int] |
     return census
 
 
-def check_census(census: GraphCensus, when: str, snapshot: dict[str, Any] | None = None,
-                 rank: int = 0, device: int | None = None, capacity: int | None = TRACE_ENTRIES) -> list[Finding]:
+def check_census(
+    census: GraphCensus,
+    when: str,
+    snapshot: dict[str, Any] | None = None,
+    rank: int = 0,
+    device: int | None = None,
+    capacity: int | None = TRACE_ENTRIES,
+) -> list[Finding]:
     """Findings new since the last check of this census; each block is reported once.
 
     snapshot: an allocator snapshot taken now (one is taken when None). Own-pool blocks were
@@ -182,6 +204,7 @@ def check_census(census: GraphCensus, when: str, snapshot: dict[str, Any] | None
 
 # -- one process's censuses, and the one finding model -------------------------------------------
 
+
 class CensusBook:
     """The censuses of one process, checked together against one snapshot per check point.
 
@@ -194,19 +217,24 @@ class CensusBook:
         self.capacity = capacity if trace == Tracing.START else None
         self.traced = trace != Tracing.NONE
         self.censuses: dict[str, GraphCensus] = {}
-        self.checked: set[str] = set()             # labels checked at least once
+        self.checked: set[str] = set()  # labels checked at least once
         self.errors: list[str] = []
-        self.said: dict[int, Status] = {}          # block start -> status, across graphs
+        self.said: dict[int, Status] = {}  # block start -> status, across graphs
         self.pools = PoolMap()
-        self.pool_names: dict[tuple[int, int], str] = {}   # pool -> "graph 'first label'"
-        self.snapshots = 0                         # allocator snapshots the book took
-        self.paused = False                        # trace stopped by pause_trace()
-        self.waiting: collections.deque[GraphCensus] = collections.deque()   # with pending words, oldest first
+        self.pool_names: dict[tuple[int, int], str] = {}  # pool -> "graph 'first label'"
+        self.snapshots = 0  # allocator snapshots the book took
+        self.paused = False  # trace stopped by pause_trace()
+        self.waiting: collections.deque[GraphCensus] = collections.deque()  # with pending words, oldest first
         if trace == Tracing.START:
             start_trace(capacity)
 
-    def add(self, graph: torch.cuda.CUDAGraph, label: str, pool: tuple[int, int] | None = None,
-            since: dict[str, Any] | None = None) -> GraphCensus | None:
+    def add(
+        self,
+        graph: torch.cuda.CUDAGraph,
+        label: str,
+        pool: tuple[int, int] | None = None,
+        since: dict[str, Any] | None = None,
+    ) -> GraphCensus | None:
         """Census right after capture; a graph that cannot be read is noted, not raised.
         since: clock_marker() at the capture's start (see take_census)."""
         try:
@@ -259,6 +287,7 @@ class CensusBook:
         if self.capacity is None or self.paused or any(c.pending for c in self.censuses.values()):
             return False
         import torch
+
         torch.cuda.memory._record_memory_history(enabled=None)
         self.paused = True
         return True
@@ -274,8 +303,14 @@ class CensusBook:
         self.pools.refresh(snapshot)
         return snapshot, device
 
-    def match(self, chosen: list[GraphCensus], snapshot: dict[str, Any], device: int | None,
-              now: BlockIndex | None = None, trace: Trace | None = None) -> None:
+    def match(
+        self,
+        chosen: list[GraphCensus],
+        snapshot: dict[str, Any],
+        device: int | None,
+        now: BlockIndex | None = None,
+        trace: Trace | None = None,
+    ) -> None:
         """Match the pending words of the chosen censuses against one snapshot, in one pass
         over its trace for all of them (each from its own capture on)."""
         waiting = [c for c in chosen if c.pending]
@@ -285,8 +320,11 @@ class CensusBook:
         trace = trace or Trace(trace_of(snapshot, 0 if device is None else device), self.capacity)
         starts = {c.label: trace.start(c.marker) for c in waiting}
         traced = [c for c in waiting if starts[c.label] is not None]
-        points = entries_at_points(trace.entries, (w.addr for c in traced for w in c.pending),
-                                   min((starts[c.label] for c in traced), default=0))
+        points = entries_at_points(
+            trace.entries,
+            (w.addr for c in traced for w in c.pending),
+            min((starts[c.label] for c in traced), default=0),
+        )
         for census in waiting:
             first = first_touches(census.pending, trace.entries, points, starts[census.label])
             match_pending(census, now, first, self.pool_names)
@@ -311,16 +349,20 @@ class CensusBook:
         self.checked.update(c.label for c in chosen)
         return self.findings_from(chosen, snapshot, device, when)
 
-    def findings_from(self, chosen: list[GraphCensus], snapshot: dict[str, Any], device: int | None,
-                      when: str) -> list[Finding]:
+    def findings_from(
+        self, chosen: list[GraphCensus], snapshot: dict[str, Any], device: int | None, when: str
+    ) -> list[Finding]:
         now = BlockIndex.of(snapshot, device)
         trace = Trace(trace_of(snapshot, 0 if device is None else device), self.capacity)
         self.match(chosen, snapshot, device, now, trace)
         # One pass over the trace (from the oldest capture still in it) for every captured
         # block of every graph checked.
         starts = [s for s in (trace.start(c.marker) for c in chosen) if s is not None]
-        overlapping = entries_over_blocks(trace.entries, ((b.start, b.end) for c in chosen for b in c.blocks()),
-                                          min(starts, default=len(trace.entries)))
+        overlapping = entries_over_blocks(
+            trace.entries,
+            ((b.start, b.end) for c in chosen for b in c.blocks()),
+            min(starts, default=len(trace.entries)),
+        )
         by_block: dict[int, tuple[Fate, list[tuple[GraphCensus, list[Reference]]], str]] = {}
         present = {seg["address"] for seg in snapshot.get("segments", [])}
         for census in chosen:
@@ -328,8 +370,9 @@ class CensusBook:
                 if start not in present and census.reported.get(start) != Status.RELEASED:
                     census.reported[start] = Status.RELEASED
                     fate = Fate(ref.block, Status.RELEASED, None, "allocator state")
-                    entry = by_block.setdefault(start, (fate, [], "The graph's own pool segment: "
-                                                        "its graph still lives."))
+                    entry = by_block.setdefault(
+                        start, (fate, [], "The graph's own pool segment: its graph still lives.")
+                    )
                     entry[1].append((census, [ref]))
             fates, note = census_fates(census, now, trace, overlapping)
             if note and note not in census.notes:
@@ -341,7 +384,7 @@ class CensusBook:
         findings = []
         for start, (fate, holders, note) in sorted(by_block.items()):
             if self.said.get(start) == fate.status:
-                continue   # another graph's check already said it
+                continue  # another graph's check already said it
             self.said[start] = fate.status
             refs = [r for _, rs in holders for r in rs]
             labels = ", ".join(c.label for c, _ in holders)
@@ -372,8 +415,12 @@ class CensusBook:
         return findings, sorted(regions.items())
 
     def references_in(self, start: int, end: int) -> list[tuple[str, Reference]]:
-        return [(c.label, r) for c in self.censuses.values() for r in c.references
-                if start <= r.addr < end or (r.block.start < end and start < r.block.end)]
+        return [
+            (c.label, r)
+            for c in self.censuses.values()
+            for r in c.references
+            if start <= r.addr < end or (r.block.start < end and start < r.block.end)
+        ]
 
     def held_in(self, start: int, end: int) -> bool:
         """Whether a census handed a word inside [start, end) to the guard (adopt)."""
@@ -392,13 +439,17 @@ class CensusBook:
 
 def census_line(summary: list[dict[str, Any]], errors: list[str]) -> str:
     """One line: what the census read and what it set aside (those are not findings)."""
-    total = {k: sum(c.get(k, 0) for c in summary) for k in
-             ("kernels", "references", "held", "own_pool", "outside_allocator", "free_at_capture", "unreadable")}
+    total = {
+        k: sum(c.get(k, 0) for c in summary)
+        for k in ("kernels", "references", "held", "own_pool", "outside_allocator", "free_at_capture", "unreadable")
+    }
     held = f" (and {total['held']} in storages the guard names, checked through it)" if total["held"] else ""
-    text = (f"graph census: {len(summary)} graphs, {total['kernels']} kernels, {total['references']} captured "
-            f"addresses outside their graph's pool checked{held}; not findings: {total['own_pool']} in the own "
-            f"pool, {total['outside_allocator']} outside the allocator, {total['free_at_capture']} into "
-            f"blocks already free at capture; {total['unreadable']} nodes unreadable")
+    text = (
+        f"graph census: {len(summary)} graphs, {total['kernels']} kernels, {total['references']} captured "
+        f"addresses outside their graph's pool checked{held}; not findings: {total['own_pool']} in the own "
+        f"pool, {total['outside_allocator']} outside the allocator, {total['free_at_capture']} into "
+        f"blocks already free at capture; {total['unreadable']} nodes unreadable"
+    )
     pools = sorted({p for c in summary for p in c["foreign_pools"]})
     if pools:
         text += f"; addresses in other pools ({', '.join(pools)}): a dependency on them"
@@ -407,8 +458,9 @@ def census_line(summary: list[dict[str, Any]], errors: list[str]) -> str:
     return text
 
 
-def merge_findings(guard: list[Finding], census: list[Finding], slots: list[Any], guard_on: bool,
-                   book: CensusBook | None) -> list[Finding]:
+def merge_findings(
+    guard: list[Finding], census: list[Finding], slots: list[Any], guard_on: bool, book: CensusBook | None
+) -> list[Finding]:
     """One list from both mechanisms; a storage both saw becomes one finding ("both").
 
     slots: the guard's recorded storages (name, storage_ptr, storage_nbytes, reported), so a
@@ -418,7 +470,14 @@ def merge_findings(guard: list[Finding], census: list[Finding], slots: list[Any]
     out, used = [], set()
     for c in census:
         start, end = c.census["block_start"], c.census["block_start"] + c.census["block_size"]
-        g = next((i for i, g in enumerate(guard) if i not in used and g.old_ptr < end and start < g.old_ptr + max(g.nbytes, 1)), None)
+        g = next(
+            (
+                i
+                for i, g in enumerate(guard)
+                if i not in used and g.old_ptr < end and start < g.old_ptr + max(g.nbytes, 1)
+            ),
+            None,
+        )
         if g is not None:
             used.add(g)
             merged = guard[g]
@@ -426,11 +485,13 @@ def merge_findings(guard: list[Finding], census: list[Finding], slots: list[Any]
             out.append(merged)
             continue
         if guard_on:
-            slot = next((s for s in slots if s.storage_ptr < end and start < s.storage_ptr + max(s.storage_nbytes, 1)), None)
+            slot = next(
+                (s for s in slots if s.storage_ptr < end and start < s.storage_ptr + max(s.storage_nbytes, 1)), None
+            )
             if slot is None:
                 c.disagreement = "the guard did not see this storage (it never passed the dispatcher)"
             elif slot.reported:
-                c.slot, c.mechanism = slot.name, Mechanism.BOTH   # the guard said it at an earlier check
+                c.slot, c.mechanism = slot.name, Mechanism.BOTH  # the guard said it at an earlier check
                 c.census["guard_reported"] = sorted(slot.reported)
             else:
                 c.slot = slot.name
@@ -442,17 +503,24 @@ def merge_findings(guard: list[Finding], census: list[Finding], slots: list[Any]
         if book is not None and book.censuses:
             refs = book.references_in(g.old_ptr, g.old_ptr + max(g.nbytes, 1))
             if not refs and book.held_in(g.old_ptr, g.old_ptr + max(g.nbytes, 1)):
-                pass     # the census handed this storage to the guard: one mechanism, no disagreement
+                pass  # the census handed this storage to the guard: one mechanism, no disagreement
             elif not refs:
                 g.disagreement = "the census found no captured address in this storage"
             elif g.status == Status.REBOUND:
-                g.disagreement = "the census sees the captured block still allocated (a rebinding is visible only to the guard)"
+                g.disagreement = (
+                    "the census sees the captured block still allocated (a rebinding is visible only to the guard)"
+                )
             elif g.status == Status.CONTENTS_CHANGED:
-                g.disagreement = ("the census sees the captured block still allocated (changed bytes at the same "
-                                  "address are visible only to the guard's fingerprint)")
+                g.disagreement = (
+                    "the census sees the captured block still allocated (changed bytes at the same "
+                    "address are visible only to the guard's fingerprint)"
+                )
             else:
                 said = {book.said.get(r.block.start) for _, r in refs} - {None}
-                g.disagreement = (f"the census reported this block earlier ({', '.join(sorted(said))})" if said
-                                  else "the census sees the captured block still allocated")
+                g.disagreement = (
+                    f"the census reported this block earlier ({', '.join(sorted(said))})"
+                    if said
+                    else "the census sees the captured block still allocated"
+                )
         out.append(g)
     return out

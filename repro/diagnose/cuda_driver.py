@@ -11,6 +11,7 @@ parameter layout (function_info, read once per function) and the bytes behind ``
 (param_chunks) or ``extra`` (read_extra). Importing this module opens nothing: load_driver()
 loads libcuda on first use.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -19,17 +20,18 @@ import functools
 from enum import StrEnum
 from typing import Any, NamedTuple
 
-MAX_PARAMS = 4096                          # a launch's parameter buffer is at most 32 KiB
+MAX_PARAMS = 4096  # a launch's parameter buffer is at most 32 KiB
 MAX_EXTRA_PAIRS = 16
 
 
 class NodeKind(StrEnum):
     """A CUDA graph node's type: CUgraphNodeType (cuda.h), its members in the driver's order (0-13)."""
+
     KERNEL = "kernel"
     MEMCPY = "memcpy"
     MEMSET = "memset"
     HOST = "host"
-    GRAPH = "graph"                        # a child graph: walked as part of its parent
+    GRAPH = "graph"  # a child graph: walked as part of its parent
     EMPTY = "empty"
     WAIT_EVENT = "wait_event"
     EVENT_RECORD = "event_record"
@@ -41,7 +43,7 @@ class NodeKind(StrEnum):
     CONDITIONAL = "conditional"
 
 
-CU_GRAPH_NODE_TYPES = dict(enumerate(NodeKind))   # CUgraphNodeType: NodeKind lists them in the driver's order
+CU_GRAPH_NODE_TYPES = dict(enumerate(NodeKind))  # CUgraphNodeType: NodeKind lists them in the driver's order
 CUDA_SUCCESS, CUDA_ERROR_INVALID_VALUE = 0, 1
 CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_UNIFIED = 2, 4
 CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
@@ -50,31 +52,66 @@ CU_LAUNCH_PARAM_END, CU_LAUNCH_PARAM_BUFFER_POINTER, CU_LAUNCH_PARAM_BUFFER_SIZE
 
 class KernelNodeParams(ctypes.Structure):
     """CUDA_KERNEL_NODE_PARAMS_v2 (cuda.h, CUDA >= 12.0)."""
-    _fields_ = [("func", ctypes.c_void_p),
-                ("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint),
-                ("kernelParams", ctypes.c_void_p), ("extra", ctypes.c_void_p),
-                ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
+
+    _fields_ = [
+        ("func", ctypes.c_void_p),
+        ("gridDimX", ctypes.c_uint),
+        ("gridDimY", ctypes.c_uint),
+        ("gridDimZ", ctypes.c_uint),
+        ("blockDimX", ctypes.c_uint),
+        ("blockDimY", ctypes.c_uint),
+        ("blockDimZ", ctypes.c_uint),
+        ("sharedMemBytes", ctypes.c_uint),
+        ("kernelParams", ctypes.c_void_p),
+        ("extra", ctypes.c_void_p),
+        ("kern", ctypes.c_void_p),
+        ("ctx", ctypes.c_void_p),
+    ]
 
 
 class Memcpy3D(ctypes.Structure):
     """CUDA_MEMCPY3D (cuda.h)."""
-    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcZ", ctypes.c_size_t),
-                ("srcLOD", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int), ("srcHost", ctypes.c_void_p),
-                ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p), ("reserved0", ctypes.c_void_p),
-                ("srcPitch", ctypes.c_size_t), ("srcHeight", ctypes.c_size_t),
-                ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstZ", ctypes.c_size_t),
-                ("dstLOD", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p),
-                ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p), ("reserved1", ctypes.c_void_p),
-                ("dstPitch", ctypes.c_size_t), ("dstHeight", ctypes.c_size_t),
-                ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t), ("Depth", ctypes.c_size_t)]
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t),
+        ("srcY", ctypes.c_size_t),
+        ("srcZ", ctypes.c_size_t),
+        ("srcLOD", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64),
+        ("srcArray", ctypes.c_void_p),
+        ("reserved0", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("srcHeight", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t),
+        ("dstY", ctypes.c_size_t),
+        ("dstZ", ctypes.c_size_t),
+        ("dstLOD", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64),
+        ("dstArray", ctypes.c_void_p),
+        ("reserved1", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("dstHeight", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
+        ("Depth", ctypes.c_size_t),
+    ]
 
 
 class MemsetParams(ctypes.Structure):
     """CUDA_MEMSET_NODE_PARAMS (cuda.h)."""
-    _fields_ = [("dst", ctypes.c_uint64), ("pitch", ctypes.c_size_t), ("value", ctypes.c_uint),
-                ("elementSize", ctypes.c_uint), ("width", ctypes.c_size_t), ("height", ctypes.c_size_t)]
+
+    _fields_ = [
+        ("dst", ctypes.c_uint64),
+        ("pitch", ctypes.c_size_t),
+        ("value", ctypes.c_uint),
+        ("elementSize", ctypes.c_uint),
+        ("width", ctypes.c_size_t),
+        ("height", ctypes.c_size_t),
+    ]
 
 
 class DriverError(RuntimeError):
@@ -100,11 +137,13 @@ class Driver:
         # Declared argument types let the per-node calls take plain ints (half their cost: an
         # engine's graphs hold ~70,000 kernel nodes).
         node = ctypes.c_void_p
-        for fn, out in ((getattr(lib, "cuGraphNodeGetType", None), ctypes.POINTER(ctypes.c_int)),
-                        (self.get_params, ctypes.POINTER(KernelNodeParams)),
-                        (getattr(lib, "cuGraphMemcpyNodeGetParams", None), ctypes.POINTER(Memcpy3D)),
-                        (getattr(lib, "cuGraphMemsetNodeGetParams", None), ctypes.POINTER(MemsetParams)),
-                        (getattr(lib, "cuGraphChildGraphNodeGetGraph", None), ctypes.POINTER(ctypes.c_void_p))):
+        for fn, out in (
+            (getattr(lib, "cuGraphNodeGetType", None), ctypes.POINTER(ctypes.c_int)),
+            (self.get_params, ctypes.POINTER(KernelNodeParams)),
+            (getattr(lib, "cuGraphMemcpyNodeGetParams", None), ctypes.POINTER(Memcpy3D)),
+            (getattr(lib, "cuGraphMemsetNodeGetParams", None), ctypes.POINTER(MemsetParams)),
+            (getattr(lib, "cuGraphChildGraphNodeGetGraph", None), ctypes.POINTER(ctypes.c_void_p)),
+        ):
             if fn is not None:
                 fn.argtypes, fn.restype = [node, out], ctypes.c_int
 
@@ -142,8 +181,7 @@ class Driver:
 
     def child_graph(self, node: int) -> int:
         g = ctypes.c_void_p()
-        self.call("cuGraphChildGraphNodeGetGraph", self.lib.cuGraphChildGraphNodeGetGraph,
-                  node, ctypes.byref(g))
+        self.call("cuGraphChildGraphNodeGetGraph", self.lib.cuGraphChildGraphNodeGetGraph, node, ctypes.byref(g))
         return g.value or 0
 
     def kernel_params(self, node: int) -> KernelNodeParams:
@@ -181,8 +219,10 @@ class Driver:
 
     def param_layout(self, p: KernelNodeParams) -> list[tuple[int, int]]:
         """[(offset, size)] of each parameter, from the function or the library kernel handle."""
-        for fn, handle, what in ((self.func_param_info, p.func, "cuFuncGetParamInfo"),
-                                 (self.kernel_param_info, p.kern, "cuKernelGetParamInfo")):
+        for fn, handle, what in (
+            (self.func_param_info, p.func, "cuFuncGetParamInfo"),
+            (self.kernel_param_info, p.kern, "cuKernelGetParamInfo"),
+        ):
             if fn is None or not handle:
                 continue
             layout, code = [], CUDA_SUCCESS
@@ -193,10 +233,12 @@ class Driver:
                     break
                 layout.append((off.value, size.value))
             if code in (CUDA_SUCCESS, CUDA_ERROR_INVALID_VALUE):
-                return layout   # INVALID_VALUE past the last parameter ends the list
+                return layout  # INVALID_VALUE past the last parameter ends the list
             raise DriverError(f"{what}: {self.error_name(code)}")
-        raise DriverError("no parameter layout: neither cuFuncGetParamInfo nor cuKernelGetParamInfo "
-                          "applies (driver older than CUDA 12.4, or no function handle)")
+        raise DriverError(
+            "no parameter layout: neither cuFuncGetParamInfo nor cuKernelGetParamInfo "
+            "applies (driver older than CUDA 12.4, or no function handle)"
+        )
 
     def is_device_address(self, value: int) -> bool:
         """Whether the driver knows value as a device (or managed) address; cached per 2 MiB page."""
@@ -204,8 +246,12 @@ class Driver:
         known = self.address_cache.get(page)
         if known is None:
             mem = ctypes.c_uint(0)
-            ok = self.lib.cuPointerGetAttribute(ctypes.byref(mem), CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                                                ctypes.c_uint64(value)) == CUDA_SUCCESS
+            ok = (
+                self.lib.cuPointerGetAttribute(
+                    ctypes.byref(mem), CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ctypes.c_uint64(value)
+                )
+                == CUDA_SUCCESS
+            )
             known = self.address_cache[page] = ok and mem.value in (CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_UNIFIED)
         return known
 
@@ -241,12 +287,13 @@ def function_info(driver: Driver, p: KernelNodeParams) -> tuple[str, ParamLayout
 class ParamLayout(NamedTuple):
     """A function's parameters as the driver lays them out, with what reading them needs,
     derived once per function."""
-    pairs: tuple[tuple[int, int], ...]     # (offset, size) of each parameter
-    starts: tuple[int, ...]                # offset of each parameter
-    rel: tuple[int, ...]                   # offset of each parameter from the first
-    first: int                             # offset of the first parameter
-    end: int                               # end of the last parameter
-    slots: Any                             # ctypes array type of the kernelParams pointers
+
+    pairs: tuple[tuple[int, int], ...]  # (offset, size) of each parameter
+    starts: tuple[int, ...]  # offset of each parameter
+    rel: tuple[int, ...]  # offset of each parameter from the first
+    first: int  # offset of the first parameter
+    end: int  # end of the last parameter
+    slots: Any  # ctypes array type of the kernelParams pointers
 
     def where(self, offset: int) -> str:
         """'param 3 +8': the parameter holding the word at offset, and the offset in it."""
@@ -258,8 +305,14 @@ def param_layout(pairs: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> 
     pairs = tuple((int(off), int(size)) for off, size in pairs)
     starts = tuple(off for off, _ in pairs)
     first = starts[0] if starts else 0
-    return ParamLayout(pairs, starts, tuple(off - first for off in starts), first,
-                       max((off + size for off, size in pairs), default=0), ctypes.c_void_p * max(len(pairs), 1))
+    return ParamLayout(
+        pairs,
+        starts,
+        tuple(off - first for off in starts),
+        first,
+        max((off + size for off, size in pairs), default=0),
+        ctypes.c_void_p * max(len(pairs), 1),
+    )
 
 
 def param_chunks(slots: Any, layout: ParamLayout) -> tuple[list[tuple[bytes, int]], str | None]:

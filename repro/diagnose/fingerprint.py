@@ -45,6 +45,7 @@ an inference tensor (no counter: never reported). ``CaptureGuard.program_writes(
 the dispatcher, the storages ops write inside its block (``.data`` writes included); those get a
 new reference instead of a finding; its cost is one dispatch per op inside the block.
 """
+
 from __future__ import annotations
 
 import functools
@@ -57,30 +58,32 @@ import torch
 from repro.outcome import Status
 from repro.diagnose.sites import storage_key
 
-if TYPE_CHECKING:       # the guard imports this module
+if TYPE_CHECKING:  # the guard imports this module
     from collections.abc import Callable
 
     from repro.diagnose.guard import Slot
     from repro.diagnose.owners import Named
 
-    Resolve = Callable[[Named], Any]   # an owner path -> what it names now (repro.owners.resolve)
+    Resolve = Callable[[Named], Any]  # an owner path -> what it names now (repro.owners.resolve)
 
-FULL_BYTES = 1 << 20      # a region up to 1 MiB is summed whole
-SAMPLES = 4096            # words summed of a larger one (16 KiB), evenly spaced
-_DEAD = frozenset((Status.FREED, Status.MOVED, Status.REBOUND, Status.CONTENTS_CHANGED))   # said already: not checked
+FULL_BYTES = 1 << 20  # a region up to 1 MiB is summed whole
+SAMPLES = 4096  # words summed of a larger one (16 KiB), evenly spaced
+_DEAD = frozenset((Status.FREED, Status.MOVED, Status.REBOUND, Status.CONTENTS_CHANGED))  # said already: not checked
 
 
 @dataclass(frozen=True)
 class Print:
     """The bytes a graph reads of one storage, as of `when`."""
-    offset: int                               # bytes from the storage's start
+
+    offset: int  # bytes from the storage's start
     nbytes: int
-    digest: tuple[int, int] | None            # (sum of words, sum of even words); None: take anew
-    versions: tuple[int | None, int | None]   # of the captured tensor, of the owner's tensor
-    when: str                                 # "the end of capture 'moe forward'", a check's `when`
+    digest: tuple[int, int] | None  # (sum of words, sum of even words); None: take anew
+    versions: tuple[int | None, int | None]  # of the captured tensor, of the owner's tensor
+    when: str  # "the end of capture 'moe forward'", a check's `when`
 
 
 # -- recording: which storages a capture writes ---------------------------------------------------
+
 
 def handle_of(t: torch.Tensor) -> weakref.ref | None:
     """A weak reference to the tensor whose version counter counts writes to `t`: its base for
@@ -97,10 +100,11 @@ def handle_of(t: torch.Tensor) -> weakref.ref | None:
 def written_args(func: Any) -> tuple[tuple[int, str], ...]:
     """(position, name) of the arguments an op's schema marks as written (``Tensor(a!)``)."""
     schema = getattr(func, "_schema", None)
-    if schema is None:           # a higher-order op: its body's ops are seen one by one
+    if schema is None:  # a higher-order op: its body's ops are seen one by one
         return ()
-    return tuple((i, a.name) for i, a in enumerate(schema.arguments)
-                 if a.alias_info is not None and a.alias_info.is_write)
+    return tuple(
+        (i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+    )
 
 
 def written_keys(func: Any, args: tuple, kwargs: dict) -> list[int]:
@@ -108,7 +112,7 @@ def written_keys(func: Any, args: tuple, kwargs: dict) -> list[int]:
     keys = []
     for i, name in written_args(func):
         value = args[i] if i < len(args) else kwargs.get(name)
-        for t in (value if isinstance(value, (list, tuple)) else (value,)):
+        for t in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(t, torch.Tensor):
                 key = storage_key(t)
                 if key is not None:
@@ -126,10 +130,17 @@ def mark_written(func: Any, args: tuple, kwargs: dict, slots: dict[int, Slot]) -
 
 # -- what is checked --------------------------------------------------------------------------
 
+
 def checkable(slot: Slot, graph: str | None) -> bool:
     """A live storage from outside every graph pool that no captured op writes, not said dead."""
-    return (not slot.written and slot.pool is None and slot.checked_in(graph)
-            and slot.ref is not None and not slot.ref.expired() and not (slot.reported & _DEAD))
+    return (
+        not slot.written
+        and slot.pool is None
+        and slot.checked_in(graph)
+        and slot.ref is not None
+        and not slot.ref.expired()
+        and not (slot.reported & _DEAD)
+    )
 
 
 def version_if_same(t: Any, key: int) -> int | None:
@@ -137,7 +148,7 @@ def version_if_same(t: Any, key: int) -> int | None:
         return None
     try:
         return t._version
-    except RuntimeError:         # an inference tensor has no version counter
+    except RuntimeError:  # an inference tensor has no version counter
         return None
 
 
@@ -160,6 +171,7 @@ def countable(old: tuple, new: tuple) -> bool:
 
 # -- the fingerprint ---------------------------------------------------------------------------
 
+
 def revive(slot: Slot) -> torch.UntypedStorage | None:
     """The slot's storage if it lives where it was captured, else None (freed or moved: the
     liveness check's business)."""
@@ -180,7 +192,7 @@ def words_of(storage: torch.UntypedStorage, offset: int, nbytes: int) -> torch.T
     """[n] view of the region as the widest words its alignment allows (int64, int32, uint8);
     no copy."""
     raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
-    region = raw[offset:offset + nbytes]
+    region = raw[offset : offset + nbytes]
     for dtype in (torch.int64, torch.int32):
         size = dtype.itemsize
         if offset % size == 0 and nbytes % size == 0:
@@ -195,7 +207,7 @@ def digest_of(words: torch.Tensor) -> torch.Tensor:
     a sum that wraps is still the same sum for the same bytes, in any order."""
     n = words.numel()
     if n * words.element_size() > FULL_BYTES:
-        words = words[::-(-n // SAMPLES)]
+        words = words[:: -(-n // SAMPLES)]
     return torch.stack([words.sum(dtype=torch.int64), words[::2].sum(dtype=torch.int64)])
 
 
@@ -216,7 +228,7 @@ def measure(slots: list[Slot]) -> list[tuple[int, int, tuple[int, int]] | None]:
             by_device.setdefault(f[2].device, []).append(i)
     out: list[tuple[int, int, tuple[int, int]] | None] = [None] * len(found)
     for indices in by_device.values():
-        values = torch.stack([found[i][2] for i in indices]).tolist()     # [n, 2]: the sync
+        values = torch.stack([found[i][2] for i in indices]).tolist()  # [n, 2]: the sync
         for i, (total, even) in zip(indices, values):
             out[i] = (found[i][0], found[i][1], (total, even))
     return out
@@ -224,8 +236,11 @@ def measure(slots: list[Slot]) -> list[tuple[int, int, tuple[int, int]] | None]:
 
 def take(slots: list[Slot], when: str, resolve: Resolve) -> None:
     """Reference fingerprints for slots without one (or whose graph now reads a wider view)."""
-    todo = [s for s in slots if s.contents is None or s.contents.nbytes != s.nbytes
-            or s.contents.offset != s.data_ptr - s.storage_ptr]
+    todo = [
+        s
+        for s in slots
+        if s.contents is None or s.contents.nbytes != s.nbytes or s.contents.offset != s.data_ptr - s.storage_ptr
+    ]
     for slot, m in zip(todo, measure(todo)):
         if m is not None:
             slot.contents = Print(m[0], m[1], m[2], versions(slot, resolve), when)
@@ -243,7 +258,7 @@ def compare(slots: list[Slot], when: str, resolve: Resolve) -> list[tuple[Slot, 
         old, now = slot.contents, versions(slot, resolve)
         slot.contents = Print(m[0], m[1], m[2], now, when)
         if old.digest is None or (old.offset, old.nbytes) != (m[0], m[1]) or old.digest == m[2]:
-            continue             # a new reference, a wider view, or unchanged
+            continue  # a new reference, a wider view, or unchanged
         if countable(old.versions, now) and not wrote(old.versions, now):
             changed.append((slot, old))
     return changed
@@ -257,8 +272,9 @@ def changed_since(slots: list[Slot], before: list) -> list[Slot]:
 def forget(slot: Slot) -> None:
     """The program wrote the slot in a way no counter saw: the next check takes a new reference."""
     if slot.contents is not None:
-        slot.contents = Print(slot.contents.offset, slot.contents.nbytes, None, slot.contents.versions,
-                              slot.contents.when)
+        slot.contents = Print(
+            slot.contents.offset, slot.contents.nbytes, None, slot.contents.versions, slot.contents.when
+        )
 
 
 def since_text(old: Print) -> str:

@@ -12,6 +12,7 @@ list of trace entries per device, each ``{"action", "addr", "size", "stream", "f
 without a GPU and do not import torch. Nothing here raises on a broken CUDA context: a failed
 snapshot returns None and leaves the reason in ``MemoryHistory.reason``.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,6 +37,7 @@ _NATIVE_SUFFIXES = (".cpp", ".cc", ".cxx", ".c", ".h", ".hpp", ".cu", ".cuh", ".
 @dataclass
 class AllocEvents:
     """The trace events of the last allocation that covered an address."""
+
     device: int
     alloc: dict[str, Any]
     free_requested: dict[str, Any] | None = None
@@ -70,7 +72,7 @@ def find_events(traces: list, ptr: int) -> AllocEvents | None:
 def events_after(device: int, trace: list, index: int, ptr: int) -> AllocEvents:
     alloc = trace[index]
     found = AllocEvents(device=device, alloc=alloc)
-    for entry in trace[index + 1:]:
+    for entry in trace[index + 1 :]:
         action = entry.get("action")
         if action == "free_requested" and entry.get("addr") == alloc["addr"]:
             found.free_requested = found.free_requested or entry
@@ -81,15 +83,14 @@ def events_after(device: int, trace: list, index: int, ptr: int) -> AllocEvents:
     return found
 
 
-def is_user_frame(frame: dict[str, Any], torch_dir: str | None = None,
-                  plumbing: frozenset[str] = frozenset()) -> bool:
+def is_user_frame(frame: dict[str, Any], torch_dir: str | None = None, plumbing: frozenset[str] = frozenset()) -> bool:
     filename = frame.get("filename") or ""
     if not filename or filename == "??" or filename.startswith("<frozen"):
         return False
     if filename.endswith(_NATIVE_SUFFIXES) or _TORCH_PATH.search(filename):
         return False
     if filename in plumbing:
-        return False   # e.g. the guard's dispatch mode, in every stack recorded during capture
+        return False  # e.g. the guard's dispatch mode, in every stack recorded during capture
     return not (torch_dir and filename.startswith(torch_dir))
 
 
@@ -97,8 +98,9 @@ def format_frame(frame: dict[str, Any]) -> str:
     return f"{os.path.basename(frame.get('filename', '?'))}:{frame.get('line', 0)} in {frame.get('name', '?')}"
 
 
-def user_frames(frames: list[dict[str, Any]] | None, limit: int = TOP_FRAMES,
-                plumbing: frozenset[str] = frozenset()) -> list[str]:
+def user_frames(
+    frames: list[dict[str, Any]] | None, limit: int = TOP_FRAMES, plumbing: frozenset[str] = frozenset()
+) -> list[str]:
     """Top user frames ("file:line in func"), innermost first; torch, native frames and the
     caller's plumbing files (e.g. ``CaptureGuard.plumbing``) dropped."""
     torch_dir = installed_torch_dir()
@@ -153,6 +155,7 @@ class MemoryHistory:
             return
         try:
             import torch
+
             if not torch.cuda.is_available():
                 self.reason = f"CUDA is not available (torch {torch.__version__}): no allocator history"
                 return
@@ -174,9 +177,11 @@ class MemoryHistory:
             return self.active
         try:
             import torch
+
             # Same keyword names in torch 2.11 and 2.13; "python" stacks keep ~2 us per event.
             torch.cuda.memory._record_memory_history(
-                enabled="all", context="all", stacks="python", max_entries=self.max_entries)
+                enabled="all", context="all", stacks="python", max_entries=self.max_entries
+            )
         except Exception as exc:
             self.reason = f"_record_memory_history failed: {exc}"
             return False
@@ -189,6 +194,7 @@ class MemoryHistory:
             return
         try:
             import torch
+
             torch.cuda.memory._record_memory_history(enabled=None)
         except Exception as exc:
             self.reason = f"stopping memory history failed: {exc}"
@@ -200,6 +206,7 @@ class MemoryHistory:
             return None
         try:
             import torch
+
             return torch.cuda.memory._snapshot()
         except Exception as exc:
             self.reason = f"memory snapshot failed: {exc}"
@@ -246,6 +253,7 @@ class MemoryHistory:
         tmp = f"{path}.tmp-{os.getpid()}"
         try:
             import torch
+
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             torch.cuda.memory._dump_snapshot(tmp)
             os.replace(tmp, path)

@@ -49,6 +49,7 @@ ops); a raw Triton launch or a C++ extension that takes pointers directly is inv
 to PyTorch's own check. Names for plain attributes are found up to four hops below a watched
 owner (``owner.obj.sub.tensor``, ``owner.graphs[16].inputs[0]``).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -75,22 +76,30 @@ from repro.units import format_bytes
 
 MECHANISM = "repro dispatch-mode guard"
 MECHANISM_WITH_TORCH = "torch check_input_liveness + repro dispatch-mode guard"
-FIX_FREED = ("Replaying will read freed memory: keep the tensor alive for the graph's lifetime "
-             "(cache it on the module) or re-capture after it changes.")
-FIX_REBOUND = ("Replaying will keep using the old tensor, not the owner's current one: update "
-               "the captured tensor in place (copy_) instead of rebinding it, or re-capture after "
-               "it changes.")
-FIX_MOVED = ("Replaying will touch memory the storage no longer owns: do not resize or re-point "
-             "captured storages, or re-capture after they change.")
-FIX_CONTENTS = ("Replaying will compute with the new bytes: keep the tensor out of memory that is "
-                "discarded (a sleeping pool's scope), restore it before the next replay, or rebuild it "
-                "and re-capture. A write the program meant but torch did not count (through .data, "
-                "numpy, a raw kernel) reads the same: write through the tensor itself (copy_), or "
-                "inside guard.program_writes().")
+FIX_FREED = (
+    "Replaying will read freed memory: keep the tensor alive for the graph's lifetime "
+    "(cache it on the module) or re-capture after it changes."
+)
+FIX_REBOUND = (
+    "Replaying will keep using the old tensor, not the owner's current one: update "
+    "the captured tensor in place (copy_) instead of rebinding it, or re-capture after "
+    "it changes."
+)
+FIX_MOVED = (
+    "Replaying will touch memory the storage no longer owns: do not resize or re-point "
+    "captured storages, or re-capture after they change."
+)
+FIX_CONTENTS = (
+    "Replaying will compute with the new bytes: keep the tensor out of memory that is "
+    "discarded (a sleeping pool's scope), restore it before the next replay, or rebuild it "
+    "and re-capture. A write the program meant but torch did not count (through .data, "
+    "numpy, a raw kernel) reads the same: write through the tensor itself (copy_), or "
+    "inside guard.program_writes()."
+)
 
 # The guard's own files never name a user's site; callers add theirs (capture helpers, collectives).
 OWN_FILES = sites.module_files(sys.modules[__name__], owners, sites)
-_PRUNE_EVERY = 4096       # births recorded between sweeps of dead entries
+_PRUNE_EVERY = 4096  # births recorded between sweeps of dead entries
 # Ops whose input is a tensor the op's caller just made from Python data (torch.tensor(...)
 # emits lift_fresh on the fresh tensor): inside a recording it is as new as any op's output.
 _FRESH_OPS = frozenset((torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default))
@@ -107,23 +116,24 @@ class StaleCaptureError(RuntimeError):
 @dataclass
 class Slot:
     """One storage a capture reads or writes that was not allocated inside the capture."""
+
     name: str
     graphs: list[str]
-    shape: list[int]              # of the largest view seen
-    dtype: str                    # "bfloat16"
-    nbytes: int                   # of the largest view seen
-    data_ptr: int                 # of the largest view seen
+    shape: list[int]  # of the largest view seen
+    dtype: str  # "bfloat16"
+    nbytes: int  # of the largest view seen
+    data_ptr: int  # of the largest view seen
     storage_ptr: int
     storage_nbytes: int
     device: str
-    version: int | None           # t._version at record time; None for inference tensors
-    captured_at: str              # "file:line in func (aten.mm.default)" of the first op seen
+    version: int | None  # t._version at record time; None for inference tensors
+    captured_at: str  # "file:line in func (aten.mm.default)" of the first op seen
     created_at: str | None = None
-    freed_at: str | None = None   # where the storage's last reference went (set as it dies)
+    freed_at: str | None = None  # where the storage's last reference went (set as it dies)
     ref: StorageWeakRef | None = field(default=None, repr=False, compare=False)
     key: int = field(default=0, repr=False)  # storage identity; unique while `ref` lives
     named: Named | None = field(default=None, repr=False, compare=False)
-    reported: set[Status] = field(default_factory=set, repr=False, compare=False)   # each said once
+    reported: set[Status] = field(default_factory=set, repr=False, compare=False)  # each said once
     drop_ref: weakref.ref | None = field(default=None, repr=False, compare=False)
     # The graph pool the storage's memory belongs to, where the caller told (assign_pools), and
     # the graphs that allocate from that very pool: for them the storage is pool-managed.
@@ -150,6 +160,7 @@ class Slot:
 @dataclass(frozen=True)
 class _Birth:
     """Where tracking saw a storage created; formatted only if it ends up in a slot."""
+
     ref: StorageWeakRef
     op: Any
     filename: str
@@ -160,23 +171,24 @@ class _Birth:
 @dataclass
 class _Recording:
     label: str
-    capturing: bool               # a real CUDA capture: host tensors are not in the graph
+    capturing: bool  # a real CUDA capture: host tensors are not in the graph
     # Storages made by an op inside the block: the capture's own (graph pool), never slots. Keys
     # alone suffice: a key is reused only after its storage died, and whatever is allocated
     # inside the block is the capture's own memory as well.
     produced: set[int] = field(default_factory=set)
     index: dict[int, Named] | None = None
-    index_fresh: bool = False     # index built for this recording (a miss will not rebuild it)
-    pool: tuple[int, int] | None = None        # the capturing graph's pool
-    pool_of: Callable[[int], tuple[int, int] | None] | None = None   # address -> graph pool, cheap
+    index_fresh: bool = False  # index built for this recording (a miss will not rebuild it)
+    pool: tuple[int, int] | None = None  # the capturing graph's pool
+    pool_of: Callable[[int], tuple[int, int] | None] | None = None  # address -> graph pool, cheap
 
 
 class _Status(NamedTuple):
     """A tuple, not a dataclass: check() builds one per slot per replay."""
-    status: Status                # freed, moved, rebound, contents-changed or unchanged
+
+    status: Status  # freed, moved, rebound, contents-changed or unchanged
     new_ptr: int | None = None
-    detail: str = ""              # for rebound: "rebound" (a new tensor) | "dropped" (none);
-                                  # for contents-changed: since when the bytes were as captured
+    detail: str = ""  # for rebound: "rebound" (a new tensor) | "dropped" (none);
+    # for contents-changed: since when the bytes were as captured
 
 
 _UNCHANGED = _Status(Status.UNCHANGED)
@@ -190,6 +202,7 @@ class _OpObserver(TorchDispatchMode):
     imports torch._dynamo: 0.9 s with bytecode on a CPU box, several seconds on an image
     without it, paid inside the first capture of every trial (benchmarks/startup.py).
     """
+
     supports_higher_order_operators = True
 
     @classmethod
@@ -215,7 +228,7 @@ class _HiddenOpObserver(_OpObserver):
     def _should_skip_dynamo(cls) -> bool:
         return True
 
-    __torch_dispatch__ = _OpObserver.__torch_dispatch__     # wrapped by TorchDispatchMode.__init_subclass__
+    __torch_dispatch__ = _OpObserver.__torch_dispatch__  # wrapped by TorchDispatchMode.__init_subclass__
 
 
 class CaptureGuard:
@@ -229,10 +242,17 @@ class CaptureGuard:
     compiles: whether the process may run torch.compile (the default, as for any program);
     False keeps the recording visible to it and its first use free of the torch._dynamo import.
     """
-    _not_an_owner = True          # naming never walks into a guard
 
-    def __init__(self, mode: GuardMode | str = GuardMode.WARN, rank: int = 0, plumbing: Iterable[str] = (),
-                 compiles: bool = True, scratch: Callable[[], ContextManager] | None = None):
+    _not_an_owner = True  # naming never walks into a guard
+
+    def __init__(
+        self,
+        mode: GuardMode | str = GuardMode.WARN,
+        rank: int = 0,
+        plumbing: Iterable[str] = (),
+        compiles: bool = True,
+        scratch: Callable[[], ContextManager] | None = None,
+    ):
         if mode not in tuple(GuardMode):
             raise ValueError(f"guard mode {mode!r} is not one of {', '.join(GuardMode)}")
         self.mode = GuardMode(mode)
@@ -263,7 +283,7 @@ class CaptureGuard:
         # the storages a freshly built index did not know (a local, a library workspace):
         # they do not rebuild it again in later recordings (an engine captures thousands).
         self._index: dict[int, Named] | None = None
-        self._unnamed: set[tuple[int, int]] = set()     # (storage key, data_ptr)
+        self._unnamed: set[tuple[int, int]] = set()  # (storage key, data_ptr)
         self._extents: tuple[dict[int, Named] | None, Extents] | None = None
         self.index_builds = 0
         # Where the fingerprints' temporaries are allocated (the harness's own pool): on a GPU
@@ -320,8 +340,12 @@ class CaptureGuard:
         self._prune_births()
 
     @contextlib.contextmanager
-    def recording(self, graph: str, pool: tuple[int, int] | None = None,
-                  pool_of: Callable[[int], tuple[int, int] | None] | None = None) -> Iterator[None]:
+    def recording(
+        self,
+        graph: str,
+        pool: tuple[int, int] | None = None,
+        pool_of: Callable[[int], tuple[int, int] | None] | None = None,
+    ) -> Iterator[None]:
         """Record every tensor the block's ops touch that was allocated outside the block.
 
         pool / pool_of: the capturing graph's pool and a cheap address -> pool lookup; a
@@ -338,7 +362,7 @@ class CaptureGuard:
         finally:
             self._live_refs.clear()
         if not rec.capturing:
-            self.fingerprint(graph)    # a dry run ends here; a real capture after capture_end
+            self.fingerprint(graph)  # a dry run ends here; a real capture after capture_end
 
     def adopt(self, graph: str, words: Iterable[Any], frame: FrameType | None = None) -> list[Any]:
         """Slots for a capture the graph census read, with nothing recorded at the dispatcher.
@@ -366,8 +390,8 @@ class CaptureGuard:
             self._index = self._build_index()
         owned = self._owned_extents()
         left: list[Any] = []
-        hit: set[int] = set()           # addresses inside a slot's storage
-        done: set[int] = set()          # storage keys this graph already has
+        hit: set[int] = set()  # addresses inside a slot's storage
+        done: set[int] = set()  # storage keys this graph already has
         for w in words:
             addr = w.addr
             if addr in hit:
@@ -389,12 +413,15 @@ class CaptureGuard:
     def _owned_extents(self) -> Extents:
         """The owner index as storage extents, derived once per index build."""
         if self._extents is None or self._extents[0] is not self._index:
-            self._extents = (self._index, Extents.of(
-                (n.storage_ptr, n.storage_nbytes, key, n) for key, n in (self._index or {}).items()))
+            self._extents = (
+                self._index,
+                Extents.of((n.storage_ptr, n.storage_nbytes, key, n) for key, n in (self._index or {}).items()),
+            )
         return self._extents[1]
 
-    def _adopt_word(self, graph: str, w: Any, owned: Extents, held: Extents | LazyExtents, site: str,
-                    done: set[int]) -> Slot | None:
+    def _adopt_word(
+        self, graph: str, w: Any, owned: Extents, held: Extents | LazyExtents, site: str, done: set[int]
+    ) -> Slot | None:
         """The slot of the storage holding w's address (made, or extended to this graph), or
         None when no owner or local holds it."""
         found = owned.find(w.addr)
@@ -403,11 +430,14 @@ class CaptureGuard:
             key, named = found
             slot = self._slots.get(key) if key in done else None
             if slot is not None and slot.storage_ptr <= w.addr < slot.storage_ptr + slot.storage_nbytes:
-                return slot               # this graph's slot of that storage, checked for a word before
+                return slot  # this graph's slot of that storage, checked for a word before
             t = resolve(named)
-            if not isinstance(t, torch.Tensor) or storage_key(t) != key or \
-                    t.untyped_storage().data_ptr() != named.storage_ptr:
-                named = t = None          # the index is stale for this storage
+            if (
+                not isinstance(t, torch.Tensor)
+                or storage_key(t) != key
+                or t.untyped_storage().data_ptr() != named.storage_ptr
+            ):
+                named = t = None  # the index is stale for this storage
         if t is None:
             found = held.find(w.addr)
             if found is None:
@@ -423,10 +453,21 @@ class CaptureGuard:
                 self._by_graph[graph].append(slot)
             return slot
         slot = Slot(
-            name="", graphs=[graph], shape=list(t.shape), dtype=dtype_name(t.dtype), nbytes=t.nbytes,
-            data_ptr=t.data_ptr(), storage_ptr=storage.data_ptr(), storage_nbytes=storage.nbytes(),
-            device=str(t.device), version=version_of(t), captured_at=f"{site} ({w.describe()})",
-            ref=StorageWeakRef(storage), key=key, named=named)
+            name="",
+            graphs=[graph],
+            shape=list(t.shape),
+            dtype=dtype_name(t.dtype),
+            nbytes=t.nbytes,
+            data_ptr=t.data_ptr(),
+            storage_ptr=storage.data_ptr(),
+            storage_nbytes=storage.nbytes(),
+            device=str(t.device),
+            version=version_of(t),
+            captured_at=f"{site} ({w.describe()})",
+            ref=StorageWeakRef(storage),
+            key=key,
+            named=named,
+        )
         slot.name = exposed_name(named, t) if named is not None else f"<local {holder[0]} of {holder[1]}>"
         self._slots[key] = slot
         self._by_graph[graph].append(slot)
@@ -434,8 +475,15 @@ class CaptureGuard:
         return slot
 
     @contextlib.contextmanager
-    def capture(self, graph: torch.cuda.CUDAGraph, label: str, pool=None, stream=None,
-                use_torch_liveness: bool = False, fingerprint: bool = True) -> Iterator[None]:
+    def capture(
+        self,
+        graph: torch.cuda.CUDAGraph,
+        label: str,
+        pool=None,
+        stream=None,
+        use_torch_liveness: bool = False,
+        fingerprint: bool = True,
+    ) -> Iterator[None]:
         """``torch.cuda.graph(graph, pool, stream)`` + ``recording(label)``.
 
         use_torch_liveness=True also passes ``check_input_liveness=True`` where the running torch
@@ -489,20 +537,30 @@ class CaptureGuard:
                     continue
                 status = Status.FREED if Status.FREED in slot.reported else self._classify(slot).status
                 counts[status] += 1
-        return Manifest(when=when, rank=self.rank, freed=counts[Status.FREED], rebound=counts[Status.REBOUND],
-                        unchanged=counts[Status.UNCHANGED], moved=counts[Status.MOVED])
+        return Manifest(
+            when=when,
+            rank=self.rank,
+            freed=counts[Status.FREED],
+            rebound=counts[Status.REBOUND],
+            unchanged=counts[Status.UNCHANGED],
+            moved=counts[Status.MOVED],
+        )
 
     def freed_blocks(self) -> list[tuple[int, int, str]]:
         """(storage data_ptr, storage nbytes, dtype) of every captured storage now freed."""
-        return [(s.storage_ptr, s.storage_nbytes, s.dtype)
-                for s in self._every_slot() if s.checked_in(None) and s.ref is not None and s.ref.expired()]
+        return [
+            (s.storage_ptr, s.storage_nbytes, s.dtype)
+            for s in self._every_slot()
+            if s.checked_in(None) and s.ref is not None and s.ref.expired()
+        ]
 
     def slots_of(self, graph: str) -> list[Slot]:
         """The storages one capture recorded (its slots), in the order first seen."""
         return list(self._by_graph.get(graph, ()))
 
-    def assign_pools(self, graph: str, graph_pool: tuple[int, int] | None,
-                     pool_of: Callable[[int], tuple[int, int] | None]) -> list[Slot]:
+    def assign_pools(
+        self, graph: str, graph_pool: tuple[int, int] | None, pool_of: Callable[[int], tuple[int, int] | None]
+    ) -> list[Slot]:
         """After a capture: which of its slots live in a graph pool, and which in its own.
 
         A storage in the pool the graph itself allocates from (its private pool, or one it
@@ -550,8 +608,11 @@ class CaptureGuard:
 
     def _check_contents(self, when: str, graph: str | None) -> list[Finding]:
         """Deep checks: storages whose bytes changed while no version counter moved."""
-        slots = [s for s in (self._every_slot() if graph is None else self._by_graph.get(graph, ()))
-                 if s.contents is not None and fingerprint.checkable(s, graph)]
+        slots = [
+            s
+            for s in (self._every_slot() if graph is None else self._by_graph.get(graph, ()))
+            if s.contents is not None and fingerprint.checkable(s, graph)
+        ]
         if not slots:
             return []
         with self._scratch():
@@ -570,7 +631,7 @@ class CaptureGuard:
         captured op's schema declared). Every graph's storages: one graph may write what
         another reads. Two fingerprints, one sync each; the first replay only."""
         slots = [s for s in self._every_slot() if s.contents is not None and fingerprint.checkable(s, None)]
-        if not slots:             # mode off records nothing
+        if not slots:  # mode off records nothing
             yield
             return
         with self._scratch():
@@ -618,7 +679,7 @@ class CaptureGuard:
                 continue
             slot = slots.get(key)
             if slot is not None and slot.storage_ptr != storage.data_ptr():
-                slot = self._placed(key, storage.data_ptr())     # it moved since: a new placement
+                slot = self._placed(key, storage.data_ptr())  # it moved since: a new placement
             if slot is None:
                 if storage.data_ptr() == 0 or not graph_visible(t, rec.capturing):
                     continue
@@ -643,11 +704,22 @@ class CaptureGuard:
         birth = self._births.get(key)
         created_at = format_birth(birth) if birth is not None else None
         slot = Slot(
-            name="", graphs=[rec.label], shape=list(t.shape), dtype=dtype_name(t.dtype),
-            nbytes=t.nbytes, data_ptr=t.data_ptr(), storage_ptr=storage.data_ptr(),
-            storage_nbytes=storage.nbytes(), device=str(t.device), version=version_of(t),
-            captured_at=f"{frame_site(frame)} ({func})", created_at=created_at,
-            ref=StorageWeakRef(storage), key=key, named=named)
+            name="",
+            graphs=[rec.label],
+            shape=list(t.shape),
+            dtype=dtype_name(t.dtype),
+            nbytes=t.nbytes,
+            data_ptr=t.data_ptr(),
+            storage_ptr=storage.data_ptr(),
+            storage_nbytes=storage.nbytes(),
+            device=str(t.device),
+            version=version_of(t),
+            captured_at=f"{frame_site(frame)} ({func})",
+            created_at=created_at,
+            ref=StorageWeakRef(storage),
+            key=key,
+            named=named,
+        )
         if named is not None:
             slot.name = exposed_name(named, t)
         else:
@@ -659,10 +731,20 @@ class CaptureGuard:
         site = frame_site(user_frame(sys._getframe(2), self._plumbing))
         slot = Slot(
             name=f"<storage of graph pool {rec.pool}, read by {getattr(func, 'overloadpacket', func)} at {site}>",
-            graphs=[rec.label], shape=list(t.shape), dtype=dtype_name(t.dtype), nbytes=t.nbytes,
-            data_ptr=t.data_ptr(), storage_ptr=storage.data_ptr(), storage_nbytes=storage.nbytes(),
-            device=str(t.device), version=version_of(t), captured_at=f"{site} ({func})",
-            ref=StorageWeakRef(storage), key=storage._cdata, pool=rec.pool)
+            graphs=[rec.label],
+            shape=list(t.shape),
+            dtype=dtype_name(t.dtype),
+            nbytes=t.nbytes,
+            data_ptr=t.data_ptr(),
+            storage_ptr=storage.data_ptr(),
+            storage_nbytes=storage.nbytes(),
+            device=str(t.device),
+            version=version_of(t),
+            captured_at=f"{site} ({func})",
+            ref=StorageWeakRef(storage),
+            key=storage._cdata,
+            pool=rec.pool,
+        )
         slot.managed_in.add(rec.label)
         return slot
 
@@ -702,9 +784,12 @@ class CaptureGuard:
                 frame = user_frame(sys._getframe(1), self._plumbing)
             code = frame.f_code if frame is not None else None
             self._births[storage._cdata] = _Birth(
-                ref=StorageWeakRef(storage), op=func,
+                ref=StorageWeakRef(storage),
+                op=func,
                 filename=code.co_filename if code else "<unknown>",
-                lineno=frame.f_lineno if frame else 0, func=code.co_name if code else "?")
+                lineno=frame.f_lineno if frame else 0,
+                func=code.co_name if code else "?",
+            )
             self._births_since_prune += 1
         if self._births_since_prune >= _PRUNE_EVERY:
             self._prune_births()
@@ -722,7 +807,8 @@ class CaptureGuard:
         if refs is None:
             slots = self._every_slot() if graph is None else self._by_graph.get(graph, ())
             refs = self._live_refs[graph] = tuple(
-                s.ref for s in slots if Status.FREED not in s.reported and s.checked_in(graph))
+                s.ref for s in slots if Status.FREED not in s.reported and s.checked_in(graph)
+            )
         for ref in refs:
             if ref is None or ref.expired():
                 return False
@@ -739,8 +825,7 @@ class CaptureGuard:
         current = resolve(slot.named) if slot.named is not None else None
         held = isinstance(current, torch.Tensor) and storage_key(current) == slot.key
         # While the owner still holds it, its tensor gives the storage; otherwise revive the weak ref.
-        storage = current.untyped_storage() if held else \
-            torch.UntypedStorage._new_with_weak_ptr(slot.ref.cdata)
+        storage = current.untyped_storage() if held else torch.UntypedStorage._new_with_weak_ptr(slot.ref.cdata)
         if storage is None:
             return _Status(Status.FREED, current_ptr(slot))
         ptr = storage.data_ptr()
@@ -755,14 +840,24 @@ class CaptureGuard:
 
     def _finding(self, slot: Slot, status: _Status, when: str) -> Finding:
         return Finding(
-            slot=slot.name, graph=graph_label(slot), status=status.status, when=when,
-            rank=self.rank, shape=list(slot.shape), dtype=slot.dtype, nbytes=slot.nbytes,
-            old_ptr=slot.data_ptr, new_ptr=status.new_ptr, created_at=slot.created_at,
+            slot=slot.name,
+            graph=graph_label(slot),
+            status=status.status,
+            when=when,
+            rank=self.rank,
+            shape=list(slot.shape),
+            dtype=slot.dtype,
+            nbytes=slot.nbytes,
+            old_ptr=slot.data_ptr,
+            new_ptr=status.new_ptr,
+            created_at=slot.created_at,
             freed_at=slot.freed_at if status.status is Status.FREED else None,
-            message=finding_message(slot, status))
+            message=finding_message(slot, status),
+        )
 
 
 # -- helpers: torch capability ------------------------------------------------------------------
+
 
 def warm_up() -> None:
     """Make the recording mode's first dispatch now, on one op of no consequence.
@@ -787,11 +882,11 @@ def torch_supports_liveness() -> bool:
 
 def cuda_capturing() -> bool:
     # An uninitialised CUDA context cannot be capturing; asking would initialise it.
-    return torch.cuda.is_available() and torch.cuda.is_initialized() \
-        and torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 # -- helpers: tensors and storages --------------------------------------------------------------
+
 
 def op_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """Tensor args of an op: plain, in lists (cat, foreach, index) and in kwargs (out=)."""
@@ -849,8 +944,7 @@ def widen_slot(slot: Slot, t: torch.Tensor, label: str) -> bool:
     return added
 
 
-def note_produced(rec: _Recording, tensors: list[torch.Tensor], input_keys: set[int],
-                  slots: dict[int, Slot]) -> None:
+def note_produced(rec: _Recording, tensors: list[torch.Tensor], input_keys: set[int], slots: dict[int, Slot]) -> None:
     """A fresh storage made by an op inside the block comes from the capture (graph pool): safe,
     not a slot. Views of inputs share the input's storage and are skipped here."""
     for t in tensors:
@@ -865,11 +959,13 @@ def note_produced(rec: _Recording, tensors: list[torch.Tensor], input_keys: set[
 @dataclass
 class DropCount:
     """How many captured storages have died (drop callbacks that fired)."""
+
     n: int = 0
 
 
-def listen_for_drop(slot: Slot, storage: torch.UntypedStorage, plumbing: frozenset[str],
-                    drops: DropCount | None = None) -> None:
+def listen_for_drop(
+    slot: Slot, storage: torch.UntypedStorage, plumbing: frozenset[str], drops: DropCount | None = None
+) -> None:
     """Note where the storage's last reference goes: that line freed it.
 
     torch keeps one Python object per live storage (PyObject preservation), and it dies with
@@ -884,8 +980,9 @@ def listen_for_drop(slot: Slot, storage: torch.UntypedStorage, plumbing: frozens
         slot.drop_ref = None
 
 
-def make_drop_callback(slot: Slot, plumbing: frozenset[str],
-                       drops: DropCount | None = None) -> Callable[[weakref.ref], None]:
+def make_drop_callback(
+    slot: Slot, plumbing: frozenset[str], drops: DropCount | None = None
+) -> Callable[[weakref.ref], None]:
     def on_drop(ref: weakref.ref) -> None:
         if drops is not None:
             drops.n += 1
@@ -893,6 +990,7 @@ def make_drop_callback(slot: Slot, plumbing: frozenset[str],
             slot.freed_at = sites.drop_site(sys._getframe(1), plumbing)
         except Exception:  # runs inside a deallocation, maybe at interpreter exit: never raise
             pass
+
     return on_drop
 
 
@@ -910,11 +1008,12 @@ def view_offset(slot: Slot) -> int:
 
 # -- helpers: storage extents (adopt) ------------------------------------------------------------
 
+
 class Extents:
     """Storages by address range: which one holds an address (storages never overlap)."""
 
     def __init__(self, items: list[tuple[int, int, int, Any]]):
-        self.items = sorted(items, key=lambda item: item[0])     # (start, end, key, value)
+        self.items = sorted(items, key=lambda item: item[0])  # (start, end, key, value)
         self.starts = [item[0] for item in self.items]
 
     @classmethod
@@ -953,13 +1052,18 @@ def held_by_locals(frame: FrameType | None, plumbing: frozenset[str]) -> Extents
             if isinstance(value, torch.Tensor):
                 storage = storage_of(value)
                 if storage is not None:
-                    found[storage._cdata] = (storage.data_ptr(), storage.nbytes(), storage._cdata,
-                                             (value, (var, frame.f_code.co_name)))
+                    found[storage._cdata] = (
+                        storage.data_ptr(),
+                        storage.nbytes(),
+                        storage._cdata,
+                        (value, (var, frame.f_code.co_name)),
+                    )
         frame = frame.f_back
     return Extents.of(found.values())
 
 
 # -- helpers: names of locals -------------------------------------------------------------------
+
 
 def format_birth(birth: _Birth) -> str:
     return f"{os.path.basename(birth.filename)}:{birth.lineno} in {birth.func} ({birth.op})"
@@ -969,8 +1073,10 @@ def local_slot_name(key: int, frame: FrameType | None, birth: _Birth | None, fun
     holder = holder_of(key, frame, plumbing)
     held = f"{holder[0]} of {holder[1]}" if holder else ""
     if birth is not None:
-        made = (f"created by {birth.op.overloadpacket if hasattr(birth.op, 'overloadpacket') else birth.op}"
-                f" at {os.path.basename(birth.filename)}:{birth.lineno} in {birth.func}")
+        made = (
+            f"created by {birth.op.overloadpacket if hasattr(birth.op, 'overloadpacket') else birth.op}"
+            f" at {os.path.basename(birth.filename)}:{birth.lineno} in {birth.func}"
+        )
         return f"<local {held + ', ' if held else ''}{made}>"
     if holder:
         return f"<local {held}>"
@@ -979,6 +1085,7 @@ def local_slot_name(key: int, frame: FrameType | None, birth: _Birth | None, fun
 
 
 # -- helpers: messages --------------------------------------------------------------------------
+
 
 def graph_label(slot: Slot) -> str:
     extra = len(slot.graphs) - 1
@@ -999,17 +1106,25 @@ def finding_message(slot: Slot, status: _Status) -> str:
     owner = slot.named.name if slot.named is not None else ""
     if status.status is Status.FREED:
         dropped = f" (last reference dropped at {slot.freed_at})" if slot.freed_at else ""
-        now = f"; {owner} now names a different tensor at {status.new_ptr:#x}" \
-            if owner and status.new_ptr is not None else ""
+        now = (
+            f"; {owner} now names a different tensor at {status.new_ptr:#x}"
+            if owner and status.new_ptr is not None
+            else ""
+        )
         return f"{head}, and that storage has been freed{dropped}{now}. {FIX_FREED}"
     if status.status is Status.MOVED:
-        return (f"{head}, but that storage now lives at {status.new_ptr:#x} (it was resized or "
-                f"re-pointed). {FIX_MOVED}")
+        return f"{head}, but that storage now lives at {status.new_ptr:#x} (it was resized or re-pointed). {FIX_MOVED}"
     if status.status is Status.CONTENTS_CHANGED:
-        return (f"{head}, and its bytes changed {status.detail} while no torch write reached it: the "
-                f"storage is alive at the same address, so no pointer check can see this. {FIX_CONTENTS}")
+        return (
+            f"{head}, and its bytes changed {status.detail} while no torch write reached it: the "
+            f"storage is alive at the same address, so no pointer check can see this. {FIX_CONTENTS}"
+        )
     if status.detail == "dropped":
-        return (f"{head}, but {owner} no longer holds a tensor; the old storage is still alive "
-                f"only through another reference. {FIX_REBOUND}")
-    return (f"{head}, but {owner} now names a different tensor at {status.new_ptr:#x}; the old "
-            f"storage is still alive, so a replay silently uses the old values. {FIX_REBOUND}")
+        return (
+            f"{head}, but {owner} no longer holds a tensor; the old storage is still alive "
+            f"only through another reference. {FIX_REBOUND}"
+        )
+    return (
+        f"{head}, but {owner} now names a different tensor at {status.new_ptr:#x}; the old "
+        f"storage is still alive, so a replay silently uses the old values. {FIX_REBOUND}"
+    )

@@ -7,6 +7,7 @@ cannot stall a capture. Owners are held weakly where the type allows (naming mus
 lifetime), and a dotted owner ("moe.quant_method") is reached through its parent at every use,
 so rebinding the parent's attribute is seen.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,9 +23,9 @@ import torch
 
 # nn.Module bookkeeping attributes (hook dicts, _parameters, ...): walked another way or not at all.
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
-_MAX_HOPS = 4             # owner.a.b.tensor, owner.graphs[16].inputs[0]
-_MAX_ITEMS = 256          # per list / dict while naming
-_MAX_NODES = 20_000       # per index build
+_MAX_HOPS = 4  # owner.a.b.tensor, owner.graphs[16].inputs[0]
+_MAX_ITEMS = 256  # per list / dict while naming
+_MAX_NODES = 20_000  # per index build
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,9 @@ class Owner:
     """A watched object. When its watch name extends another owner's ("moe.quant_method" under
     "moe") and that path reaches it, it is found through the parent at every use, so rebinding
     `layer.quant_method` is seen; otherwise it is held (weakly where the type allows)."""
+
     name: str
-    held: Callable[[], Any]       # weakref.ref where possible: the guard must not extend lifetimes
+    held: Callable[[], Any]  # weakref.ref where possible: the guard must not extend lifetimes
     parent: Owner | None = None
     steps: tuple[tuple[str, Any], ...] = ()
 
@@ -46,6 +48,7 @@ class Owner:
 @dataclass(frozen=True)
 class Named:
     """Where a watched owner exposes a tensor: owner + attribute/item steps."""
+
     name: str
     owner: Owner
     steps: tuple[tuple[str, Any], ...]
@@ -66,7 +69,7 @@ def hold(obj: Any) -> Callable[[], Any]:
 
 def step_text(kind: str, key: Any) -> str:
     if kind == "cell":
-        return f".<cell {key}>"       # a closure variable: not reachable by getattr
+        return f".<cell {key}>"  # a closure variable: not reachable by getattr
     return f".{key}" if kind == "attr" else f"[{key!r}]"
 
 
@@ -99,7 +102,7 @@ def bind_owners(owners: list[Owner]) -> list[Owner]:
     def bind(owner: Owner) -> Owner:
         if owner.name in bound:
             return bound[owner.name]
-        bound[owner.name] = Owner(owner.name, owner.held)   # cycle guard while parents bind
+        bound[owner.name] = Owner(owner.name, owner.held)  # cycle guard while parents bind
         parts = owner.name.split(".")
         for cut in range(len(parts) - 1, 0, -1):
             parent_name = ".".join(parts[:cut])
@@ -158,9 +161,16 @@ def add_named(index: dict[int, Named], owner: Owner, steps: tuple, t: torch.Tens
     if storage is None or storage._cdata in index:
         return
     name = owner.name + "".join(step_text(kind, key) for kind, key in steps)
-    index[storage._cdata] = Named(name=name, owner=owner, steps=steps, data_ptr=t.data_ptr(),
-                                   shape=tuple(t.shape), stride=tuple(t.stride()),
-                                   storage_ptr=storage.data_ptr(), storage_nbytes=storage.nbytes())
+    index[storage._cdata] = Named(
+        name=name,
+        owner=owner,
+        steps=steps,
+        data_ptr=t.data_ptr(),
+        shape=tuple(t.shape),
+        stride=tuple(t.stride()),
+        storage_ptr=storage.data_ptr(),
+        storage_nbytes=storage.nbytes(),
+    )
 
 
 def children(value: Any, max_items: int = _MAX_ITEMS, code: bool = False) -> list[tuple[str, Any, Any]]:
@@ -193,8 +203,7 @@ def children(value: Any, max_items: int = _MAX_ITEMS, code: bool = False) -> lis
 def code_children(value: Any) -> list[tuple[str, Any, Any]] | None:
     """What a partial, a function or a bound method holds; None for anything else."""
     if isinstance(value, functools.partial):
-        return [("attr", "func", value.func), ("attr", "args", value.args),
-                ("attr", "keywords", value.keywords)]
+        return [("attr", "func", value.func), ("attr", "args", value.args), ("attr", "keywords", value.keywords)]
     if isinstance(value, types.MethodType):
         return [("attr", "__self__", value.__self__), ("attr", "__func__", value.__func__)]
     if isinstance(value, types.FunctionType):
@@ -203,7 +212,7 @@ def code_children(value: Any) -> list[tuple[str, Any, Any]] | None:
         for name, cell in cells:
             try:
                 out.append(("cell", name, cell.cell_contents))
-            except ValueError:        # a cell not filled yet
+            except ValueError:  # a cell not filled yet
                 continue
         return out
     return None
@@ -211,20 +220,31 @@ def code_children(value: Any) -> list[tuple[str, Any, Any]] | None:
 
 def is_plain_object(value: Any) -> bool:
     """User objects (kernels, configs, dataclasses); not torch's own, not code or types."""
-    if isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType,
-                          types.BuiltinFunctionType, str, bytes, int, float, bool)):
+    if isinstance(
+        value,
+        (
+            type,
+            types.ModuleType,
+            types.FunctionType,
+            types.MethodType,
+            types.BuiltinFunctionType,
+            str,
+            bytes,
+            int,
+            float,
+            bool,
+        ),
+    ):
         return False
     module = type(value).__module__ or ""
     if module in ("builtins", "torch") or module.startswith("torch.") or getattr(value, "_not_an_owner", False):
-        return False   # torch's objects hold no user tensors worth naming; nor does a guard
-    return hasattr(value, "__dict__") or hasattr(type(value), "__slots__") \
-        or dataclasses.is_dataclass(value)
+        return False  # torch's objects hold no user tensors worth naming; nor does a guard
+    return hasattr(value, "__dict__") or hasattr(type(value), "__slots__") or dataclasses.is_dataclass(value)
 
 
 def exposed_name(named: Named, t: torch.Tensor) -> str:
     """The owner's name, with "[view]" when the graph saw only part of (or a reshaped) tensor."""
-    exact = (t.data_ptr() == named.data_ptr and tuple(t.shape) == named.shape
-             and tuple(t.stride()) == named.stride)
+    exact = t.data_ptr() == named.data_ptr and tuple(t.shape) == named.shape and tuple(t.stride()) == named.stride
     return named.name if exact else named.name + "[view]"
 
 
@@ -242,9 +262,10 @@ def storage_of(t: torch.Tensor):
 @dataclass
 class Walk:
     """Every (path, tensor) reachable from a root, for the reload census."""
+
     found: list[tuple[str, torch.Tensor]]
-    nodes: int                    # objects expanded
-    truncated: str = ""           # why the walk stopped early ("" when it saw everything)
+    nodes: int  # objects expanded
+    truncated: str = ""  # why the walk stopped early ("" when it saw everything)
 
 
 def walk_tensors(root: Any, name: str, max_depth: int, max_nodes: int, max_items: int) -> Walk:
@@ -276,8 +297,9 @@ def walk_tensors(root: Any, name: str, max_depth: int, max_nodes: int, max_items
             break
         seen.add(id(value))
         nodes += 1
-        for kind, key, child in module_children(value) if isinstance(value, torch.nn.Module) \
-                else children(value, max_items, code=True):
+        for kind, key, child in (
+            module_children(value) if isinstance(value, torch.nn.Module) else children(value, max_items, code=True)
+        ):
             queue.append((path + step_text(kind, key), child, depth + 1))
     return Walk(found=found, nodes=nodes, truncated=truncated)
 
@@ -289,7 +311,7 @@ def inner_tensors(t: torch.Tensor) -> list[str]:
         return []
     try:
         names, _ = t.__tensor_flatten__()
-    except Exception:             # a subclass whose flatten needs more than its own state
+    except Exception:  # a subclass whose flatten needs more than its own state
         return []
     return [n for n in names if isinstance(getattr(t, n, None), torch.Tensor)]
 

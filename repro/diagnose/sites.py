@@ -15,6 +15,7 @@ see). So on 3.11 and 3.12 the local slots are read straight from the interpreter
 where that layout is not found, locals are not read at all and a slot goes unnamed instead.
 3.13+ returns a live proxy that caches nothing.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,7 +34,7 @@ import torch
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _CACHE = dis.opmap.get("CACHE", -1)
-LOCAL_SCAN_FRAMES = 12   # user frames searched for a local variable holding a tensor
+LOCAL_SCAN_FRAMES = 12  # user frames searched for a local variable holding a tensor
 _LOCALS_ARE_SNAPSHOTS = sys.version_info < (3, 13)
 _WORD = ctypes.sizeof(ctypes.c_void_p)
 
@@ -53,6 +54,7 @@ def plumbing_set(extra: Iterable[str], own: frozenset[str]) -> frozenset[str]:
 
 
 # -- user frames ---------------------------------------------------------------------------------
+
 
 def is_plumbing(filename: str, plumbing: frozenset[str]) -> bool:
     return filename.startswith(_TORCH_DIR) or filename in plumbing
@@ -99,6 +101,7 @@ def drop_kind(frame: types.FrameType | None) -> str:
 
 # -- local variables -----------------------------------------------------------------------------
 
+
 def holder_of(key: int, frame: types.FrameType | None, plumbing: frozenset[str]) -> tuple[str, str] | None:
     """(variable, function) of the outermost user frame whose local holds this storage."""
     found = None
@@ -138,10 +141,11 @@ def frame_locals(frame: types.FrameType) -> list[tuple[str, Any]]:
 
 class FrameLayout(NamedTuple):
     """Byte offsets into CPython 3.11/3.12 frame structs, measured on a known frame."""
-    frame_data: int           # PyFrameObject.f_frame -> _PyInterpreterFrame
-    code: int                 # _PyInterpreterFrame's code object pointer
-    frame_obj: int            # _PyInterpreterFrame.frame_obj: back to the PyFrameObject
-    localsplus: int           # _PyInterpreterFrame.localsplus[0]
+
+    frame_data: int  # PyFrameObject.f_frame -> _PyInterpreterFrame
+    code: int  # _PyInterpreterFrame's code object pointer
+    frame_obj: int  # _PyInterpreterFrame.frame_obj: back to the PyFrameObject
+    localsplus: int  # _PyInterpreterFrame.localsplus[0]
 
 
 def word(address: int) -> int:
@@ -182,7 +186,7 @@ def _measure(first: object, second: object) -> FrameLayout | None:
     try:
         ids = (id(first), id(second), id(frame.f_code), id(frame))
         if hasattr(sys, "getobjects") or word(id(frame) + _WORD) != id(types.FrameType):
-            return None              # a Py_TRACE_REFS build has a longer object header
+            return None  # a Py_TRACE_REFS build has a longer object header
         frame_data = 3 * _WORD
         data = word(id(frame) + frame_data)
         if not data:
@@ -191,7 +195,7 @@ def _measure(first: object, second: object) -> FrameLayout | None:
         pairs = [i for i in range(11) if (words[i], words[i + 1]) == ids[:2]]
         if len(pairs) != 1:
             return None
-        header = words[:pairs[0]]    # before the locals (which hold `frame` too)
+        header = words[: pairs[0]]  # before the locals (which hold `frame` too)
         code = [i for i, w in enumerate(header) if w == ids[2]]
         owner = [i for i, w in enumerate(header) if w == ids[3]]
         if len(code) != 1 or len(owner) != 1:
@@ -206,14 +210,18 @@ def code_slots(code: types.CodeType) -> tuple[tuple[str, ...], frozenset[str], A
     """(slot names, cell names, ctypes array types of the slots as addresses and as objects),
     once per code object: the watch hooks read the same few frames at every capture."""
     names = slot_names(code)
-    return (names, frozenset(code.co_cellvars) | frozenset(code.co_freevars),
-            ctypes.c_size_t * max(len(names), 1), ctypes.py_object * max(len(names), 1))
+    return (
+        names,
+        frozenset(code.co_cellvars) | frozenset(code.co_freevars),
+        ctypes.c_size_t * max(len(names), 1),
+        ctypes.py_object * max(len(names), 1),
+    )
 
 
 def read_fast_locals(frame: types.FrameType, layout: FrameLayout) -> list[tuple[str, Any]]:
     data = word(id(frame) + layout.frame_data)
     if not data or word(data + layout.code) != id(frame.f_code) or word(data + layout.frame_obj) != id(frame):
-        return []                # not the layout measured at import: read nothing
+        return []  # not the layout measured at import: read nothing
     names, cells, as_addresses, as_objects = code_slots(frame.f_code)
     at = data + layout.localsplus
     # All slots in one read; an object is taken (a new reference) only from a bound slot: a
@@ -223,16 +231,15 @@ def read_fast_locals(frame: types.FrameType, layout: FrameLayout) -> list[tuple[
     found = []
     for i, name in enumerate(names):
         if not bound[i]:
-            continue             # unbound
+            continue  # unbound
         value = objects[i]
         if name in cells and isinstance(value, types.CellType):
             try:
                 value = value.cell_contents
-            except ValueError:   # an empty cell: unbound
+            except ValueError:  # an empty cell: unbound
                 continue
         found.append((name, value))
     return found
 
 
 _LAYOUT = measure_layout() if _LOCALS_ARE_SNAPSHOTS else None
-

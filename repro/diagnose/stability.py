@@ -18,6 +18,7 @@ parameters and buffers, containers, dataclasses, partials, closure cells, bound 
 __dict__/__slots__, wrapper subclasses' inner tensors), holding each storage by weak reference only, so it never keeps an old
 storage alive and "freed" means freed. Runs on CPU whenever the reload code does.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,21 +34,22 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from repro.diagnose.owners import storage_of, walk_tensors
 from repro.units import format_bytes
 
-MAX_DEPTH = 12           # model.layers[3].mlp.experts.quant_method.moe_kernel.launch.<cell ws>
-MAX_NODES = 500_000      # objects expanded per census
-MAX_ITEMS = 100_000      # per list / dict: a census must see every layer
+MAX_DEPTH = 12  # model.layers[3].mlp.experts.quant_method.moe_kernel.launch.<cell ws>
+MAX_NODES = 500_000  # objects expanded per census
+MAX_ITEMS = 100_000  # per list / dict: a census must see every layer
 VIEW_FIELDS = ("data_ptr", "shape", "stride", "dtype", "storage_offset")
 
 
 class Change(StrEnum):
     """What became of one tensor slot across the block, in the order a summary counts them.
     freed, rebound and moved mean what they mean for a finding (repro.outcome.Status)."""
-    FREED = "freed"               # the old storage is dead
-    REBOUND = "rebound"           # the path holds a new storage; the old one is still alive
-    DROPPED = "dropped"           # the path holds no tensor now; the old storage is still alive
-    MOVED = "moved"               # the same storage at a new address (resized or re-pointed)
-    RESHAPED = "reshaped"         # the same storage through a different view
-    ADDED = "added"               # a tensor where there was none, in a storage not seen before
+
+    FREED = "freed"  # the old storage is dead
+    REBOUND = "rebound"  # the path holds a new storage; the old one is still alive
+    DROPPED = "dropped"  # the path holds no tensor now; the old storage is still alive
+    MOVED = "moved"  # the same storage at a new address (resized or re-pointed)
+    RESHAPED = "reshaped"  # the same storage through a different view
+    ADDED = "added"  # a tensor where there was none, in a storage not seen before
 
 
 class ReloadUnstable(AssertionError):
@@ -61,6 +63,7 @@ class ReloadUnstable(AssertionError):
 @dataclass(frozen=True)
 class SlotState:
     """One tensor at one path, as the census saw it. The storage is held weakly."""
+
     path: str
     data_ptr: int
     shape: tuple[int, ...]
@@ -69,8 +72,8 @@ class SlotState:
     storage_offset: int
     device: str
     nbytes: int
-    storage_ptr: int | None       # None: no real memory (meta, sparse)
-    storage_key: int | None       # StorageImpl identity; unique while the storage lives
+    storage_ptr: int | None  # None: no real memory (meta, sparse)
+    storage_key: int | None  # StorageImpl identity; unique while the storage lives
     ref: StorageWeakRef | None = field(default=None, repr=False, compare=False)
 
     def alive(self) -> bool:
@@ -99,18 +102,19 @@ class ReloadCensus:
 class SlotChange:
     path: str
     status: Change
-    changed: list[str]            # storage, data_ptr, shape, stride, dtype, storage_offset
+    changed: list[str]  # storage, data_ptr, shape, stride, dtype, storage_offset
     before: SlotState | None
     after: SlotState | None
-    also_at: list[str] = field(default_factory=list)   # where the old storage is reachable now
+    also_at: list[str] = field(default_factory=list)  # where the old storage is reachable now
 
     @property
     def message(self) -> str:
         return change_message(self)
 
 
-def reload_census(root: Any, name: str = "root", max_depth: int = MAX_DEPTH,
-                  max_nodes: int = MAX_NODES) -> ReloadCensus:
+def reload_census(
+    root: Any, name: str = "root", max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODES
+) -> ReloadCensus:
     """Every tensor slot reachable from `root`, by path (``name.quant_method.moe_kernel.w``)."""
     walk = walk_tensors(root, name, max_depth, max_nodes, MAX_ITEMS)
     slots: dict[str, SlotState] = {}
@@ -122,14 +126,18 @@ def reload_census(root: Any, name: str = "root", max_depth: int = MAX_DEPTH,
 def slot_state(path: str, t: torch.Tensor) -> SlotState:
     storage = storage_of(t)
     return SlotState(
-        path=path, data_ptr=t.data_ptr() if storage is not None else 0, shape=tuple(t.shape),
+        path=path,
+        data_ptr=t.data_ptr() if storage is not None else 0,
+        shape=tuple(t.shape),
         stride=tuple(t.stride()) if t.layout == torch.strided else (),
         dtype=str(t.dtype).removeprefix("torch."),
-        storage_offset=t.storage_offset() if storage is not None else 0, device=str(t.device),
+        storage_offset=t.storage_offset() if storage is not None else 0,
+        device=str(t.device),
         nbytes=t.numel() * t.element_size(),
         storage_ptr=storage.data_ptr() if storage is not None else None,
         storage_key=storage._cdata if storage is not None else None,
-        ref=StorageWeakRef(storage) if storage is not None else None)
+        ref=StorageWeakRef(storage) if storage is not None else None,
+    )
 
 
 def compare(before: ReloadCensus, after: ReloadCensus) -> list[SlotChange]:
@@ -181,19 +189,22 @@ def change_message(c: SlotChange) -> str:
         return f"{c.path}  added: {describe(new)} (no tensor here before the reload)"
     head = f"{c.path}  {c.status}: was {describe(old)}"
     if c.status == Change.FREED:
-        now = f", now {describe(new)} in a new storage" if new is not None else \
-            ", and the path holds no tensor now"
+        now = f", now {describe(new)} in a new storage" if new is not None else ", and the path holds no tensor now"
         return f"{head}{now}; the old storage has been freed (a graph captured before reads freed memory)"
-    where = f" (still reachable at {', '.join(c.also_at[:3])})" if c.also_at else \
-        " (held outside what the census walks)"
+    where = (
+        f" (still reachable at {', '.join(c.also_at[:3])})" if c.also_at else " (held outside what the census walks)"
+    )
     if c.status == Change.REBOUND:
-        return (f"{head}, now {describe(new)} in a new storage; the old storage is still alive"
-                f"{where}, so a graph captured before silently keeps using the old values")
+        return (
+            f"{head}, now {describe(new)} in a new storage; the old storage is still alive"
+            f"{where}, so a graph captured before silently keeps using the old values"
+        )
     if c.status == Change.DROPPED:
         return f"{head}; the path holds no tensor now and the old storage is still alive{where}"
     if c.status == Change.MOVED:
-        return (f"{head}, now {describe(new)}: the same storage now lives at {new.storage_ptr:#x} "
-                f"(resized or re-pointed)")
+        return (
+            f"{head}, now {describe(new)}: the same storage now lives at {new.storage_ptr:#x} (resized or re-pointed)"
+        )
     fields = ", ".join(f"{f} {old.view()[f]} -> {new.view()[f]}" for f in c.changed)
     return f"{head}: the same storage seen through a different view ({fields})"
 
@@ -201,8 +212,7 @@ def change_message(c: SlotChange) -> str:
 def summary(changes: list[SlotChange], census: ReloadCensus) -> str:
     counts = {s: sum(1 for c in changes if c.status == s) for s in Change}
     parts = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-    return (f"{len(changes)} of {len(census.slots)} tensor slots under {census.root} changed "
-            f"across the reload ({parts})")
+    return f"{len(changes)} of {len(census.slots)} tensor slots under {census.root} changed across the reload ({parts})"
 
 
 def filtered(changes: list[SlotChange], ignore: Iterable[str]) -> list[SlotChange]:
@@ -214,6 +224,7 @@ def filtered(changes: list[SlotChange], ignore: Iterable[str]) -> list[SlotChang
 @dataclass
 class Stability:
     """What `expect_stable` saw; `changes` is filled when the block ends."""
+
     before: ReloadCensus
     after: ReloadCensus | None = None
     changes: list[SlotChange] = field(default_factory=list)
@@ -228,8 +239,9 @@ class Stability:
 
 
 @contextlib.contextmanager
-def expect_stable(root: Any, name: str = "model", ignore: Iterable[str] = (), raises: bool = True,
-                  max_depth: int = MAX_DEPTH) -> Iterator[Stability]:
+def expect_stable(
+    root: Any, name: str = "model", ignore: Iterable[str] = (), raises: bool = True, max_depth: int = MAX_DEPTH
+) -> Iterator[Stability]:
     """Census before, census after the block; raise ReloadUnstable naming every changed slot.
 
     ignore: glob patterns of paths allowed to change (a cache the graphs never read).

@@ -16,6 +16,7 @@ in trace order, and each graph then looks up only its own addresses from its own
 Pure Python on torch's snapshot format (``device_traces`` entries: action, addr, size,
 time_us); no torch, no CUDA.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -27,7 +28,7 @@ from typing import Any
 FREE_ACTIONS = ("free_requested", "free_completed")
 RELEASE_ACTIONS = ("segment_free", "segment_unmap")
 ALLOC_ACTIONS = ("alloc",)
-POINT_ACTIONS = FREE_ACTIONS + ALLOC_ACTIONS          # what decides a word's captured block
+POINT_ACTIONS = FREE_ACTIONS + ALLOC_ACTIONS  # what decides a word's captured block
 BLOCK_ACTIONS = FREE_ACTIONS + ALLOC_ACTIONS + RELEASE_ACTIONS
 
 
@@ -53,15 +54,15 @@ def clock_marker() -> dict[str, Any]:
 
 
 def entry_key(entry: dict[str, Any]) -> tuple:
-    return (entry.get("action"), entry.get("addr"), entry.get("size"), entry.get("stream"),
-            entry.get("time_us"))
+    return (entry.get("action"), entry.get("addr"), entry.get("size"), entry.get("stream"), entry.get("time_us"))
 
 
 @dataclass
 class Trace:
     """One snapshot's allocator trace, and where each census's part of it starts."""
+
     entries: list[dict[str, Any]]
-    capacity: int | None = None            # the ring's max_entries (None: unknown or unbounded)
+    capacity: int | None = None  # the ring's max_entries (None: unknown or unbounded)
     _times: list[int] | None = None
 
     def start(self, marker: dict[str, Any] | None) -> int | None:
@@ -79,7 +80,7 @@ class Trace:
         # Search backwards: the marker is usually near the end.
         n = len(last)
         for i in range(len(trace) - 1, n - 2, -1):
-            if entry_key(trace[i]) == last[-1] and [entry_key(e) for e in trace[i - n + 1:i + 1]] == last:
+            if entry_key(trace[i]) == last[-1] and [entry_key(e) for e in trace[i - n + 1 : i + 1]] == last:
                 return i + 1
         return None
 
@@ -93,7 +94,7 @@ class Trace:
             return None
         if self.capacity is not None and len(trace) >= self.capacity and trace[0]["time_us"] > time_us:
             return None
-        if self._times is None:            # once per snapshot, however many censuses ask
+        if self._times is None:  # once per snapshot, however many censuses ask
             self._times = [e["time_us"] for e in trace]
         return bisect.bisect_right(self._times, time_us)
 
@@ -138,8 +139,9 @@ def entries_at_points(trace: list[dict[str, Any]], addrs: Iterable[int], begin: 
     return out
 
 
-def entries_over_blocks(trace: list[dict[str, Any]], blocks: Iterable[tuple[int, int]],
-                        begin: int = 0) -> dict[tuple[int, int], list[int]]:
+def entries_over_blocks(
+    trace: list[dict[str, Any]], blocks: Iterable[tuple[int, int]], begin: int = 0
+) -> dict[tuple[int, int], list[int]]:
     """(block start, end) -> trace positions (ascending, from `begin` on) of the frees, allocs
     and segment releases whose range overlaps the block. Blocks may overlap each other (graphs captured
     at different times); each is answered on its own."""
@@ -168,4 +170,4 @@ def first_from(positions: list[int], start: int) -> int | None:
 
 def since(positions: list[int], start: int) -> list[int]:
     """The positions >= start of an ascending list."""
-    return positions[bisect.bisect_left(positions, start):]
+    return positions[bisect.bisect_left(positions, start) :]

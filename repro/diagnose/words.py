@@ -8,6 +8,7 @@ counted, the rest kept as the census's pending words. At the first check match_p
 those into references, as the allocator saw them at capture: from the allocator then and the
 first alloc or free touching each word since the census (first_touches, over trace_index.py).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -19,13 +20,13 @@ from repro.diagnose.captured import GraphCensus, Reference, Word
 from repro.diagnose.cuda_driver import NodeKind
 from repro.diagnose.trace_index import FREE_ACTIONS, first_from
 
-if TYPE_CHECKING:       # annotations only: torch is imported where the words are sorted as arrays
+if TYPE_CHECKING:  # annotations only: torch is imported where the words are sorted as arrays
     import torch
 
-WORD = 8                                   # device addresses are 64-bit, naturally aligned
+WORD = 8  # device addresses are 64-bit, naturally aligned
 # User-space virtual addresses on x86-64/aarch64 Linux: a word outside this range is no pointer.
 MIN_ADDR, MAX_ADDR = 1 << 32, 1 << 48
-SMALL_GRAPH_WORDS = 8192                   # up to this, a graph's words are sorted one by one
+SMALL_GRAPH_WORDS = 8192  # up to this, a graph's words are sorted one by one
 
 
 def plausible_words(buf: bytes, base: int) -> tuple[int, list[tuple[int, int]]]:
@@ -36,7 +37,7 @@ def plausible_words(buf: bytes, base: int) -> tuple[int, list[tuple[int, int]]]:
     n = (len(buf) - first) // WORD
     if n <= 0:
         return 0, []
-    values = memoryview(buf)[first:first + n * WORD].cast("Q")     # little-endian hosts only
+    values = memoryview(buf)[first : first + n * WORD].cast("Q")  # little-endian hosts only
     at = base + first
     return n, [(at + WORD * i, v) for i, v in enumerate(values) if MIN_ADDR <= v < MAX_ADDR]
 
@@ -52,8 +53,8 @@ class Chunks:
 
     def __init__(self):
         self.bufs: list[bytes] = []
-        self.starts: list[int] = []        # index of each chunk's first word in the whole
-        self.meta: list[tuple[int, str, int, Any]] = []   # (node, kernel, offset of its first word, where_of)
+        self.starts: list[int] = []  # index of each chunk's first word in the whole
+        self.meta: list[tuple[int, str, int, Any]] = []  # (node, kernel, offset of its first word, where_of)
         self.words = 0
 
     def add(self, node: int, kernel: str, buf: bytes, base: int, where_of: Any) -> int:
@@ -63,7 +64,7 @@ class Chunks:
         n = (len(buf) - first) // WORD
         if n <= 0:
             return 0
-        self.bufs.append(buf[first:first + n * WORD] if first or len(buf) != n * WORD else buf)
+        self.bufs.append(buf[first : first + n * WORD] if first or len(buf) != n * WORD else buf)
         self.starts.append(self.words)
         self.meta.append((node, kernel, base + first, where_of))
         self.words += n
@@ -85,13 +86,15 @@ class Chunks:
 @dataclass
 class Matcher:
     """Sorts captured words into references, own-pool references and outside addresses."""
+
     index: BlockIndex
     own_pool: tuple[int, int] | None
     pool_names: dict[tuple[int, int], str]
-    is_device_address: Any = None          # callable(int) -> bool, or None: count nothing outside
+    is_device_address: Any = None  # callable(int) -> bool, or None: count nothing outside
 
-    def add(self, census: GraphCensus, node: int, kind: NodeKind, kernel: str, where: str,
-            offset: int, value: int) -> None:
+    def add(
+        self, census: GraphCensus, node: int, kind: NodeKind, kernel: str, where: str, offset: int, value: int
+    ) -> None:
         if not plausible_address(value):
             return
         block = self.index.find(value)
@@ -111,11 +114,13 @@ class Matcher:
         if block.pool != DEFAULT_POOL:
             name = self.pool_names.get(block.pool, f"pool {block.pool}")
             census.foreign_pools[name] = census.foreign_pools.get(name, 0) + 1
-        census.references.append(Reference(node=node, kind=kind, kernel=kernel, where=where,
-                                           offset=offset, addr=value, block=block))
+        census.references.append(
+            Reference(node=node, kind=kind, kernel=kernel, where=where, offset=offset, addr=value, block=block)
+        )
 
-    def add_words(self, census: GraphCensus, node: int, kind: NodeKind, kernel: str,
-                  words: list[tuple[int, int]], where_of: Any) -> None:
+    def add_words(
+        self, census: GraphCensus, node: int, kind: NodeKind, kernel: str, words: list[tuple[int, int]], where_of: Any
+    ) -> None:
         for offset, value in words:
             self.add(census, node, kind, kernel, where_of(offset), offset, value)
 
@@ -138,29 +143,36 @@ def segment_positions(torch: Any, starts: Any, v: Any) -> Any:
     """searchsorted(starts, v, right=True), in slices."""
     if v.numel() <= SERIAL_SEARCHES:
         return torch.searchsorted(starts, v, right=True)
-    return torch.cat([torch.searchsorted(starts, v[i:i + SERIAL_SEARCHES], right=True)
-                      for i in range(0, v.numel(), SERIAL_SEARCHES)])
+    return torch.cat(
+        [
+            torch.searchsorted(starts, v[i : i + SERIAL_SEARCHES], right=True)
+            for i in range(0, v.numel(), SERIAL_SEARCHES)
+        ]
+    )
 
 
 @dataclass
 class Deferred:
     """Sorts captured words by pool at capture time, with no snapshot: own-pool words are
     counted, words outside the allocator counted, the rest kept to match at the first check."""
+
     pools: PoolMap
     own_pool: tuple[int, int] | None
-    is_device_address: Any = None          # callable(int) -> bool, or None: count nothing outside
-    small: int = SMALL_GRAPH_WORDS         # graphs of up to this many words: sorted word by word
+    is_device_address: Any = None  # callable(int) -> bool, or None: count nothing outside
+    small: int = SMALL_GRAPH_WORDS  # graphs of up to this many words: sorted word by word
 
-    def add(self, census: GraphCensus, node: int, kind: NodeKind, kernel: str, where: str,
-            offset: int, value: int) -> None:
+    def add(
+        self, census: GraphCensus, node: int, kind: NodeKind, kernel: str, where: str, offset: int, value: int
+    ) -> None:
         if plausible_address(value):
             self.sort(census, node, kind, kernel, offset, value, lambda _: where)
 
-    def sort(self, census: GraphCensus, node: int, kind: NodeKind, kernel: str, offset: int, value: int,
-             where_of: Any) -> None:
+    def sort(
+        self, census: GraphCensus, node: int, kind: NodeKind, kernel: str, offset: int, value: int, where_of: Any
+    ) -> None:
         """One plausible word: counted (own pool, outside the allocator) or kept as pending;
         where_of(offset) -> "param 3 +8" is made only for the words kept."""
-        seg = self.pools.find(value)            # the map is current: take_census checked it
+        seg = self.pools.find(value)  # the map is current: take_census checked it
         if seg is None:
             if self.is_device_address is not None and self.is_device_address(value):
                 census.outside += 1
@@ -168,7 +180,9 @@ class Deferred:
         if self.own_pool is not None and seg[2] == self.own_pool:
             census.own_pool += 1
             if seg[0] not in census.own_segments:
-                block = Block(start=seg[0], size=seg[1] - seg[0], state=BlockState.ACTIVE_ALLOCATED, pool=seg[2], segment=seg[0])
+                block = Block(
+                    start=seg[0], size=seg[1] - seg[0], state=BlockState.ACTIVE_ALLOCATED, pool=seg[2], segment=seg[0]
+                )
                 census.own_segments[seg[0]] = Reference(node, kind, kernel, where_of(offset), offset, value, block)
             return
         census.pending.append(Word(node, kind, kernel, where_of(offset), offset, value, seg[2]))
@@ -184,13 +198,14 @@ class Deferred:
         if not chunks.words:
             return
         import torch
+
         values = torch.frombuffer(bytearray().join(chunks.bufs), dtype=torch.int64)
         if chunks.words <= min(self.small, SERIAL_ELEMENTS):
             at = ((values >= MIN_ADDR) & (values < MAX_ADDR)).nonzero().squeeze(1)
             self.sort_each(census, chunks, at.tolist(), values[at].tolist())
             return
         for first in range(0, chunks.words, SERIAL_ELEMENTS):
-            self.sort_slice(torch, census, chunks, values[first:first + SERIAL_ELEMENTS], first)
+            self.sort_slice(torch, census, chunks, values[first : first + SERIAL_ELEMENTS], first)
 
     def sort_slice(self, torch: Any, census: GraphCensus, chunks: Chunks, values: Any, first: int) -> None:
         """The array path for the graph's words from index first on (values: at most
@@ -199,7 +214,7 @@ class Deferred:
         if not at.numel():
             return
         v = values[at]
-        at = at + first                   # positions in the whole graph's words
+        at = at + first  # positions in the whole graph's words
         starts, ends, pool_ix, pools = self.pools.arrays()
         if starts.numel():
             seg = segment_positions(torch, starts, v) - 1
@@ -229,7 +244,7 @@ class Deferred:
         is_device = self.is_device_address
         for i, value in zip(at, values):
             seg = find(value)
-            if seg is None:              # most plausible words: host pointers, stale bytes
+            if seg is None:  # most plausible words: host pointers, stale bytes
                 if is_device is not None and is_device(value):
                     census.outside += 1
             elif seg[2] == own_pool and seg[0] in noted:
@@ -246,20 +261,30 @@ class Deferred:
         if not values.numel():
             return 0
         import torch
+
         pages, which, counts = torch.unique(values >> 21, return_inverse=True, return_counts=True)
         lowest = torch.full(pages.shape, MAX_ADDR, dtype=torch.int64).scatter_reduce_(0, which, values, reduce="amin")
         return sum(n for value, n in zip(lowest.tolist(), counts.tolist()) if self.is_device_address(value))
 
-    def note_own_segments(self, census: GraphCensus, chunks: Chunks, at: torch.Tensor, v: torch.Tensor,
-                          seg: torch.Tensor, own: torch.Tensor) -> None:
+    def note_own_segments(
+        self,
+        census: GraphCensus,
+        chunks: Chunks,
+        at: torch.Tensor,
+        v: torch.Tensor,
+        seg: torch.Tensor,
+        own: torch.Tensor,
+    ) -> None:
         """The first word of each own-pool segment the graph reads (a segment released while
         the graph lives is a finding)."""
         import torch
+
         own_at = own.nonzero().squeeze(1)
         segs, which = torch.unique(seg[own_at], return_inverse=True)
         # The first own word of each segment: the least position among the words in it.
         first = torch.full(segs.shape, len(own_at), dtype=torch.int64).scatter_reduce_(
-            0, which, torch.arange(len(own_at)), reduce="amin")
+            0, which, torch.arange(len(own_at)), reduce="amin"
+        )
         # Indexing a tensor from Python costs microseconds: pick the rows with tensors, then read
         # them as lists (a piecewise engine makes thousands of small graphs).
         rows = own_at[first]
@@ -269,11 +294,17 @@ class Deferred:
                 continue
             node, kernel, offset, where_of = chunks.locate(word)
             block = Block(start=start, size=end - start, state=BlockState.ACTIVE_ALLOCATED, pool=pool, segment=start)
-            census.own_segments[start] = Reference(node, NodeKind.KERNEL, kernel, where_of(offset), offset, value, block)
+            census.own_segments[start] = Reference(
+                node, NodeKind.KERNEL, kernel, where_of(offset), offset, value, block
+            )
 
 
-def match_pending(census: GraphCensus, now: BlockIndex, first: dict[int, dict[str, Any]] | None,
-                  pool_names: dict[tuple[int, int], str]) -> None:
+def match_pending(
+    census: GraphCensus,
+    now: BlockIndex,
+    first: dict[int, dict[str, Any]] | None,
+    pool_names: dict[tuple[int, int], str],
+) -> None:
     """Turn the census's pending words into references, as the allocator saw them at capture.
 
     The allocator now, and its trace since the census, tell what each word's memory was then:
@@ -305,16 +336,22 @@ def match_pending(census: GraphCensus, now: BlockIndex, first: dict[int, dict[st
         if block.pool != DEFAULT_POOL:
             name = pool_names.get(block.pool, f"pool {block.pool}")
             census.foreign_pools[name] = census.foreign_pools.get(name, 0) + 1
-        census.references.append(Reference(node=w.node, kind=w.kind, kernel=w.kernel, where=w.where,
-                                           offset=w.offset, addr=w.addr, block=block))
+        census.references.append(
+            Reference(
+                node=w.node, kind=w.kind, kernel=w.kernel, where=w.where, offset=w.offset, addr=w.addr, block=block
+            )
+        )
     census.pending = []
     if lost:
-        census.notes.append(f"The allocator trace no longer reaches the capture: {lost} captured words "
-                            "into free blocks could not be told from stale struct bytes (not checked).")
+        census.notes.append(
+            f"The allocator trace no longer reaches the capture: {lost} captured words "
+            "into free blocks could not be told from stale struct bytes (not checked)."
+        )
 
 
-def first_touches(words: list[Word], trace: list[dict[str, Any]], points: dict[int, list[int]],
-                  start: int | None) -> dict[int, dict[str, Any]] | None:
+def first_touches(
+    words: list[Word], trace: list[dict[str, Any]], points: dict[int, list[int]], start: int | None
+) -> dict[int, dict[str, Any]] | None:
     """address -> the first alloc or free since position `start` whose allocation holds it,
     for the words' addresses; points: entries_at_points over (at least) those addresses, so
     many censuses share one pass over the trace. None when start is (the trace is lost)."""
@@ -338,8 +375,13 @@ def captured_block(w: Word, current: Block | None, first: dict[str, Any] | None,
     Without the trace (traced False) a live block is taken as the captured one.
     """
     if first is not None and first["action"] in FREE_ACTIONS:
-        return Block(start=first["addr"], size=first.get("size", 0), state=BlockState.ACTIVE_ALLOCATED,
-                     pool=w.pool, segment=current.segment if current else first["addr"])
+        return Block(
+            start=first["addr"],
+            size=first.get("size", 0),
+            state=BlockState.ACTIVE_ALLOCATED,
+            pool=w.pool,
+            segment=current.segment if current else first["addr"],
+        )
     if first is not None or current is None or not current.live:
         return None
     return current

@@ -15,6 +15,7 @@ uses them too); torch's facts come from repro.env.runtime (imported lazily, only
 inventory includes torch); ``vllm`` is never imported (it is heavy and pins its own torch):
 its presence is read from package metadata.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -44,17 +45,19 @@ ENV_VARS = (
 # nvmlGpuTopologyLevel_t -> the names nvidia-smi topo -m uses. NVML_TOPOLOGY_CPU and
 # NVML_TOPOLOGY_NODE share the value 40 (NODE is the newer name).
 TOPOLOGY_NAMES = {
-    0: "BOARD",   # NVML_TOPOLOGY_INTERNAL: both GPUs on one board
-    10: "PIX",    # NVML_TOPOLOGY_SINGLE: one PCIe switch
-    20: "PXB",    # NVML_TOPOLOGY_MULTIPLE: several PCIe switches, no host bridge
-    30: "PHB",    # NVML_TOPOLOGY_HOSTBRIDGE: through a PCIe host bridge
-    40: "NODE",   # NVML_TOPOLOGY_NODE: across host bridges within one NUMA node
-    50: "SYS",    # NVML_TOPOLOGY_SYSTEM: across NUMA nodes (SMP interconnect)
+    0: "BOARD",  # NVML_TOPOLOGY_INTERNAL: both GPUs on one board
+    10: "PIX",  # NVML_TOPOLOGY_SINGLE: one PCIe switch
+    20: "PXB",  # NVML_TOPOLOGY_MULTIPLE: several PCIe switches, no host bridge
+    30: "PHB",  # NVML_TOPOLOGY_HOSTBRIDGE: through a PCIe host bridge
+    40: "NODE",  # NVML_TOPOLOGY_NODE: across host bridges within one NUMA node
+    50: "SYS",  # NVML_TOPOLOGY_SYSTEM: across NUMA nodes (SMP interconnect)
 }
 
-TOPOLOGY_LEGEND = ("NVn = n NVLinks (direct or through NVSwitch); otherwise the PCIe path: "
-                   "PIX one switch, PXB several, PHB host bridge, NODE within a NUMA node, "
-                   "SYS across NUMA nodes; P2P = NVML's peer-read status")
+TOPOLOGY_LEGEND = (
+    "NVn = n NVLinks (direct or through NVSwitch); otherwise the PCIe path: "
+    "PIX one switch, PXB several, PHB host bridge, NODE within a NUMA node, "
+    "SYS across NUMA nodes; P2P = NVML's peer-read status"
+)
 
 # nvmlGpuP2PStatus_t values.
 P2P_STATUS_NAMES = {
@@ -103,11 +106,11 @@ def describe_ecc(nvml: Any, handle: Any) -> dict:
         "ecc_enabled": None if mode is None else mode[0] == enabled,
         "ecc_pending": None if mode is None else mode[1] == enabled,
         "ecc_uncorrected_volatile": query(
-            nvml, "nvmlDeviceGetTotalEccErrors", handle, uncorrected,
-            nvml_const(nvml, "NVML_VOLATILE_ECC", 0)),
+            nvml, "nvmlDeviceGetTotalEccErrors", handle, uncorrected, nvml_const(nvml, "NVML_VOLATILE_ECC", 0)
+        ),
         "ecc_uncorrected_aggregate": query(
-            nvml, "nvmlDeviceGetTotalEccErrors", handle, uncorrected,
-            nvml_const(nvml, "NVML_AGGREGATE_ECC", 1)),
+            nvml, "nvmlDeviceGetTotalEccErrors", handle, uncorrected, nvml_const(nvml, "NVML_AGGREGATE_ECC", 1)
+        ),
     }
 
 
@@ -117,8 +120,12 @@ def describe_remapped_rows(nvml: Any, handle: Any) -> dict | None:
     if rows is None:
         return None
     corrected, uncorrected, pending, failure = rows
-    return {"corrected": int(corrected), "uncorrected": int(uncorrected),
-            "pending": bool(pending), "failure": bool(failure)}
+    return {
+        "corrected": int(corrected),
+        "uncorrected": int(uncorrected),
+        "pending": bool(pending),
+        "failure": bool(failure),
+    }
 
 
 def describe_compute_capability(nvml: Any, handle: Any) -> str | None:
@@ -198,11 +205,22 @@ def describe_gpu(nvml: Any, index: int, handle: Any) -> dict:
 
 def describe_lost_gpu(index: int, error: BaseException) -> dict:
     """A GPU NVML lists but will not hand out (GPU is lost, no permission): say so."""
-    gpu = {"index": index, "name": None, "uuid": None, "pci_bus_id": None,
-           "compute_capability": None, "memory_used_mib": None, "memory_total_mib": None,
-           "ecc_enabled": None, "ecc_pending": None, "ecc_uncorrected_volatile": None,
-           "ecc_uncorrected_aggregate": None, "remapped_rows": None, "nvlink": None,
-           "error": error_text(error)}
+    gpu = {
+        "index": index,
+        "name": None,
+        "uuid": None,
+        "pci_bus_id": None,
+        "compute_capability": None,
+        "memory_used_mib": None,
+        "memory_total_mib": None,
+        "ecc_enabled": None,
+        "ecc_pending": None,
+        "ecc_uncorrected_volatile": None,
+        "ecc_uncorrected_aggregate": None,
+        "remapped_rows": None,
+        "nvlink": None,
+        "error": error_text(error),
+    }
     gpu["health"] = gpu_health(gpu)
     return gpu
 
@@ -215,8 +233,7 @@ def pair_nvlinks(a: dict, b: dict) -> tuple[int | None, str | None]:
     links_a, links_b = a.get("nvlink"), b.get("nvlink")
     if links_a is None or links_b is None:
         return None, None
-    direct = max(links_a["peers"].get(b.get("pci_bus_id"), 0),
-                 links_b["peers"].get(a.get("pci_bus_id"), 0))
+    direct = max(links_a["peers"].get(b.get("pci_bus_id"), 0), links_b["peers"].get(a.get("pci_bus_id"), 0))
     if direct:
         return direct, "direct"
     # Through the switch fabric the pair gets the narrower of the two GPUs' switch links,
@@ -228,8 +245,7 @@ def pair_nvlinks(a: dict, b: dict) -> tuple[int | None, str | None]:
 
 
 def p2p_status(nvml: Any, handle_a: Any, handle_b: Any, caps_index: str, default: int) -> str | None:
-    status = query(nvml, "nvmlDeviceGetP2PStatus", handle_a, handle_b,
-                   nvml_const(nvml, caps_index, default))
+    status = query(nvml, "nvmlDeviceGetP2PStatus", handle_a, handle_b, nvml_const(nvml, caps_index, default))
     return None if status is None else P2P_STATUS_NAMES.get(status, f"status {status}")
 
 
@@ -311,8 +327,12 @@ def read_gpus(nvml: Any) -> dict:
         gpus.append(describe_gpu(nvml, index, handle))
         handles.append(handle)
     mark_visible(gpus)
-    return {"nvml_error": None, "driver": describe_driver(nvml), "gpus": gpus,
-            "gpu_pairs": describe_pairs(nvml, gpus, handles)}
+    return {
+        "nvml_error": None,
+        "driver": describe_driver(nvml),
+        "gpus": gpus,
+        "gpu_pairs": describe_pairs(nvml, gpus, handles),
+    }
 
 
 def describe_gpus(nvml: Any) -> dict:
@@ -379,6 +399,7 @@ def collect(include_vllm: bool = False, nvml: Any = None, include_torch: bool = 
     env = {"host": describe_host(), **describe_gpus(nvml)}
     if include_torch:
         from repro.env.runtime import describe_torch
+
         env["torch"] = describe_torch()
     return {**env, "vllm": describe_vllm(include_location=include_vllm), "env": describe_env()}
 
@@ -467,18 +488,23 @@ def memory_text(gpu: dict) -> str:
 
 def gpu_table(env: dict) -> Any:
     table = Table(title="GPUs (NVML)", title_justify="left")
-    for column in ("#", "cuda", "name", "memory used / total", "ECC", "remapped rows",
-                   "health", "CC", "PCI", "UUID"):
+    for column in ("#", "cuda", "name", "memory used / total", "ECC", "remapped rows", "health", "CC", "PCI", "UUID"):
         table.add_column(column)
     for gpu in env["gpus"]:
         health = gpu.get("health") or "n/a"
         style = "green" if health == "ok" else ("dim" if health == "n/a" else "bold red")
         cuda = gpu.get("cuda_index")
         table.add_row(
-            str(gpu["index"]), "hidden" if cuda is None else str(cuda),
-            or_na(gpu.get("name")), memory_text(gpu), ecc_text(gpu), remap_text(gpu),
-            Text(health, style=style), or_na(gpu.get("compute_capability")),
-            or_na(gpu.get("pci_bus_id")), short_uuid(gpu.get("uuid")),
+            str(gpu["index"]),
+            "hidden" if cuda is None else str(cuda),
+            or_na(gpu.get("name")),
+            memory_text(gpu),
+            ecc_text(gpu),
+            remap_text(gpu),
+            Text(health, style=style),
+            or_na(gpu.get("compute_capability")),
+            or_na(gpu.get("pci_bus_id")),
+            short_uuid(gpu.get("uuid")),
         )
     return table
 
@@ -526,7 +552,7 @@ def software_table(env: dict) -> Any:
     ]
     table = Table(title="Software", title_justify="left", show_header=False)
     table.add_column("what", no_wrap=True)
-    table.add_column("version", overflow="fold")   # folded, never cut with an ellipsis
+    table.add_column("version", overflow="fold")  # folded, never cut with an ellipsis
     for name, value in rows:
         table.add_row(name, Text(value))
     return table
@@ -564,4 +590,3 @@ def fold_cells(table: Any) -> Any:
         if not column.no_wrap:
             column.overflow = "fold"
     return table
-

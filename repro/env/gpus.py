@@ -5,6 +5,7 @@ memory each) and how concurrent trials share the GPUs; `repro doctor` builds its
 the same NVML plumbing. Every function that touches NVML takes an ``nvml`` argument (default:
 the real ``pynvml`` module) so tests can pass a fake implementing the calls used.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -4,6 +4,7 @@ Read in a worker (rank 0 reports them for the run's environment) and by `repro d
 trial parent never imports this module's torch. Attributes only: no torch.cuda call that
 could create a CUDA context.
 """
+
 from __future__ import annotations
 
 from types import ModuleType
@@ -35,8 +36,14 @@ def describe_torch() -> dict:
 
         from repro.diagnose.guard import torch_supports_liveness
     except Exception as error:  # a broken torch install is itself a finding
-        return {"version": None, "cuda": None, "nccl": None, "cuda_built": False,
-                "graph_check_input_liveness": False, "error": str(error) or type(error).__name__}
+        return {
+            "version": None,
+            "cuda": None,
+            "nccl": None,
+            "cuda_built": False,
+            "graph_check_input_liveness": False,
+            "error": str(error) or type(error).__name__,
+        }
     return {
         "version": torch.__version__,
         "cuda": torch.version.cuda,

@@ -15,6 +15,7 @@ that captured the graph and the one that replayed it.
 Also here, on or off: the marker ``repro_watch(off=True | expect=...)`` and the fixture
 ``repro_stable`` (the reload-stability check, repro.diagnose.stability.expect_stable).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,20 +24,23 @@ from enum import StrEnum
 
 import pytest
 
-ENTRY_POINT = "repro"             # the name `-p no:repro` blocks
+ENTRY_POINT = "repro"  # the name `-p no:repro` blocks
 SESSION_PLUGIN = "repro-watch-session"
 
 
 class WatchMode(StrEnum):
     """What a finding does to the test that replayed the graph."""
-    FAIL = "fail"                 # fails it (the finding is the failure text)
-    WARN = "warn"                 # nothing: findings are listed at the end
+
+    FAIL = "fail"  # fails it (the finding is the failure text)
+    WARN = "warn"  # nothing: findings are listed at the end
 
 
-ENV_ON = "REPRO_WATCH"            # repro.watch.settings.ENV_ON (not imported: this module stays bare)
-MARKER_HELP = ("repro_watch(off=False, expect=None): off=True: findings in this test do not fail "
-               "it; expect='glob' or a list of globs (matched against the tensor name or the "
-               "finding's text): findings this test must produce (a missing one fails it)")
+ENV_ON = "REPRO_WATCH"  # repro.watch.settings.ENV_ON (not imported: this module stays bare)
+MARKER_HELP = (
+    "repro_watch(off=False, expect=None): off=True: findings in this test do not fail "
+    "it; expect='glob' or a list of globs (matched against the tensor name or the "
+    "finding's text): findings this test must produce (a missing one fails it)"
+)
 
 
 def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
@@ -45,18 +49,33 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
     if pluginmanager.get_plugin(ENTRY_POINT) is None and not pluginmanager.is_blocked(ENTRY_POINT):
         pluginmanager.set_blocked(ENTRY_POINT)
     group = parser.getgroup("repro", "repro: CUDA-graph capture checks")
-    group.addoption("--repro-watch", action="store_const", const=WatchMode.FAIL, dest="repro_watch",
-                    default=None,
-                    help="check every CUDA graph the tests capture, in the test process and the "
-                         "processes tests start; a finding fails the test that replayed the graph "
-                         "(--repro-watch=fail, the default) or is listed at the end "
-                         "(--repro-watch=warn)")
+    group.addoption(
+        "--repro-watch",
+        action="store_const",
+        const=WatchMode.FAIL,
+        dest="repro_watch",
+        default=None,
+        help="check every CUDA graph the tests capture, in the test process and the "
+        "processes tests start; a finding fails the test that replayed the graph "
+        "(--repro-watch=fail, the default) or is listed at the end "
+        "(--repro-watch=warn)",
+    )
     for mode in WatchMode:  # exact option strings: `--repro-watch PATH` must leave PATH alone
-        group.addoption(f"--repro-watch={mode}", action="store_const", const=mode,
-                        dest="repro_watch", help=f"--repro-watch in {mode} mode")
-    group.addoption("--repro-watch-dir", dest="repro_watch_dir", default=None, metavar="DIR",
-                    help="where the per-process records go (default: REPRO_WATCH_DIR, else a new "
-                         "temporary directory, printed in the header)")
+        group.addoption(
+            f"--repro-watch={mode}",
+            action="store_const",
+            const=mode,
+            dest="repro_watch",
+            help=f"--repro-watch in {mode} mode",
+        )
+    group.addoption(
+        "--repro-watch-dir",
+        dest="repro_watch_dir",
+        default=None,
+        metavar="DIR",
+        help="where the per-process records go (default: REPRO_WATCH_DIR, else a new "
+        "temporary directory, printed in the header)",
+    )
 
 
 def watch_mode(config: pytest.Config) -> WatchMode | None:
@@ -76,6 +95,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if mode is None:
         return
     from repro.pytest.watch import WatchSession
+
     config.pluginmanager.register(WatchSession.start(config, mode), SESSION_PLUGIN)
 
 
@@ -94,7 +114,10 @@ def repro_stable(request: pytest.FixtureRequest):
         finally:
             if stability is not None and stability.after is not None:
                 request.node.user_properties.append(
-                    ("repro_reload", f"{name}: {len(stability.after.slots)} tensor slots, "
-                                     f"{len(stability.changes)} changed"))
+                    (
+                        "repro_reload",
+                        f"{name}: {len(stability.after.slots)} tensor slots, {len(stability.changes)} changed",
+                    )
+                )
 
     return check

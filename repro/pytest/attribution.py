@@ -10,6 +10,7 @@ belong to the phase that was running there at the record's time. Records are rea
 incrementally, complete lines only (a line being written is read next time). No torch, no
 pytest: plain records in, findings with their phases out.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -22,20 +23,21 @@ from typing import Any
 from repro.outcome import Mechanism, as_member
 
 MARKER = "test"
-OWNER_KEY = "REPRO_WATCH_OWNER"   # repro.watch.settings.ENV_OWNER, in a process record's "env"
+OWNER_KEY = "REPRO_WATCH_OWNER"  # repro.watch.settings.ENV_OWNER, in a process record's "env"
 
 
 class Stage(StrEnum):
     """A test's phase, as pytest names it (TestReport.when)."""
+
     SETUP = "setup"
     CALL = "call"
     TEARDOWN = "teardown"
-    NONE = ""                     # outside any test
+    NONE = ""  # outside any test
 
 
 @dataclass(frozen=True)
 class Phase:
-    nodeid: str                   # "" outside any test (collection, session start and end)
+    nodeid: str  # "" outside any test (collection, session start and end)
     phase: Stage
 
     def text(self) -> str:
@@ -53,37 +55,49 @@ OUTSIDE = Phase("", Stage.NONE)
 @dataclass
 class PhaseFinding:
     """A finding record with the phase that captured its graph and the one that replayed it."""
-    id: str                       # "<record file>:<line>": the same finding read twice is one
+
+    id: str  # "<record file>:<line>": the same finding read twice is one
     pid: int
     mechanism: Mechanism
-    finding: dict[str, Any]       # repro.outcome.Finding as the hooks wrote it
-    captured_in: Phase | None     # None: no capture record for its graph in these records
+    finding: dict[str, Any]  # repro.outcome.Finding as the hooks wrote it
+    captured_in: Phase | None  # None: no capture record for its graph in these records
     replayed_in: Phase
 
     def as_dict(self) -> dict[str, Any]:
         # Plain strings, as Phase.as_dict: the finding dict is the one read from JSON already.
-        return {"id": self.id, "pid": self.pid, "mechanism": str(self.mechanism), "finding": self.finding,
-                "captured_in": self.captured_in.as_dict() if self.captured_in else None,
-                "replayed_in": self.replayed_in.as_dict()}
+        return {
+            "id": self.id,
+            "pid": self.pid,
+            "mechanism": str(self.mechanism),
+            "finding": self.finding,
+            "captured_in": self.captured_in.as_dict() if self.captured_in else None,
+            "replayed_in": self.replayed_in.as_dict(),
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PhaseFinding:
         cap = d.get("captured_in")
-        return cls(id=d["id"], pid=d["pid"], mechanism=as_member(Mechanism, d.get("mechanism", Mechanism.GUARD)),
-                   finding=d.get("finding", {}), captured_in=marker_phase(cap) if cap else None,
-                   replayed_in=marker_phase(d["replayed_in"]))
+        return cls(
+            id=d["id"],
+            pid=d["pid"],
+            mechanism=as_member(Mechanism, d.get("mechanism", Mechanism.GUARD)),
+            finding=d.get("finding", {}),
+            captured_in=marker_phase(cap) if cap else None,
+            replayed_in=marker_phase(d["replayed_in"]),
+        )
 
 
 @dataclass
 class RecordFile:
     """One process's record file, read from where the last read stopped."""
+
     path: Path
     offset: int = 0
     lines: int = 0
     pid: int | None = None
-    owner: str | None = None      # stem of the test process's file that started this process
-    markers: bool = False         # the plugin ran in this process: it reports its own findings
-    current: Phase = OUTSIDE      # the last marker read
+    owner: str | None = None  # stem of the test process's file that started this process
+    markers: bool = False  # the plugin ran in this process: it reports its own findings
+    current: Phase = OUTSIDE  # the last marker read
 
     @property
     def stem(self) -> str:
@@ -149,11 +163,12 @@ class Attribution:
     """Findings of one test process and of the processes its tests start, with their phases.
 
     me: the stem of this process's record file (it changes in a forked child)."""
+
     run_dir: Path
     me: str
     files: dict[Path, RecordFile] = field(default_factory=dict)
-    captures: dict[tuple[str, str], Phase] = field(default_factory=dict)   # (file stem, graph)
-    timeline: list[tuple[float, Phase]] = field(default_factory=list)      # this process's markers
+    captures: dict[tuple[str, str], Phase] = field(default_factory=dict)  # (file stem, graph)
+    timeline: list[tuple[float, Phase]] = field(default_factory=list)  # this process's markers
 
     def note_phase(self, at: float, phase: Phase) -> None:
         """The plugin wrote a marker at `at` (time.time()): started processes' records map to it."""
@@ -191,7 +206,7 @@ class Attribution:
                 self.captures[(rf.stem, r.get("graph", ""))] = self.context(rf, r)
             elif kind == "finding":
                 mine.append(self.finding(rf, line, r))
-        if own or not rf.markers:   # a started process running its own session reports itself
+        if own or not rf.markers:  # a started process running its own session reports itself
             found.extend(mine)
 
     def context(self, rf: RecordFile, r: dict[str, Any]) -> Phase:
@@ -199,10 +214,14 @@ class Attribution:
 
     def finding(self, rf: RecordFile, line: int, r: dict[str, Any]) -> PhaseFinding:
         f = r.get("finding", {})
-        return PhaseFinding(id=f"{rf.path.name}:{line}", pid=rf.pid or 0,
-                            mechanism=as_member(Mechanism, r.get("mechanism", Mechanism.GUARD)), finding=f,
-                            captured_in=self.capture_phase(rf, graph_key(f.get("graph", ""))),
-                            replayed_in=self.context(rf, r))
+        return PhaseFinding(
+            id=f"{rf.path.name}:{line}",
+            pid=rf.pid or 0,
+            mechanism=as_member(Mechanism, r.get("mechanism", Mechanism.GUARD)),
+            finding=f,
+            captured_in=self.capture_phase(rf, graph_key(f.get("graph", ""))),
+            replayed_in=self.context(rf, r),
+        )
 
     def capture_phase(self, rf: RecordFile, label: str) -> Phase | None:
         """The capture in this process, else in its owner's (a graph captured before a fork)."""
@@ -233,11 +252,12 @@ def all_findings(run_dir: Path, root: str) -> list[PhaseFinding]:
                 files[p].markers = True
                 timelines.setdefault(files[p].stem, []).append((r.get("at", r.get("t", 0.0)), marker_phase(r)))
     captures: dict[tuple[str, str], Phase] = {}
-    views = {p: Attribution(run_dir, me=rf.stem, files=files, captures=captures,
-                            timeline=timelines.get(rf.owner or "", []))
-             for p, rf in files.items()}
+    views = {
+        p: Attribution(run_dir, me=rf.stem, files=files, captures=captures, timeline=timelines.get(rf.owner or "", []))
+        for p, rf in files.items()
+    }
     out: list[PhaseFinding] = []
-    for wanted in ("capture", "finding"):    # every capture first: a fork's graph is its parent's
+    for wanted in ("capture", "finding"):  # every capture first: a fork's graph is its parent's
         for p, recs in records.items():
             rf, view = files[p], views[p]
             rf.current = OUTSIDE
@@ -265,9 +285,10 @@ def reaches(rf: RecordFile, root: str, by_stem: dict[str, RecordFile]) -> bool:
 @dataclass
 class RunStats:
     """What the hooks saw in a run directory, so "no findings" is never said of nothing checked."""
+
     processes: int = 0
-    captures: int = 0             # graphs checked (captured by the program itself)
-    managed: int = 0              # captured by torch.compile's cudagraph trees: counted only
+    captures: int = 0  # graphs checked (captured by the program itself)
+    managed: int = 0  # captured by torch.compile's cudagraph trees: counted only
     internal_errors: list[str] = field(default_factory=list)
 
 

@@ -14,6 +14,7 @@ JSON, so xdist and pytest-forked carry it to the process that prints) into the t
 summary and, as user properties, into pytest's own --junitxml. Findings no report carried (the
 process died: a crash, a pytest-timeout, a kill) are read from the run directory at the end.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -30,10 +31,21 @@ from repro.pytest import WatchMode
 from repro.pytest.attribution import OUTSIDE, Attribution, Phase, PhaseFinding, RunStats, Stage, all_findings, run_stats
 from repro.watch.command import watch_env
 from repro.watch.hooks import activate
-from repro.watch.settings import (ENV_DIR, ENV_ON_FINDING, ENV_OWNER, ENV_RECORD, ENV_SITE, ENV_VARS, OnFinding, Origin,
-                                  Record, WatchSettings, choice_from_env)
+from repro.watch.settings import (
+    ENV_DIR,
+    ENV_ON_FINDING,
+    ENV_OWNER,
+    ENV_RECORD,
+    ENV_SITE,
+    ENV_VARS,
+    OnFinding,
+    Origin,
+    Record,
+    WatchSettings,
+    choice_from_env,
+)
 
-REPORT_ATTR = "repro_watch"       # on TestReport: list of PhaseFinding dicts
+REPORT_ATTR = "repro_watch"  # on TestReport: list of PhaseFinding dicts
 PROPERTY = "repro_watch_finding"  # junit user property, one per finding
 
 
@@ -48,8 +60,9 @@ class Expectation:
         if marker is None:
             return cls()
         expect = marker.kwargs.get("expect") or []
-        return cls(off=bool(marker.kwargs.get("off", False)),
-                   expect=[expect] if isinstance(expect, str) else list(expect))
+        return cls(
+            off=bool(marker.kwargs.get("off", False)), expect=[expect] if isinstance(expect, str) else list(expect)
+        )
 
     def matches(self, pattern: str, tf: PhaseFinding) -> bool:
         f = tf.finding
@@ -62,10 +75,11 @@ class Expectation:
 def finding_text(tf: PhaseFinding) -> str:
     """What a failed test shows: the tensor, where it was made and dropped, both phases."""
     f = tf.finding
-    lines = [f"repro watch: graph {f.get('graph')!r}: {f.get('slot')} {f.get('status')} "
-             f"({tf.mechanism}, pid {tf.pid})",
-             f"  captured in: {tf.captured_in.text() if tf.captured_in else 'not found in these records'}",
-             f"  replayed in: {tf.replayed_in.text()}"]
+    lines = [
+        f"repro watch: graph {f.get('graph')!r}: {f.get('slot')} {f.get('status')} ({tf.mechanism}, pid {tf.pid})",
+        f"  captured in: {tf.captured_in.text() if tf.captured_in else 'not found in these records'}",
+        f"  replayed in: {tf.replayed_in.text()}",
+    ]
     if f.get("created_at"):
         lines.append(f"  created at:  {f['created_at']}")
     if f.get("freed_at"):
@@ -96,7 +110,7 @@ def restore_env(saved: dict[str, str | None]) -> None:
             os.environ[key] = value
 
 
-@dataclass(eq=False)      # a plugin object: hashed by identity
+@dataclass(eq=False)  # a plugin object: hashed by identity
 class WatchSession:
     config: pytest.Config
     mode: WatchMode
@@ -104,7 +118,7 @@ class WatchSession:
     watcher: Any
     saved_env: dict[str, str | None]
     attribution: Attribution
-    root: str                     # this session's main record file (stem): what is ours
+    root: str  # this session's main record file (stem): what is ours
     pid: int = field(default_factory=os.getpid)
     by_test: dict[str, list[tuple[PhaseFinding, bool]]] = field(default_factory=dict)  # (finding, allowed)
     claimed: set[str] = field(default_factory=set)
@@ -114,23 +128,33 @@ class WatchSession:
 
     @classmethod
     def start(cls, config: pytest.Config, mode: WatchMode) -> WatchSession:
-        run_dir = Path(config.getoption("repro_watch_dir", None)
-                       or os.environ.get(ENV_DIR)
-                       or tempfile.mkdtemp(prefix="repro-watch-pytest-")).resolve()
+        run_dir = Path(
+            config.getoption("repro_watch_dir", None)
+            or os.environ.get(ENV_DIR)
+            or tempfile.mkdtemp(prefix="repro-watch-pytest-")
+        ).resolve()
         saved = {k: os.environ.get(k) for k in (*ENV_VARS, ENV_OWNER, "PYTHONPATH")}
         record = choice_from_env(os.environ, ENV_RECORD, Record.GRAPH)
         env = watch_env(dict(os.environ), run_dir, os.environ.get(ENV_ON_FINDING) or OnFinding.WARN, record)
         if saved[ENV_SITE] == env[ENV_SITE]:
-            env["PYTHONPATH"] = saved["PYTHONPATH"] or ""     # started under `repro watch`: on the path already
+            env["PYTHONPATH"] = saved["PYTHONPATH"] or ""  # started under `repro watch`: on the path already
         for key in (*ENV_VARS, "PYTHONPATH"):
             os.environ[key] = env[key]
-        watcher = activate(WatchSettings(run_dir=str(run_dir), on_finding=OnFinding.WARN, origin=Origin.PYTEST,
-                                         record=record))
-        run_dir = Path(watcher.settings.run_dir)     # an earlier start (repro watch) decides
+        watcher = activate(
+            WatchSettings(run_dir=str(run_dir), on_finding=OnFinding.WARN, origin=Origin.PYTEST, record=record)
+        )
+        run_dir = Path(watcher.settings.run_dir)  # an earlier start (repro watch) decides
         me = Path(watcher.log.recorder.path).stem
-        os.environ[ENV_OWNER] = me         # processes tests start say whose they are
-        return cls(config=config, mode=mode, run_dir=run_dir, watcher=watcher, saved_env=saved,
-                   attribution=Attribution(run_dir, me=me), root=me)
+        os.environ[ENV_OWNER] = me  # processes tests start say whose they are
+        return cls(
+            config=config,
+            mode=mode,
+            run_dir=run_dir,
+            watcher=watcher,
+            saved_env=saved,
+            attribution=Attribution(run_dir, me=me),
+            root=me,
+        )
 
     # -- where this process is ------------------------------------------------------------------
 
@@ -138,7 +162,7 @@ class WatchSession:
         return hasattr(self.config, "workerinput")
 
     def mark(self, phase: Phase) -> None:
-        if os.getpid() != self.pid:              # a forked child (pytest-forked): its own file
+        if os.getpid() != self.pid:  # a forked child (pytest-forked): its own file
             self.pid = os.getpid()
             self.attribution.me = Path(self.watcher.log.recorder.path).stem
             os.environ[ENV_OWNER] = self.attribution.me
@@ -175,7 +199,7 @@ class WatchSession:
         report = yield
         try:
             self.attach(item, call.when, report)
-        except Exception as e:          # never turn our own trouble into a test's failure
+        except Exception as e:  # never turn our own trouble into a test's failure
             report.sections.append(("repro watch", f"records could not be read: {type(e).__name__}: {e}"))
         return report
 
@@ -189,16 +213,17 @@ class WatchSession:
         if when == Stage.CALL and expectation.expect and not expectation.off:
             for pattern in expectation.expect:
                 if not any(expectation.matches(pattern, tf) for tf in seen):
-                    problems.append(f"repro watch: expected a finding matching {pattern!r} in this "
-                                    f"test (marker repro_watch(expect=...)); none appeared "
-                                    f"({len(seen)} finding(s) seen)")
+                    problems.append(
+                        f"repro watch: expected a finding matching {pattern!r} in this "
+                        f"test (marker repro_watch(expect=...)); none appeared "
+                        f"({len(seen)} finding(s) seen)"
+                    )
         if found:
-            setattr(report, REPORT_ATTR, [dict(tf.as_dict(), allowed=expectation.allowed(tf))
-                                          for tf in found])
+            setattr(report, REPORT_ATTR, [dict(tf.as_dict(), allowed=expectation.allowed(tf)) for tf in found])
             for tf in found:
                 prop = (PROPERTY, finding_line(tf) + ("" if tf in failing else " [allowed]"))
                 item.user_properties.append(prop)
-                if when == Stage.TEARDOWN:   # the teardown report is made from a copy already taken
+                if when == Stage.TEARDOWN:  # the teardown report is made from a copy already taken
                     report.user_properties.append(prop)
         if when == Stage.TEARDOWN:
             self.per_item.pop(item.nodeid, None)
@@ -238,8 +263,11 @@ class WatchSession:
         tr.write_sep("=", f"repro watch: {count} finding(s)" if count else "repro watch: no findings")
         stats = self.stats
         if stats is not None:
-            checked = (f"{stats.captures} CUDA graph(s) captured and checked" if stats.captures
-                       else "no CUDA graph was captured: nothing was checked")
+            checked = (
+                f"{stats.captures} CUDA graph(s) captured and checked"
+                if stats.captures
+                else "no CUDA graph was captured: nothing was checked"
+            )
             managed = f", {stats.managed} by torch.compile's cudagraph trees (not checked)" if stats.managed else ""
             tr.write_line(f"{checked}{managed}; {stats.processes} watched process(es)")
             for error in stats.internal_errors[:5]:
@@ -249,8 +277,9 @@ class WatchSession:
             for tf, allowed in found:
                 tr.write_line("  " + finding_line(tf) + (" [allowed by the repro_watch marker]" if allowed else ""))
         if self.unclaimed:
-            tr.write_line("recorded, but in no test report (the process ended before reporting: "
-                          "a crash, a timeout, a kill):")
+            tr.write_line(
+                "recorded, but in no test report (the process ended before reporting: a crash, a timeout, a kill):"
+            )
             for tf in self.unclaimed:
                 tr.write_line("  " + finding_line(tf))
         tr.write_line(f"records: {self.run_dir}")
@@ -262,5 +291,7 @@ class WatchSession:
 def finding_line(tf: PhaseFinding) -> str:
     f = tf.finding
     cap = tf.captured_in.text() if tf.captured_in else "capture not in these records"
-    return (f"{f.get('slot')} {f.get('status')} (graph {f.get('graph')!r}; captured in {cap}; "
-            f"replayed in {tf.replayed_in.text()}; pid {tf.pid})")
+    return (
+        f"{f.get('slot')} {f.get('status')} (graph {f.get('graph')!r}; captured in {cap}; "
+        f"replayed in {tf.replayed_in.text()}; pid {tf.pid})"
+    )

@@ -3,6 +3,7 @@
 At world size 1 there is no process group and the helpers are identities, so scenario code
 reads the same at every TP size.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,7 +20,7 @@ import torch.distributed as dist
 class TP:
     rank: int
     world_size: int
-    backend: str | None               # None at world size 1
+    backend: str | None  # None at world size 1
 
     @property
     def active(self) -> bool:
@@ -34,25 +35,26 @@ def open_store(rank: int, world_size: int, rendezvous: Path, timeout: timedelta)
     another process can take it, a real window with many trials starting NCCL at once.
     """
     if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout,
-                              wait_for_workers=False)
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
         if not store.port:
             raise RuntimeError("TCPStore did not report the port it bound (port 0 unsupported by this torch?)")
         tmp = rendezvous.with_name(rendezvous.name + ".tmp")
         tmp.write_text(str(store.port))
-        tmp.replace(rendezvous)                   # atomic: readers never see a partial number
+        tmp.replace(rendezvous)  # atomic: readers never see a partial number
         return store
     end = time.monotonic() + timeout.total_seconds()
     while not rendezvous.exists():
         if time.monotonic() > end:
-            raise TimeoutError(f"rank {rank}: rank 0 published no store port in {rendezvous} "
-                               f"within {timeout.total_seconds():g} s")
+            raise TimeoutError(
+                f"rank {rank}: rank 0 published no store port in {rendezvous} within {timeout.total_seconds():g} s"
+            )
         time.sleep(0.01)
     return dist.TCPStore("127.0.0.1", int(rendezvous.read_text()), world_size, is_master=False, timeout=timeout)
 
 
-def init_tp(rank: int, world_size: int, rendezvous: Path, device: torch.device, timeout_s: float,
-            share_gpu: bool = False) -> TP:
+def init_tp(
+    rank: int, world_size: int, rendezvous: Path, device: torch.device, timeout_s: float, share_gpu: bool = False
+) -> TP:
     """rendezvous: a file path shared by the trial's ranks (absent until rank 0 writes it).
 
     share_gpu: the ranks sit on one GPU; NCCL refuses that ("Duplicate GPU detected"), gloo

@@ -22,6 +22,7 @@ stale-capture guard, so `--guard off` leaves every knob value doing the same thi
 harness's own allocations (oracle, inputs) go to a separate memory pool, so only the knob
 decides what lands in the freed blocks.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-if TYPE_CHECKING:       # the guard and the census are the caller's; this module needs neither to run
+if TYPE_CHECKING:  # the guard and the census are the caller's; this module needs neither to run
     from repro.diagnose.census import CensusBook
     from repro.diagnose.guard import CaptureGuard
 
@@ -47,11 +48,11 @@ class HarnessMemory:
     """Allocations of the harness itself (oracle, inputs) live in their own pool on CUDA."""
 
     def __init__(self, device: torch.device):
-        if device.type == "cuda" and device.index is None:     # use_mem_pool wants an index
+        if device.type == "cuda" and device.index is None:  # use_mem_pool wants an index
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.pool = None
-        self.depth = 0                # use() blocks open: inner ones are already in the pool
+        self.depth = 0  # use() blocks open: inner ones are already in the pool
         if device.type == "cuda" and hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool"):
             self.pool = torch.cuda.MemPool()
 
@@ -83,21 +84,22 @@ class HarnessMemory:
 class Captured:
     """One captured region. On CPU there is no graph: `replay()` returns None and the
     scenario runs its eager path instead."""
+
     label: str
     graph: torch.cuda.CUDAGraph | None
     inputs: tuple[torch.Tensor, ...]  # static inputs, written before each replay
-    output: Any                       # static outputs (tensor or tuple), read after replay
-    on_replay: Callable[[str], None] | None = None   # told before each real replay starts
-    guard: CaptureGuard | None = None   # brackets the first replay
+    output: Any  # static outputs (tensor or tuple), read after replay
+    on_replay: Callable[[str], None] | None = None  # told before each real replay starts
+    guard: CaptureGuard | None = None  # brackets the first replay
     replays: int = 0
 
     def replay(self) -> Any:
         if self.graph is None:
             return None
         if self.on_replay is not None:
-            self.on_replay(self.label)   # on disk before a replay that may kill the process
+            self.on_replay(self.label)  # on disk before a replay that may kill the process
         if self.replays == 0 and self.guard is not None:
-            with self.guard.replaying(self.label):   # what the graph writes is not a lost input
+            with self.guard.replaying(self.label):  # what the graph writes is not a lost input
                 self.graph.replay()
         else:
             self.graph.replay()
@@ -105,9 +107,16 @@ class Captured:
         return self.output
 
 
-def capture(fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...], label: str, guard: CaptureGuard,
-            pool: tuple[int, int] | None = None, warmup: int = 2, on_replay: Callable[[str], None] | None = None,
-            census: CensusBook | None = None) -> Captured:
+def capture(
+    fn: Callable[..., Any],
+    inputs: tuple[torch.Tensor, ...],
+    label: str,
+    guard: CaptureGuard,
+    pool: tuple[int, int] | None = None,
+    warmup: int = 2,
+    on_replay: Callable[[str], None] | None = None,
+    census: CensusBook | None = None,
+) -> Captured:
     """Warm up on a side stream, then capture fn(*inputs) under the guard's recording.
 
     census: a repro.diagnose.census.CensusBook. The graph is then made with keep_graph=True, read right
@@ -133,15 +142,16 @@ def capture(fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...], label: str
     if census is not None:
         census.add(graph, label, pool)
         graph.instantiate()
-    guard.fingerprint(label)             # after the census read the graph: nothing allocated before
+    guard.fingerprint(label)  # after the census read the graph: nothing allocated before
     return Captured(label=label, graph=graph, inputs=inputs, output=out, on_replay=on_replay, guard=guard)
 
 
 @dataclass
 class AfterFree:
     """What the knob did; kept in the trial record. `holders` keeps the fill tensors alive."""
+
     knob: str
-    blocks: int = 0                   # free regions holding freed captured blocks (from the census)
+    blocks: int = 0  # free regions holding freed captured blocks (from the census)
     landed: int = 0
     bytes: int = 0
     released_bytes: int = 0
@@ -149,9 +159,15 @@ class AfterFree:
     holders: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def summary(self) -> dict[str, Any]:
-        return {"knob": self.knob, "blocks": self.blocks, "landed": self.landed,
-                "bytes": self.bytes, "released_bytes": self.released_bytes, "note": self.note,
-                "writes": KNOB_WRITES[self.knob]}
+        return {
+            "knob": self.knob,
+            "blocks": self.blocks,
+            "landed": self.landed,
+            "bytes": self.bytes,
+            "released_bytes": self.released_bytes,
+            "note": self.note,
+            "writes": KNOB_WRITES[self.knob],
+        }
 
 
 KNOB_WRITES = {
@@ -162,8 +178,9 @@ KNOB_WRITES = {
 }
 
 
-def apply_after_free(knob: str, regions: list[tuple[int, int]], device: torch.device,
-                     seed: int = 0, census_note: str = "") -> AfterFree:
+def apply_after_free(
+    knob: str, regions: list[tuple[int, int]], device: torch.device, seed: int = 0, census_note: str = ""
+) -> AfterFree:
     """Decide what the freed captured blocks hold before the next replay.
 
     regions: (address, nbytes) of the free allocator blocks that hold freed captured blocks,
@@ -193,7 +210,9 @@ def apply_after_free(knob: str, regions: list[tuple[int, int]], device: torch.de
                 fill(holder, knob, gen)
             result.holders.extend(holders)
             result.landed += 1
-        result.note = f"{result.landed}/{result.blocks} free regions holding captured blocks re-allocated and filled ({knob})"
+        result.note = (
+            f"{result.landed}/{result.blocks} free regions holding captured blocks re-allocated and filled ({knob})"
+        )
     if census_note:
         result.note += f"; {census_note}"
     return result
@@ -230,7 +249,7 @@ def land_on(addr: int, nbytes: int, device: torch.device) -> torch.Tensor | None
             if t.data_ptr() == addr:
                 return t
             if t.data_ptr() < addr < t.data_ptr() + nbytes:
-                return None               # overlaps without matching: a bigger block was split
+                return None  # overlaps without matching: a bigger block was split
             misses.append(t)
         return None
     finally:

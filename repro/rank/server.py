@@ -22,6 +22,7 @@ Server -> parent:
   {"op": "started", "id", "pid", "pgid"} | {"op": "failed", "id", "reason"}
   {"op": "exit", "pid", "code"}             a rank was reaped (code as Popen.returncode)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,6 +51,7 @@ def preload() -> None:
     from repro.rank import dist, graphs, worker  # noqa: F401
     from repro.env import runtime  # noqa: F401
     from repro.scenarios import SCENARIOS, load_scenario
+
     for name in SCENARIOS:
         load_scenario(name)
 
@@ -96,10 +98,10 @@ def unfit_reason() -> str | None:
 class Server:
     def __init__(self, req_fd: int, rep_fd: int, rank_sigint: Any):
         self.req_fd = req_fd
-        self.rank_sigint = rank_sigint          # what a fresh interpreter started here would have
+        self.rank_sigint = rank_sigint  # what a fresh interpreter started here would have
         self.rep = os.fdopen(rep_fd, "w", buffering=1)
         self.buf = b""
-        self.pgids: dict[int, int] = {}         # live rank pid -> its process group
+        self.pgids: dict[int, int] = {}  # live rank pid -> its process group
 
     def reply(self, **msg: Any) -> None:
         self.rep.write(json.dumps(msg) + "\n")
@@ -113,7 +115,7 @@ class Server:
                 continue
             chunk = os.read(self.req_fd, 65536)
             if not chunk:
-                return                            # the parent closed the pipe (or died)
+                return  # the parent closed the pipe (or died)
             self.buf += chunk
             while b"\n" in self.buf:
                 line, self.buf = self.buf.split(b"\n", 1)
@@ -196,9 +198,11 @@ def become_rank(req: dict[str, Any], server_pid: int, server_fds: tuple[int, int
         os.chdir(req["cwd"])
         sys.argv = [sys.executable, "-m", "repro.rank.worker", req["spec"], str(req["rank"])]
         from repro.rank import worker
-        worker.main([req["spec"], str(req["rank"])], parent_pid=server_pid)   # exits itself
+
+        worker.main([req["spec"], str(req["rank"])], parent_pid=server_pid)  # exits itself
     except BaseException:  # noqa: BLE001 - the child must never fall back into the server
         import traceback
+
         with contextlib.suppress(BaseException):
             sys.stderr.write(traceback.format_exc())
             sys.stderr.flush()
@@ -211,10 +215,10 @@ def main(argv: list[str]) -> None:
     die_with_parent(parent)
     # The ranks get SIGINT as this interpreter got it from the harness; the server itself
     # ignores it (the parent handles Ctrl-C for the run).
-    rank_sigint = signal.getsignal(signal.SIGINT) or signal.default_int_handler   # None: set outside Python
+    rank_sigint = signal.getsignal(signal.SIGINT) or signal.default_int_handler  # None: set outside Python
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     server = Server(int(argv[0]), int(argv[1]), rank_sigint)
-    silence_known_warnings()      # its stderr is the user's terminal; torch's import would warn there
+    silence_known_warnings()  # its stderr is the user's terminal; torch's import would warn there
     start = time.perf_counter()
     try:
         preload()

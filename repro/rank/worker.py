@@ -4,6 +4,7 @@ The worker appends every record to rank<R>.jsonl as soon as it has it (line-buff
 flushed), so a crash, a sticky CUDA error or a SIGKILL loses nothing already produced. It
 never renders a report; the parent reads the records back and classifies.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,10 +23,9 @@ from typing import TYPE_CHECKING, Any, Iterator
 from repro.config import TrialConfig
 from repro.noise import silence_known_warnings
 from repro.outcome import Finding, GuardMode, StepRecord
-from repro.run.protocol import (STACKS_SIGNAL, Event, RecordSink, TrialSpec, records_path, rendezvous_path,
-                            stacks_path)
+from repro.run.protocol import STACKS_SIGNAL, Event, RecordSink, TrialSpec, records_path, rendezvous_path, stacks_path
 
-if TYPE_CHECKING:       # annotations only: torch is imported in run_rank, where its import is timed
+if TYPE_CHECKING:  # annotations only: torch is imported in run_rank, where its import is timed
     import torch
 
     from repro.diagnose.census import CensusBook
@@ -38,18 +38,20 @@ if TYPE_CHECKING:       # annotations only: torch is imported in run_rank, where
 def inject_fault(kind: str) -> None:
     """Test hook: make this rank fail the way real failures look from the outside."""
     if kind == "segv":
-        faulthandler.disable()           # a bare segfault, as a crashing kernel launch would give
+        faulthandler.disable()  # a bare segfault, as a crashing kernel launch would give
         ctypes.string_at(0)
     elif kind == "hang":
         while True:
             time.sleep(3600)
     elif kind == "ima-message":
-        sys.stderr.write("RuntimeError: CUDA error: an illegal memory access was encountered\n"
-                         "CUDA kernel errors might be asynchronously reported at some other API call\n")
+        sys.stderr.write(
+            "RuntimeError: CUDA error: an illegal memory access was encountered\n"
+            "CUDA kernel errors might be asynchronously reported at some other API call\n"
+        )
         sys.stderr.flush()
         os._exit(1)
     elif kind == "exit":
-        os._exit(3)                      # dies silently; peers are left waiting in a collective
+        os._exit(3)  # dies silently; peers are left waiting in a collective
     elif kind == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "raise":
@@ -59,6 +61,7 @@ def inject_fault(kind: str) -> None:
 @dataclass
 class WorkerContext:
     """Everything a scenario needs on one rank; scenarios talk to the harness only through it."""
+
     spec: TrialSpec
     cfg: TrialConfig
     rank: int
@@ -68,9 +71,9 @@ class WorkerContext:
     guard: CaptureGuard
     history: MemoryHistory
     memory: HarnessMemory
-    census: CensusBook | None = None   # None: CPU, or no census here
+    census: CensusBook | None = None  # None: CPU, or no census here
     timings: dict[str, float] = field(default_factory=dict)
-    replayed: set[str] = field(default_factory=set)    # graphs whose first replay is recorded
+    replayed: set[str] = field(default_factory=set)  # graphs whose first replay is recorded
 
     @property
     def on_gpu(self) -> bool:
@@ -89,6 +92,7 @@ class WorkerContext:
     def sync(self) -> None:
         if self.on_gpu:
             import torch
+
             torch.cuda.synchronize(self.device)
 
     def begin_step(self, step: int) -> None:
@@ -96,7 +100,7 @@ class WorkerContext:
         self.sink.emit(Event.BEGIN, step=step)
         f = self.spec.fault
         if f and f.get("rank", 0) == self.rank and f.get("step", 0) == step:
-            self.sink.emit(Event.FAULT, kind=f["kind"], step=step)   # on disk before it fires
+            self.sink.emit(Event.FAULT, kind=f["kind"], step=step)  # on disk before it fires
             inject_fault(f["kind"])
 
     def step(self, record: StepRecord) -> None:
@@ -120,8 +124,14 @@ class WorkerContext:
 
     def emit_findings(self, guard_findings: list[Finding], census_findings: list[Finding]) -> list[Finding]:
         from repro.diagnose.census import merge_findings
-        findings = merge_findings(guard_findings, census_findings, self.guard.slots if census_findings else [],
-                                  self.guard.mode != GuardMode.OFF, self.census)
+
+        findings = merge_findings(
+            guard_findings,
+            census_findings,
+            self.guard.slots if census_findings else [],
+            self.guard.mode != GuardMode.OFF,
+            self.census,
+        )
         if findings:
             self.history.annotate(findings)
             for f in findings:
@@ -132,6 +142,7 @@ class WorkerContext:
         """Deep check at `when`, then the after-free knob on the freed captured blocks the
         census found (never the guard's: the knob must act the same with the guard off)."""
         from repro.rank.graphs import apply_after_free
+
         guard_findings = self.guard.check(when, None, True)
         findings, regions, note = [], [], ""
         if self.census is not None:
@@ -143,7 +154,6 @@ class WorkerContext:
         self.emit_findings(guard_findings, findings)
         r = self.cfg.run
         return apply_after_free(r.after_free, regions, self.device, r.seed, note)
-
 
     def manifest(self, when: str) -> None:
         self.sink.emit(Event.MANIFEST, **dataclasses.asdict(self.guard.manifest(when)))
@@ -161,16 +171,17 @@ def die_with_parent(parent_pid: int) -> None:
     no rank outlives it. parent_pid: the parent as it was before this call."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)    # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-    if os.getppid() != parent_pid:       # parent already gone before prctl took effect
+    if os.getppid() != parent_pid:  # parent already gone before prctl took effect
         os._exit(1)
 
 
 def pick_device(spec: TrialSpec, rank: int) -> torch.device:
     """One GPU per rank; every rank on GPU 0 when the ranks share it (run.share_gpu)."""
     import torch
+
     if spec.device == "cuda":
         index = 0 if spec.config["run"].get("share_gpu") else rank
         torch.cuda.set_device(index)
@@ -182,12 +193,13 @@ def build_context(spec: TrialSpec, rank: int, sink: RecordSink) -> WorkerContext
     import torch
     from repro.diagnose import forensics, guard
     from repro.rank import dist, graphs
+
     cfg = TrialConfig.from_dict(spec.config)
     torch.manual_seed(cfg.run.seed)
     start = time.perf_counter()
     device = pick_device(spec, rank)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)   # the CUDA context now, so "cuda" times its creation
+        torch.cuda.synchronize(device)  # the CUDA context now, so "cuda" times its creation
         sink.emit(Event.PHASE, name="cuda", seconds=time.perf_counter() - start)
     # The harness's capture and collective helpers are plumbing: sites and stacks name the
     # scenario line that asked for a tensor, not the helper that allocated it.
@@ -195,20 +207,37 @@ def build_context(spec: TrialSpec, rank: int, sink: RecordSink) -> WorkerContext
     # torch._dynamo import, seconds of every trial). The guard's fingerprints allocate in the
     # harness's pool: never in freed captured blocks, whose bytes decide how a bug shows.
     memory = graphs.HarnessMemory(device)
-    stale_guard = guard.CaptureGuard(mode=cfg.run.guard, rank=rank, plumbing=(dist.__file__, graphs.__file__),
-                                     compiles=False, scratch=memory.use)
-    history = forensics.MemoryHistory(enabled=cfg.run.forensics and device.type == "cuda",
-                                      plumbing=stale_guard.plumbing)
+    stale_guard = guard.CaptureGuard(
+        mode=cfg.run.guard, rank=rank, plumbing=(dist.__file__, graphs.__file__), compiles=False, scratch=memory.use
+    )
+    history = forensics.MemoryHistory(
+        enabled=cfg.run.forensics and device.type == "cuda", plumbing=stale_guard.plumbing
+    )
     history.start()
     start = time.perf_counter()
     # Collectives must outlast the trial deadline: a hang is the harness's verdict, not a
     # collective timeout that looks like a crash.
-    tp = dist.init_tp(rank, spec.world_size, rendezvous_path(spec.out_dir), device, timeout_s=cfg.run.deadline_s + 600,
-                      share_gpu=cfg.run.share_gpu)
+    tp = dist.init_tp(
+        rank,
+        spec.world_size,
+        rendezvous_path(spec.out_dir),
+        device,
+        timeout_s=cfg.run.deadline_s + 600,
+        share_gpu=cfg.run.share_gpu,
+    )
     sink.emit(Event.PHASE, name="init", seconds=time.perf_counter() - start)
-    ctx = WorkerContext(spec=spec, cfg=cfg, rank=rank, device=device, tp=tp, sink=sink,
-                        guard=stale_guard, history=history,
-                        memory=memory, census=open_census(device, rank, history, sink))
+    ctx = WorkerContext(
+        spec=spec,
+        cfg=cfg,
+        rank=rank,
+        device=device,
+        tp=tp,
+        sink=sink,
+        guard=stale_guard,
+        history=history,
+        memory=memory,
+        census=open_census(device, rank, history, sink),
+    )
     ctx.timings["init"] = time.perf_counter() - start
     return ctx
 
@@ -222,6 +251,7 @@ def open_census(device: torch.device, rank: int, history: MemoryHistory, sink: R
     if device.type != "cuda":
         return None
     from repro.diagnose import census
+
     ok, reason = census.census_supported()
     if not ok:
         sink.emit(Event.NOTE, text=f"graph census unavailable: {reason}")
@@ -244,6 +274,7 @@ def peak_reserved(ctx: WorkerContext | None) -> int | None:
     before CUDA started. Never raises: it runs on the way out of a failing rank too."""
     try:
         import torch
+
         if ctx is None or ctx.device.type != "cuda" or not torch.cuda.is_initialized():
             return None
         return int(torch.cuda.max_memory_reserved(ctx.device))
@@ -253,29 +284,43 @@ def peak_reserved(ctx: WorkerContext | None) -> int | None:
 
 def run_rank(spec: TrialSpec, rank: int) -> int:
     from repro.scenarios import load_scenario
+
     sink = RecordSink(records_path(spec.out_dir, rank), rank)
-    sink.emit(Event.START, pid=os.getpid(), device=spec.device, world_size=spec.world_size,
-              visible_gpus=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    sink.emit(
+        Event.START,
+        pid=os.getpid(),
+        device=spec.device,
+        world_size=spec.world_size,
+        visible_gpus=os.environ.get("CUDA_VISIBLE_DEVICES"),
+    )
     ctx = None
     try:
         start = time.perf_counter()
         import torch  # noqa: F401  (timed: a large share of a trial's start-up)
+
         sink.emit(Event.PHASE, name="import", seconds=time.perf_counter() - start)
         if rank == 0:
             # The report's torch/CUDA/NCCL facts come from here, so the parent never imports torch.
             from repro.env.runtime import describe_torch
+
             sink.emit(Event.RUNTIME, **describe_torch())
         ctx = build_context(spec, rank, sink)
-        with torch.no_grad():           # inference engines never build autograd graphs
+        with torch.no_grad():  # inference engines never build autograd graphs
             load_scenario(ctx.cfg.scenario).run(ctx)
         dump_forensics(ctx)
         sink.emit(Event.DONE, timings=ctx.timings, peak_reserved_bytes=peak_reserved(ctx))
         from repro.rank import dist
+
         dist.shutdown(ctx.tp)
         return 0
     except BaseException as e:  # noqa: BLE001 - every failure must be recorded before exit
-        sink.emit(Event.ERROR, type=type(e).__name__, message=str(e)[:4000],
-                  traceback=traceback.format_exc()[-6000:], peak_reserved_bytes=peak_reserved(ctx))
+        sink.emit(
+            Event.ERROR,
+            type=type(e).__name__,
+            message=str(e)[:4000],
+            traceback=traceback.format_exc()[-6000:],
+            peak_reserved_bytes=peak_reserved(ctx),
+        )
         if ctx is not None:
             with contextlib.suppress(BaseException):
                 dump_forensics(ctx)
@@ -300,11 +345,11 @@ def answer_stack_requests(spec: TrialSpec, rank: int) -> None:
 def main(argv: list[str], parent_pid: int | None = None) -> None:
     """parent_pid: the rank server's pid when forked from it (repro/rank/server.py)."""
     die_with_parent(os.getppid() if parent_pid is None else parent_pid)
-    silence_known_warnings()             # before torch is imported: it warns once, at import
-    faulthandler.enable()                # a segfault still prints the Python stack to the log
+    silence_known_warnings()  # before torch is imported: it warns once, at import
+    faulthandler.enable()  # a segfault still prints the Python stack to the log
     spec = TrialSpec.load(Path(argv[0]))
     rank = int(argv[1])
-    answer_stack_requests(spec, rank)    # before the start record: a started rank can answer
+    answer_stack_requests(spec, rank)  # before the start record: a started rank can answer
     code = run_rank(spec, rank)
     sys.stdout.flush()
     sys.stderr.flush()

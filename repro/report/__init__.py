@@ -10,25 +10,48 @@ progress.py  the live display while trials run (stderr)
 
 No torch import anywhere here: this runs in the parent.
 """
+
 from __future__ import annotations
 
 import os
 
 from repro.outcome import Report
-from repro.report.console import output_console, outcome_style, render_report, render_summary, render_trial, report_to_text
+from repro.report.console import (
+    output_console,
+    outcome_style,
+    render_report,
+    render_summary,
+    render_trial,
+    report_to_text,
+)
 from repro.report.jsonfile import report_json, strict_json, write_json
 from repro.report.junit import junit_xml, write_junit
 from repro.report.progress import Progress
 from repro.report.view import CPU_NOTE, describe, summary_line, trial_title
 
 __all__ = [
-    "CPU_NOTE", "Progress", "describe", "junit_xml", "output_console", "outcome_style", "render_report", "render_summary",
-    "render_trial", "report_json", "report_to_text", "strict_json", "summary_line", "trial_title",
-    "write_html", "write_json", "write_junit",
+    "CPU_NOTE",
+    "Progress",
+    "describe",
+    "junit_xml",
+    "output_console",
+    "outcome_style",
+    "render_report",
+    "render_summary",
+    "render_trial",
+    "report_json",
+    "report_to_text",
+    "strict_json",
+    "summary_line",
+    "trial_title",
+    "write_html",
+    "write_json",
+    "write_junit",
 ]
 
 
 def write_html(report: Report, path: str | os.PathLike) -> None:
     # jinja2 is imported only when a page is asked for: the CLI's start-up stays light.
     from repro.report.html import write_html as write
+
     write(report, path)

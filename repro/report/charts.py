@@ -4,6 +4,7 @@ Data first (which numbers: each scenario's spec picks its own, ScenarioSpec.char
 geometry for an inline SVG the template draws: no JavaScript, no external files. Values that
 are not finite are drawn at the top of the plot and labelled, never dropped.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,14 +21,14 @@ LEFT, RIGHT, TOP, BOTTOM = 64, 16, 16, 44
 
 
 class ChartKind(StrEnum):
-    LINE = "line"                 # one polyline per series, a mark per point
-    BAR = "bar"                   # one bar per x value
+    LINE = "line"  # one polyline per series, a mark per point
+    BAR = "bar"  # one bar per x value
 
 
 @dataclass
 class Series:
     name: str
-    points: list[tuple[Any, float | None]]     # (x, y); y None: not finite
+    points: list[tuple[Any, float | None]]  # (x, y); y None: not finite
 
 
 @dataclass
@@ -93,10 +94,10 @@ class Svg:
     caption: str
     x_label: str
     y_label: str
-    plot: tuple[float, float, float, float]          # left, top, right, bottom
+    plot: tuple[float, float, float, float]  # left, top, right, bottom
     y_ticks: list[tuple[float, str]] = field(default_factory=list)
     x_ticks: list[tuple[float, str]] = field(default_factory=list)
-    lines: list[tuple[str, str]] = field(default_factory=list)   # (points, css)
+    lines: list[tuple[str, str]] = field(default_factory=list)  # (points, css)
     marks: list[Mark] = field(default_factory=list)
     bars: list[Mark] = field(default_factory=list)
     threshold: Mark | None = None
@@ -131,7 +132,7 @@ def layout(chart: ChartData) -> Svg:
     def x_at(x: Any) -> float:
         return left + slot * (xs.index(x) + 0.5)
 
-    every = max(1, math.ceil(len(xs) / 12))          # at most ~12 x labels
+    every = max(1, math.ceil(len(xs) / 12))  # at most ~12 x labels
     svg.x_ticks = [(x_at(x), str(x)) for i, x in enumerate(xs) if i % every == 0]
     for k, s in enumerate(chart.series):
         css = f"s{k % 4}"
@@ -141,11 +142,27 @@ def layout(chart: ChartData) -> Svg:
             tip = f"{s.name + ' ' if s.name else ''}{chart.x_label} {x}: {'not finite' if y is None else fmt_float(y)}"
             if chart.kind == ChartKind.BAR:
                 h = (bottom - y_at(y)) if y is not None else bottom - top
-                svg.bars.append(Mark(x_at(x) - slot * 0.3, bottom - h, slot * 0.6, h, tip,
-                                     "bad" if y is None else css, "NaN" if y is None else ""))
+                svg.bars.append(
+                    Mark(
+                        x_at(x) - slot * 0.3,
+                        bottom - h,
+                        slot * 0.6,
+                        h,
+                        tip,
+                        "bad" if y is None else css,
+                        "NaN" if y is None else "",
+                    )
+                )
             else:
-                svg.marks.append(Mark(x_at(x), top if y is None else y_at(y), tip=tip,
-                                      css="bad" if y is None else css, label="NaN" if y is None else ""))
+                svg.marks.append(
+                    Mark(
+                        x_at(x),
+                        top if y is None else y_at(y),
+                        tip=tip,
+                        css="bad" if y is None else css,
+                        label="NaN" if y is None else "",
+                    )
+                )
         if chart.kind == ChartKind.LINE:
             finite = [(x_at(x), y_at(y)) for x, y in s.points if y is not None]
             if len(finite) > 1:

@@ -5,6 +5,7 @@ as "[rank0]: ..." must print as written, not be eaten as a style tag. Tables fit
 width (80 columns in pipes and CI logs) by leaving out the least useful columns, never by
 cutting numbers or headers; paths are printed whole.
 """
+
 from __future__ import annotations
 
 import io
@@ -24,15 +25,36 @@ from rich.text import Text
 from repro.outcome import Outcome, Report, TrialRecord
 from repro.report.fmt import fmt_ranges, fmt_seconds
 from repro.report.view import (
-    BAD, DIM, NOTE, OK, SKIP, WARN, Artifact, Cell, Column, Row, RunView, TableView, TrialView, outcome_tone,
-    run_view, trial_view,
+    BAD,
+    DIM,
+    NOTE,
+    OK,
+    SKIP,
+    WARN,
+    Artifact,
+    Cell,
+    Column,
+    Row,
+    RunView,
+    TableView,
+    TrialView,
+    outcome_tone,
+    run_view,
+    trial_view,
 )
 
-if TYPE_CHECKING:       # repro.watch.report imports this package: the type alone is needed here
+if TYPE_CHECKING:  # repro.watch.report imports this package: the type alone is needed here
     from repro.watch.report import ProblemView, WatchView
 
-STYLES = {OK: "bold green", WARN: "bold yellow", SKIP: "bold magenta", BAD: "bold red", NOTE: "bold yellow",
-          DIM: "dim", "": ""}
+STYLES = {
+    OK: "bold green",
+    WARN: "bold yellow",
+    SKIP: "bold magenta",
+    BAD: "bold red",
+    NOTE: "bold yellow",
+    DIM: "dim",
+    "": "",
+}
 
 
 def outcome_style(outcome: Outcome) -> str:
@@ -56,9 +78,15 @@ def verdict_panel(tv: TrialView) -> Panel:
         lines.append(Text.assemble(("first failure: ", "bold"), tv.first_failure))
     lines += [Text(line, style=STYLES[NOTE]) for line in tv.basis]
     subtitle = f"trial {tv.id}" + (f" · {fmt_seconds(tv.seconds)}" if tv.seconds else "")
-    return Panel(Group(*lines), title=Text(tv.title, style="bold"), title_align="left",
-                 subtitle=Text(subtitle, style="dim"), subtitle_align="right", border_style=style.split()[-1],
-                 box=box.ROUNDED)
+    return Panel(
+        Group(*lines),
+        title=Text(tv.title, style="bold"),
+        title_align="left",
+        subtitle=Text(subtitle, style="dim"),
+        subtitle_align="right",
+        border_style=style.split()[-1],
+        box=box.ROUNDED,
+    )
 
 
 def facts_grid(facts, indent: int = 0) -> RenderableType:
@@ -81,7 +109,7 @@ def findings_block(tv: TrialView) -> list[RenderableType]:
     out: list[RenderableType] = [title]
     for i, fv in enumerate(tv.findings):
         headline = Text.assemble((fv.status.upper(), STYLES[fv.tone]), " ", (fv.slot, "bold"), f"  {fv.where}")
-        out.append(Padding(headline, (0, 0, 0, 2)))     # a wrapped slot name hangs under itself
+        out.append(Padding(headline, (0, 0, 0, 2)))  # a wrapped slot name hangs under itself
         facts = fv.facts if i == 0 else [f for f in fv.facts if f.label != "message"]
         out.append(facts_grid(facts, indent=4))
     if len(tv.findings) > 1 and any(f.label == "message" for fv in tv.findings[1:] for f in fv.facts):
@@ -91,7 +119,7 @@ def findings_block(tv: TrialView) -> list[RenderableType]:
     return out
 
 
-WRAP_MIN = 16   # free text narrower than this wraps every word onto its own line
+WRAP_MIN = 16  # free text narrower than this wraps every word onto its own line
 
 
 def wrap_min(c: Column, tv: TableView) -> int:
@@ -153,14 +181,19 @@ def table_block(tv: TableView, console: Console) -> list[RenderableType]:
     table, dropped = fitted_table(tv, console.width)
     out: list[RenderableType] = [table]
     if dropped:
-        out.append(Text(f"columns left out at {console.width} characters: {', '.join(dropped)} "
-                        "(all in --json and --html)", style="dim"))
+        out.append(
+            Text(
+                f"columns left out at {console.width} characters: {', '.join(dropped)} (all in --json and --html)",
+                style="dim",
+            )
+        )
     if tv.note:
         out.append(Text(tv.note, style="dim"))
     if tv.hidden:
         shown = len([r for r in tv.rows if not r.gap])
-        out.append(Text(f"showing {shown} of {len(tv.all_rows)} rows, {tv.hidden} rows hidden; {tv.summary}",
-                        style="dim"))
+        out.append(
+            Text(f"showing {shown} of {len(tv.all_rows)} rows, {tv.hidden} rows hidden; {tv.summary}", style="dim")
+        )
     return out
 
 
@@ -181,7 +214,7 @@ def packed(label: str, items: list[str], width: int, sep: str = " · ") -> Text:
 
 
 RANK_ARTIFACT = re.compile(r"rank (\d+) (.+)")
-MAX_RANK_LINES = 4      # per kind of per-rank file; past it, one line names them all (TP 64: 64 lines)
+MAX_RANK_LINES = 4  # per kind of per-rank file; past it, one line names them all (TP 64: 64 lines)
 
 
 def artifact_lines(artifacts: list[Artifact]) -> list[Text]:
@@ -213,16 +246,30 @@ def directory_lines(items: list[Artifact]) -> list[Text]:
             said.add(kind)
             ranks = by_kind[kind]
             first, last = os.path.basename(ranks[0][1].path), os.path.basename(ranks[-1][1].path)
-            lines.append(Text.assemble(f"  ranks {fmt_ranges(r for r, _ in ranks)} {kind}: ", (first, "cyan"),
-                                       " … ", (last, "cyan"), f" ({len(ranks)} files)"))
+            lines.append(
+                Text.assemble(
+                    f"  ranks {fmt_ranges(r for r, _ in ranks)} {kind}: ",
+                    (first, "cyan"),
+                    " … ",
+                    (last, "cyan"),
+                    f" ({len(ranks)} files)",
+                )
+            )
     return lines
 
 
 def rank_block(tv: TrialView, console: Console) -> list[RenderableType]:
     out = table_block(tv.ranks, console)
     for rank, stderr in tv.stderr_tails:
-        out.append(Panel(Text(stderr), title=Text(f"rank {rank} stderr (last lines)"), title_align="left",
-                         border_style="dim", box=box.SQUARE))
+        out.append(
+            Panel(
+                Text(stderr),
+                title=Text(f"rank {rank} stderr (last lines)"),
+                title_align="left",
+                border_style="dim",
+                box=box.SQUARE,
+            )
+        )
     return out
 
 
@@ -265,8 +312,7 @@ def summary_view(rv: RunView) -> TableView:
 
 
 def summary_table(tv: TableView) -> Table:
-    table = Table(title=Text(tv.title, style="bold"), title_justify="left", box=box.SIMPLE_HEAVY,
-                  show_edge=False)
+    table = Table(title=Text(tv.title, style="bold"), title_justify="left", box=box.SIMPLE_HEAVY, show_edge=False)
     for c in tv.columns:
         if c.wrap:
             # The first failure is the one column that gives up width (it wraps); the trial's
@@ -288,14 +334,22 @@ def summary_grid(rv: RunView) -> Table:
     for tv in rv.trials:
         same = skipped.get(tv.first_failure_short, [])
         if tv.outcome == Outcome.UNSUPPORTED.value and len(same) > 1:
-            if tv is same[0]:                  # one entry for every trial skipped for this reason
-                line = Text.assemble((f"{len(same)} trials", "bold"), f" ({trial_numbers(same)}): ",
-                                     (tv.outcome, STYLES[tv.tone]), (" (not run, not a pass)", "dim"),
-                                     "\n" + tv.first_failure_short)
+            if tv is same[0]:  # one entry for every trial skipped for this reason
+                line = Text.assemble(
+                    (f"{len(same)} trials", "bold"),
+                    f" ({trial_numbers(same)}): ",
+                    (tv.outcome, STYLES[tv.tone]),
+                    (" (not run, not a pass)", "dim"),
+                    "\n" + tv.first_failure_short,
+                )
                 grid.add_row(Text("✗", style=STYLES[BAD]), line)
             continue
-        line = Text.assemble((f"{tv.scenario} {tv.mode}", "bold"), f" {tv.config}: ",
-                             (tv.outcome, STYLES[tv.tone]), (f" (expected {tv.expected})", "dim"))
+        line = Text.assemble(
+            (f"{tv.scenario} {tv.mode}", "bold"),
+            f" {tv.config}: ",
+            (tv.outcome, STYLES[tv.tone]),
+            (f" (expected {tv.expected})", "dim"),
+        )
         if tv.seconds is not None:
             line.append(f" {tv.seconds_text} s", "dim")
         if tv.first_failure_short != "-":
@@ -358,16 +412,14 @@ def watch_table(tv: TableView) -> Table:
     """The processes watched: a row per process, red where it found something."""
     table = Table(title=tv.title, title_justify="left", show_edge=False, pad_edge=False)
     for c in tv.columns:
-        table.add_column(c.header, justify="right" if c.numeric else "left",
-                         overflow="fold" if c.wrap else "ellipsis")
+        table.add_column(c.header, justify="right" if c.numeric else "left", overflow="fold" if c.wrap else "ellipsis")
     for row in tv.rows:
         table.add_row(*(Text(row.cells[c.key].text) for c in tv.columns), style="red" if row.tone == BAD else "")
     return table
 
 
 def problem_block(pv: ProblemView) -> list[RenderableType]:
-    headline = Text.assemble("  ", (pv.status.upper(), STYLES[pv.tone]), " ", (pv.pattern, "bold"),
-                             f" · {pv.headline}")
+    headline = Text.assemble("  ", (pv.status.upper(), STYLES[pv.tone]), " ", (pv.pattern, "bold"), f" · {pv.headline}")
     return [headline, facts_grid(pv.facts, indent=4)]
 
 
@@ -388,7 +440,7 @@ def processes_block(tv: TableView, console: Console) -> list[RenderableType]:
     under the table, one line each, so a path is never broken mid-word."""
     table = watch_table(tv)
     # Measured unbounded: a measurement within the console's width is clamped to it.
-    if Measurement.get(console, console.options.update_width(10 ** 6), table).maximum <= console.width:
+    if Measurement.get(console, console.options.update_width(10**6), table).maximum <= console.width:
         return [table]
     narrow = TableView(tv.title, [c for c in tv.columns if c.key != "command"], tv.rows)
     out: list[RenderableType] = [watch_table(narrow)]
@@ -408,8 +460,11 @@ def render_watch(wv: WatchView, console: Console) -> None:
             for part in problem_block(pv):
                 console.print(part)
         if wv.hidden_groups:
-            console.print(Text(f"  {wv.hidden_groups} more groups ({wv.hidden_findings} findings; all are in --json)",
-                               style="dim"))
+            console.print(
+                Text(
+                    f"  {wv.hidden_groups} more groups ({wv.hidden_findings} findings; all are in --json)", style="dim"
+                )
+            )
     if wv.census:
         console.print(Text("census: " + wv.census, style="dim"))
     if wv.pool_note:
@@ -464,5 +519,3 @@ def report_to_text(report: Report, width: int = 120) -> str:
     console = Console(record=True, width=width, file=io.StringIO(), color_system=None, force_terminal=False)
     render_report(report, console)
     return console.export_text(styles=False)
-
-

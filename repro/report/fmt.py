@@ -1,4 +1,5 @@
 """Text formatting shared by every renderer: numbers, bytes, addresses, captured process output."""
+
 from __future__ import annotations
 
 import re

@@ -10,6 +10,7 @@ every graph, rank and process.
 
 No torch import (the parent renders reports).
 """
+
 from __future__ import annotations
 
 import re
@@ -21,8 +22,8 @@ from repro.outcome import Finding, Mechanism, Status
 
 # Parts of a slot name that differ between members of one repeated problem.
 _HEX = re.compile(r"0x[0-9a-fA-F]+")
-_INDEX = re.compile(r"(?<=[.\[])\d+(?=[.\]]|$)")      # model.7.rotary, graphs[16]
-_NODE = re.compile(r"\bnode \d+\b")                     # census: "node 12 kernel ..."
+_INDEX = re.compile(r"(?<=[.\[])\d+(?=[.\]]|$)")  # model.7.rotary, graphs[16]
+_NODE = re.compile(r"\bnode \d+\b")  # census: "node 12 kernel ..."
 
 
 def slot_pattern(name: str) -> str:
@@ -35,11 +36,12 @@ def slot_pattern(name: str) -> str:
 @dataclass
 class FindingGroup:
     """Findings that are one problem: same name pattern, status, mechanism and drop site."""
+
     pattern: str
     status: Status
     mechanism: Mechanism
     freed_at: str | None
-    members: list[Any] = field(default_factory=list)     # Finding, or what finding_of unwraps
+    members: list[Any] = field(default_factory=list)  # Finding, or what finding_of unwraps
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -64,8 +66,7 @@ def group_key(f: Finding) -> tuple:
     return (slot_pattern(f.slot), f.status, f.mechanism, f.freed_at)
 
 
-def group_findings(items: Iterable[Any],
-                   finding_of: Callable[[Any], Finding] = lambda x: x) -> list[FindingGroup]:
+def group_findings(items: Iterable[Any], finding_of: Callable[[Any], Finding] = lambda x: x) -> list[FindingGroup]:
     """Groups in the order their first member appears (what happened first reads first)."""
     groups: dict[tuple, FindingGroup] = {}
     for item in items:
@@ -73,8 +74,9 @@ def group_findings(items: Iterable[Any],
         key = group_key(f)
         group = groups.get(key)
         if group is None:
-            group = groups[key] = FindingGroup(pattern=key[0], status=f.status, mechanism=f.mechanism,
-                                               freed_at=f.freed_at)
+            group = groups[key] = FindingGroup(
+                pattern=key[0], status=f.status, mechanism=f.mechanism, freed_at=f.freed_at
+            )
         group.members.append(item)
         group.findings.append(f)
     return list(groups.values())

@@ -5,6 +5,7 @@ watch.html (`repro watch`).
 Rendered by a jinja2 template with autoescaping on, so every piece of record data (slot names,
 stderr tails, paths) is escaped by the engine, not by hand.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ from repro.outcome import Report
 from repro.report.charts import layout, missing_charts, trial_charts
 from repro.report.view import run_view
 
-if TYPE_CHECKING:       # repro.watch.report imports this package: the type alone is needed here
+if TYPE_CHECKING:  # repro.watch.report imports this package: the type alone is needed here
     from repro.watch.report import WatchView
 
 TEMPLATE = "report.html"
@@ -26,9 +27,13 @@ WATCH_TEMPLATE = "watch.html"
 
 
 def environment() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.PackageLoader("repro.report", "templates"),
-                             autoescape=True, undefined=jinja2.StrictUndefined,
-                             trim_blocks=True, lstrip_blocks=True)
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("repro.report", "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
     env.globals["charts"] = lambda tv: [layout(c) for c in trial_charts(tv.record)]
     env.globals["no_charts"] = lambda tv: missing_charts(tv.record)
     return env

@@ -1,5 +1,6 @@
 """The strict JSON writer every report kind uses (trials: schema repro.report/1; `repro watch`:
 repro.watch/1): JSON that jq, JavaScript and CI tools read."""
+
 from __future__ import annotations
 
 import json

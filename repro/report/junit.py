@@ -4,6 +4,7 @@ A report kind maps its view model to a JunitSuite (trial_suite, watch_suite); ju
 writes it. Every attribute and text goes through xml_text in that one place, so no kind can let
 a character XML forbids into the file.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ from repro.outcome import Outcome, Report
 from repro.report.fmt import encodable
 from repro.report.view import RunView, TrialView, config_params, run_config, run_view
 
-if TYPE_CHECKING:       # repro.watch.report imports this package: the type alone is needed here
+if TYPE_CHECKING:  # repro.watch.report imports this package: the type alone is needed here
     from repro.watch.report import WatchView
 
 # Characters XML 1.0 forbids even escaped; one in a stderr tail would make the whole file unreadable.
@@ -43,10 +44,10 @@ class JunitFailure:
 class JunitCase:
     classname: str
     name: str
-    time: float | None = None              # None: the kind does not time its cases
+    time: float | None = None  # None: the kind does not time its cases
     properties: dict[str, Any] = field(default_factory=dict)
     failures: list[JunitFailure] = field(default_factory=list)
-    skipped: str | None = None             # the reason, when nothing was tested
+    skipped: str | None = None  # the reason, when nothing was tested
     system_out: str = ""
     system_err: str = ""
 
@@ -100,8 +101,13 @@ def add_case(suite: ET.Element, case: JunitCase) -> None:
 def suite_counts(cases: list[JunitCase]) -> dict[str, str]:
     results = [c.result for c in cases]
     total = sum(c.time or 0.0 for c in cases)
-    return {"tests": str(len(cases)), "failures": str(results.count("failure")), "errors": "0",
-            "skipped": str(results.count("skipped")), "time": f"{total:.3f}"}
+    return {
+        "tests": str(len(cases)),
+        "failures": str(results.count("failure")),
+        "errors": "0",
+        "skipped": str(results.count("skipped")),
+        "time": f"{total:.3f}",
+    }
 
 
 def junit_document(suite: JunitSuite) -> str:
@@ -127,7 +133,7 @@ def junit_name(tv: TrialView) -> str:
     """'unfixed[tp=2,after_free=release]': stable across runs, so CI can track a case's history."""
     params = config_params(tv.record)
     if run_config(tv.record).get("device") == "cpu":
-        params["device"] = "cpu"   # a forced-CPU run is a different test from the GPU one
+        params["device"] = "cpu"  # a forced-CPU run is a different test from the GPU one
     return f"{tv.mode}[{','.join(k if v is None else f'{k}={v}' for k, v in params.items())}]"
 
 
@@ -149,19 +155,31 @@ def failure_details(tv: TrialView) -> str:
         lines += [f"    {f.label:<12} {f.value}" for f in fv.facts]
     for row in tv.ranks.rows:
         error = row.cells["error"].text
-        lines.append(f"rank {row.cells['rank'].text}: {row.cells['exit'].text}" + (f": {error}" if error != "-" else ""))
+        lines.append(
+            f"rank {row.cells['rank'].text}: {row.cells['exit'].text}" + (f": {error}" if error != "-" else "")
+        )
     lines += [f"--- rank {rank} stderr tail ---\n{stderr}" for rank, stderr in tv.stderr_tails]
     return "\n".join(lines)
 
 
 def trial_case(tv: TrialView, name: str) -> JunitCase:
-    case = JunitCase(classname=f"repro.{tv.scenario}", name=name, time=tv.seconds or 0.0,
-                     properties={"outcome": tv.outcome, "expected": tv.expected, "trial_id": tv.id,
-                                 "device": tv.device or "-", **({"node": tv.record.node} if tv.record.node else {}),
-                                 "graph_replayed": str(tv.record.graph_replayed).lower()})
+    case = JunitCase(
+        classname=f"repro.{tv.scenario}",
+        name=name,
+        time=tv.seconds or 0.0,
+        properties={
+            "outcome": tv.outcome,
+            "expected": tv.expected,
+            "trial_id": tv.id,
+            "device": tv.device or "-",
+            **({"node": tv.record.node} if tv.record.node else {}),
+            "graph_replayed": str(tv.record.graph_replayed).lower(),
+        },
+    )
     if not tv.met:
-        case.failures.append(JunitFailure(f"outcome {tv.outcome}, expected {tv.expected}", tv.outcome,
-                                          failure_details(tv)))
+        case.failures.append(
+            JunitFailure(f"outcome {tv.outcome}, expected {tv.expected}", tv.outcome, failure_details(tv))
+        )
     elif tv.outcome == Outcome.UNSUPPORTED.value:
         # Skipped, not passed: the environment could not run it, so nothing was tested.
         failure = tv.record.first_failure
@@ -172,16 +190,24 @@ def trial_case(tv: TrialView, name: str) -> JunitCase:
 
 def problem_case(text: str) -> JunitCase:
     """A merge's missing or duplicated shard: a failed case of its own, so CI shows it."""
-    return JunitCase(classname="repro.merge", name=text.split(":")[0], time=0.0,
-                     failures=[JunitFailure(text, "SHARD", text)])
+    return JunitCase(
+        classname="repro.merge", name=text.split(":")[0], time=0.0, failures=[JunitFailure(text, "SHARD", text)]
+    )
 
 
 def trial_suite(rv: RunView) -> JunitSuite:
     cases = [trial_case(tv, n) for tv, n in zip(rv.trials, junit_names(rv.trials))]
-    return JunitSuite(name="repro", cases=cases + [problem_case(text) for text in rv.problems],
-                      properties={"command": rv.command, "environment": rv.environment,
-                                  "interrupted": str(rv.interrupted).lower(), "schema": rv.schema},
-                      timestamp=rv.created)
+    return JunitSuite(
+        name="repro",
+        cases=cases + [problem_case(text) for text in rv.problems],
+        properties={
+            "command": rv.command,
+            "environment": rv.environment,
+            "interrupted": str(rv.interrupted).lower(),
+            "schema": rv.schema,
+        },
+        timestamp=rv.created,
+    )
 
 
 def junit_xml(report: Report) -> str:
@@ -197,10 +223,18 @@ def write_junit(report: Report, path: str | os.PathLike) -> None:
 
 def watch_suite(wv: WatchView) -> JunitSuite:
     """One testcase per watched process; one failure per group of its findings."""
-    cases = [JunitCase(classname="repro.watch", name=c.name, system_out=c.command,
-                       failures=[JunitFailure(f"{p.pattern} {p.headline}", p.status,
-                                              "\n".join(f"{f.label}: {f.value}" for f in p.facts))
-                                 for p in c.problems])
-             for c in wv.cases]
-    return JunitSuite(name="repro watch", cases=cases, timestamp=wv.created,
-                      properties={"command": wv.command, "schema": wv.schema})
+    cases = [
+        JunitCase(
+            classname="repro.watch",
+            name=c.name,
+            system_out=c.command,
+            failures=[
+                JunitFailure(f"{p.pattern} {p.headline}", p.status, "\n".join(f"{f.label}: {f.value}" for f in p.facts))
+                for p in c.problems
+            ],
+        )
+        for c in wv.cases
+    ]
+    return JunitSuite(
+        name="repro watch", cases=cases, timestamp=wv.created, properties={"command": wv.command, "schema": wv.schema}
+    )

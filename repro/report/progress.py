@@ -3,6 +3,7 @@
 On a terminal it is a rich progress display; otherwise (CI logs, pipes) each event is one
 plain line with no control codes, so logs stay greppable and nothing is redrawn.
 """
+
 from __future__ import annotations
 
 import threading
@@ -27,8 +28,9 @@ PLAIN_SHARES = 10
 PLAIN_EVERY_S = 10.0
 
 
-def worth_a_line(last: tuple[int, str] | None, last_at: float, steps_done: int, status: str,
-                 total: int | None, now: float) -> bool:
+def worth_a_line(
+    last: tuple[int, str] | None, last_at: float, steps_done: int, status: str, total: int | None, now: float
+) -> bool:
     if last is None:
         return True
     last_steps, last_status = last
@@ -46,20 +48,29 @@ class Progress:
     def __init__(self, console: Console) -> None:
         self.console = console
         self.live = console.is_terminal and not console.is_dumb_terminal
-        self.tasks: dict[str, Any] = {}          # trial_id -> rich task id (live mode)
+        self.tasks: dict[str, Any] = {}  # trial_id -> rich task id (live mode)
         self.totals: dict[str, int | None] = {}
         self.started: dict[str, float] = {}
         self.last: dict[str, tuple[int, str]] = {}  # plain mode: the last line's count and status
-        self.last_at: dict[str, float] = {}       # plain mode: when it was printed
-        self.lock = threading.Lock()              # runners report from reader threads
+        self.last_at: dict[str, float] = {}  # plain mode: when it was printed
+        self.lock = threading.Lock()  # runners report from reader threads
         # On a narrow terminal the trial's name gives way (cut with an ellipsis), never the
         # counts or the timer ("0:00:…" said nothing).
-        self.bar = RichProgress(
-            SpinnerColumn(), TextColumn("{task.description}", table_column=Column(ratio=1, no_wrap=True)),
-            BarColumn(bar_width=20), MofNCompleteColumn(table_column=Column(no_wrap=True)),
-            TextColumn("{task.fields[status]}", table_column=Column(no_wrap=True)),
-            TimeElapsedColumn(table_column=Column(no_wrap=True, min_width=7)),
-            console=console, transient=False, expand=True) if self.live else None
+        self.bar = (
+            RichProgress(
+                SpinnerColumn(),
+                TextColumn("{task.description}", table_column=Column(ratio=1, no_wrap=True)),
+                BarColumn(bar_width=20),
+                MofNCompleteColumn(table_column=Column(no_wrap=True)),
+                TextColumn("{task.fields[status]}", table_column=Column(no_wrap=True)),
+                TimeElapsedColumn(table_column=Column(no_wrap=True, min_width=7)),
+                console=console,
+                transient=False,
+                expand=True,
+            )
+            if self.live
+            else None
+        )
 
     def __enter__(self) -> "Progress":
         if self.bar is not None:
@@ -81,8 +92,7 @@ class Progress:
             self.totals[trial_id] = total_steps
             self.started[trial_id] = time.monotonic()
             if self.bar is not None:
-                self.tasks[trial_id] = self.bar.add_task(escape_markup(label), total=total_steps,
-                                                         status="starting")
+                self.tasks[trial_id] = self.bar.add_task(escape_markup(label), total=total_steps, status="starting")
                 return
         steps = f" ({total_steps} steps)" if total_steps else ""
         self.emit(trial_id, Text(f"started {label}{steps}"))
@@ -100,12 +110,12 @@ class Progress:
             status_text = status_text or ("finishing" if total and steps_done >= total else "running")
             if self.bar is not None:
                 # The columns read markup; caller text is escaped so "[rank0]" prints as written.
-                self.bar.update(self.tasks[trial_id], completed=steps_done,
-                                status=escape_markup(plain(status_text)))
+                self.bar.update(self.tasks[trial_id], completed=steps_done, status=escape_markup(plain(status_text)))
                 return
             now = time.monotonic()
-            if not worth_a_line(self.last.get(trial_id), self.last_at.get(trial_id, now), steps_done,
-                                status_text, total, now):
+            if not worth_a_line(
+                self.last.get(trial_id), self.last_at.get(trial_id, now), steps_done, status_text, total, now
+            ):
                 return
             self.last[trial_id] = (steps_done, status_text)
             self.last_at[trial_id] = now

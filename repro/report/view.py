@@ -10,6 +10,7 @@ Every sentence here must be true of the trial it describes: what ran (a graph re
 eager path on CPU) decides the wording, not what usually runs. No torch import: this runs in
 the parent.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,17 +23,29 @@ from repro.scenarios import SCENARIO_RUN_KEYS, SCENARIOS, RecordField, StepColum
 from repro.outcome import Finding, FirstFailure, GuardMode, Outcome, RankExit, Report, Status, StepRecord, TrialRecord
 from repro.report.groups import FindingGroup, group_findings
 from repro.report.fmt import (
-    fmt_bytes, fmt_expected, fmt_float, fmt_ptr, fmt_ranges, fmt_seconds, fmt_value, plain, tail,
+    fmt_bytes,
+    fmt_expected,
+    fmt_float,
+    fmt_ptr,
+    fmt_ranges,
+    fmt_seconds,
+    fmt_value,
+    plain,
+    tail,
     unique,
 )
 
 CPU_NOTE = "No CUDA graph was replayed (CPU run): the verdict comes from the stale-capture guard."
-CPU_CLEAN_NOTE = ("No CUDA graph was replayed (CPU run): the eager path stood in, and the stale-capture "
-                  "guard found no captured tensor freed or moved.")
-CPU_GUARD_OFF_NOTE = ("No CUDA graph was replayed (CPU run) and the guard was off: a stale capture "
-                      "could not have been detected.")
-CPU_COMPARISON_NOTE = ("No CUDA graph was replayed (CPU run): the verdict comes from comparing the eager "
-                       "output with the reference.")
+CPU_CLEAN_NOTE = (
+    "No CUDA graph was replayed (CPU run): the eager path stood in, and the stale-capture "
+    "guard found no captured tensor freed or moved."
+)
+CPU_GUARD_OFF_NOTE = (
+    "No CUDA graph was replayed (CPU run) and the guard was off: a stale capture could not have been detected."
+)
+CPU_COMPARISON_NOTE = (
+    "No CUDA graph was replayed (CPU run): the verdict comes from comparing the eager output with the reference."
+)
 CPU_FORENSICS_NOTE = "--forensics was ignored: CUDA memory history exists only on a GPU."
 
 # Outcomes after which the ranks' exits and stderr explain more than the step table does.
@@ -41,9 +54,9 @@ EXIT_OUTCOMES = frozenset({Outcome.CRASH, Outcome.HANG, Outcome.ILLEGAL_ADDRESS,
 # Phases in the order a trial runs them; keys a trial adds beyond these follow in its own order.
 TIMING_ORDER = ("start", "import", "cuda", "init", "build", "capture", "reload", "replays", "oracle", "total")
 
-MAX_STEP_ROWS = 20       # a 500-step run must not bury the verdict
+MAX_STEP_ROWS = 20  # a 500-step run must not bury the verdict
 MAX_FINDING_GROUPS = 10  # distinct dead storages shown; one storage is often in 7+ graphs
-CONTEXT_STEP_ROWS = 3    # clean rows kept before the failures, so the reader sees where it turned
+CONTEXT_STEP_ROWS = 3  # clean rows kept before the failures, so the reader sees where it turned
 STACK_FRAMES = 3
 
 # What each outcome means, in one sentence; "{where}" becomes " on rank R at step S" when known.
@@ -51,35 +64,34 @@ MEANINGS: dict[Outcome, str] = {
     Outcome.CLEAN: "Every replay ran and its output was finite and equal to the reference within tolerance.",
     Outcome.ILLEGAL_ADDRESS: "CUDA error 700{where}: the replay touched memory returned to the driver.",
     Outcome.DEVICE_ASSERT: "CUDA error 710{where}: a device-side assert fired, typically an index read "
-                           "from memory another tensor had reused.",
+    "from memory another tensor had reused.",
     Outcome.NONFINITE: "NaN/Inf in the output{where}: the replay read stale or overwritten memory.",
     Outcome.MISMATCH: "Finite output that differs from the reference{where}: the replay silently "
-                      "computed with the wrong values.",
+    "computed with the wrong values.",
     Outcome.STALE_CAPTURE: "Captured memory was found freed, moved, reused or overwritten{where} (by the guard or "
-                           "the graph census) with no visible symptom yet: the bug is latent and shows "
-                           "once the memory is reused.",
+    "the graph census) with no visible symptom yet: the bug is latent and shows "
+    "once the memory is reused.",
     Outcome.HANG: "No rank made progress{where} (no record for the stall limit, or none by the deadline); "
-                  "the harness killed the process group.",
+    "the harness killed the process group.",
     Outcome.DEADLINE: "The trial's deadline came while it was still progressing{where}: too slow for its "
-                      "budget, not stuck; no verdict, so not a pass.",
+    "budget, not stuck; no verdict, so not a pass.",
     Outcome.CRASH: "A rank exited abnormally{where} (signal or uncaught exception); its stderr tail says why.",
     Outcome.UNSUPPORTED: "This environment cannot run the trial (e.g. fewer GPUs than --tp): "
-                         "nothing was tested, so this is not a pass.",
+    "nothing was tested, so this is not a pass.",
     Outcome.INTERRUPTED: "The run was interrupted (Ctrl-C or SIGTERM){where} before this trial finished: "
-                         "no verdict; the records up to then are kept.",
+    "no verdict; the records up to then are kept.",
 }
 # The same outcomes when no graph was replayed (CPU, selftest): nothing may claim a replay.
 NO_REPLAY_MEANINGS: dict[Outcome, str] = {
     Outcome.CLEAN: "Every step ran and its output was finite and equal to the reference within tolerance.",
     Outcome.NONFINITE: "NaN/Inf in the output{where}: the step computed with stale or overwritten values.",
     Outcome.MISMATCH: "Finite output that differs from the reference{where}: the step silently computed "
-                      "with the wrong values.",
+    "with the wrong values.",
 }
 
 # Tones say what a piece of text means; each renderer maps them to its own colours.
 OK, WARN, SKIP, BAD, NOTE, DIM = "ok", "warn", "skip", "bad", "note", "dim"
-OUTCOME_TONES = {Outcome.CLEAN: OK, Outcome.STALE_CAPTURE: WARN, Outcome.UNSUPPORTED: SKIP,
-                 Outcome.INTERRUPTED: SKIP}
+OUTCOME_TONES = {Outcome.CLEAN: OK, Outcome.STALE_CAPTURE: WARN, Outcome.UNSUPPORTED: SKIP, Outcome.INTERRUPTED: SKIP}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,14 +107,15 @@ class Cell:
 @dataclass(frozen=True)
 class Column:
     """One table column, declared once for every renderer."""
+
     key: str
     header: str
     get: Callable[[Any], Cell]
     numeric: bool = False
-    wrap: bool = False        # free text: wraps rather than widening the table
-    drop: int = 0             # narrow consoles leave out the highest first; 0: always kept
-    fold: bool = False        # one value in every row: said once, above the table
-    stacked: str = ""         # two-line header where width is short
+    wrap: bool = False  # free text: wraps rather than widening the table
+    drop: int = 0  # narrow consoles leave out the highest first; 0: always kept
+    fold: bool = False  # one value in every row: said once, above the table
+    stacked: str = ""  # two-line header where width is short
 
     @property
     def short_header(self) -> str:
@@ -137,7 +150,7 @@ def trial_device(trial: TrialRecord) -> str:
     """'cpu' | 'cuda' where the trial ran; '' when it did not run (UNSUPPORTED)."""
     if trial.device:
         return trial.device
-    forced = run_config(trial).get("device")     # reports written before the field existed
+    forced = run_config(trial).get("device")  # reports written before the field existed
     return forced if forced in ("cpu", "cuda") else ""
 
 
@@ -169,8 +182,9 @@ def config_params(trial: TrialRecord) -> dict[str, str | None]:
 
 def config_highlights(trial: TrialRecord, sep: str = " · ") -> str:
     """'tp=2 · after-free=release · reload-drafter'."""
-    parts = [k.replace("_", "-") if v is None else f"{k.replace('_', '-')}={v}"
-             for k, v in config_params(trial).items()]
+    parts = [
+        k.replace("_", "-") if v is None else f"{k.replace('_', '-')}={v}" for k, v in config_params(trial).items()
+    ]
     return sep.join(parts)
 
 
@@ -214,7 +228,7 @@ def verdict_basis(trial: TrialRecord) -> list[str]:
     """
     if trial_device(trial) != "cpu" or trial.graph_replayed:
         return []
-    captured = "capture" in trial.timings      # a dry-run capture ran (selftest has none)
+    captured = "capture" in trial.timings  # a dry-run capture ran (selftest has none)
     guard_on = run_config(trial).get("guard", GuardMode.WARN) != GuardMode.OFF
     if trial.outcome is Outcome.STALE_CAPTURE:
         return [CPU_NOTE]
@@ -295,15 +309,18 @@ def fault_text(trial: TrialRecord) -> str | None:
     if not f:
         return None
     state = "fired" if f.get("fired") else "never reached"
-    return (f"{f['kind']} on rank {f['rank']} at step {f['step']} ({state}; test hook): "
-            "never counts as reproducing the bug")
+    return (
+        f"{f['kind']} on rank {f['rank']} at step {f['step']} ({state}; test hook): never counts as reproducing the bug"
+    )
 
 
 def stack_text(frames: list[str], n: int = STACK_FRAMES) -> str:
     """'inject_fault (worker.py:35) <- begin_step (worker.py:88)', most recent first."""
+
     def one(frame: str) -> str:
         where, _, func = frame.rpartition(" in ")
         return f"{func} ({where.rsplit('/', 1)[-1]})"
+
     return " <- ".join(one(f) for f in frames[:n])
 
 
@@ -312,8 +329,10 @@ def guard_fact(trial: TrialRecord) -> str | None:
     if run_config(trial).get("guard") != GuardMode.OFF:
         return None
     if trial.details.get("census"):
-        return ("off: captured tensors were not checked at the dispatcher; the graph census still "
-                "checked the addresses the graphs hold")
+        return (
+            "off: captured tensors were not checked at the dispatcher; the graph census still "
+            "checked the addresses the graphs hold"
+        )
     return "off: captured tensors were not checked"
 
 
@@ -414,8 +433,10 @@ def block_text(f: Finding) -> str | None:
     c = f.census
     if not c:
         return None
-    return (f"{fmt_ptr(c['block_start'])} · {fmt_bytes(c['block_size'])} · pool {tuple(c['block_pool'])} · "
-            f"{c['status']} ({c['how']})")
+    return (
+        f"{fmt_ptr(c['block_start'])} · {fmt_bytes(c['block_size'])} · pool {tuple(c['block_pool'])} · "
+        f"{c['status']} ({c['how']})"
+    )
 
 
 FINDING_FACTS: tuple[tuple[str, Callable[[FindingGroup], Any]], ...] = (
@@ -443,13 +464,14 @@ def stack_facts(label: str, stack: list[str]) -> list[Fact]:
 @dataclass
 class FindingView:
     """One problem: a group of findings (every graph, rank and layer that shows it)."""
+
     status: str
-    slot: str                 # the name, or its pattern when the members' names differ
-    rank: int                 # the first member's
+    slot: str  # the name, or its pattern when the members' names differ
+    rank: int  # the first member's
     tone: str
     facts: list[Fact]
-    ranks: str = ""           # "rank 0" | "ranks 0, 1"
-    count: int = 1            # findings in the group
+    ranks: str = ""  # "rank 0" | "ranks 0, 1"
+    count: int = 1  # findings in the group
 
     @property
     def where(self) -> str:
@@ -458,15 +480,20 @@ class FindingView:
 
 def finding_view(group: FindingGroup) -> FindingView:
     f = group.first
-    facts = [Fact(label, plain(str(value))) for label, get in FINDING_FACTS
-             if (value := get(group)) not in (None, "")]
+    facts = [Fact(label, plain(str(value))) for label, get in FINDING_FACTS if (value := get(group)) not in (None, "")]
     facts += stack_facts("alloc stack", f.alloc_stack) + stack_facts("free stack", f.free_stack)
     if f.message:
         facts.append(Fact("message", plain(f.message)))
     slot = f.slot if len(group.names()) == 1 else group.pattern
-    return FindingView(status=f.status, slot=plain(slot), rank=f.rank,
-                       tone=BAD if f.status in (Status.FREED, Status.CONTENTS_CHANGED) else WARN, facts=facts,
-                       ranks=ranks_text(group.ranks() or [f.rank]), count=group.count)
+    return FindingView(
+        status=f.status,
+        slot=plain(slot),
+        rank=f.rank,
+        tone=BAD if f.status in (Status.FREED, Status.CONTENTS_CHANGED) else WARN,
+        facts=facts,
+        ranks=ranks_text(group.ranks() or [f.rank]),
+        count=group.count,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -489,13 +516,27 @@ STEP_COLUMNS: tuple[Column, ...] = (
     Column("label", "label", lambda s: cell(s.label), wrap=True),
     Column("batch", "tokens", lambda s: cell(s.batch), numeric=True, fold=True, drop=3),
     Column("replayed", "replayed", lambda s: Cell("graph") if s.replayed else Cell("eager", WARN), fold=True),
-    Column("nonfinite", "nonfinite/numel", lambda s: Cell(f"{s.nonfinite}/{s.numel}", BAD if s.nonfinite else ""),
-           numeric=True, stacked="nonfinite\n/numel"),
-    Column("mismatches", "mismatches/compared",
-           lambda s: Cell(f"{s.mismatches}/{s.compared}", BAD if s.mismatches else ""),
-           numeric=True, stacked="mismatches\n/compared"),
-    Column("max_abs_err", "max abs err", lambda s: cell(fmt_float(s.max_abs_err), BAD if step_failed(s) else ""),
-           numeric=True, stacked="max abs\nerr"),
+    Column(
+        "nonfinite",
+        "nonfinite/numel",
+        lambda s: Cell(f"{s.nonfinite}/{s.numel}", BAD if s.nonfinite else ""),
+        numeric=True,
+        stacked="nonfinite\n/numel",
+    ),
+    Column(
+        "mismatches",
+        "mismatches/compared",
+        lambda s: Cell(f"{s.mismatches}/{s.compared}", BAD if s.mismatches else ""),
+        numeric=True,
+        stacked="mismatches\n/compared",
+    ),
+    Column(
+        "max_abs_err",
+        "max abs err",
+        lambda s: cell(fmt_float(s.max_abs_err), BAD if step_failed(s) else ""),
+        numeric=True,
+        stacked="max abs\nerr",
+    ),
     Column("rel_err", "rel err", lambda s: cell(fmt_float(s.rel_err)), numeric=True, drop=2),
     *(extra_column(c) for c in step_columns()),
     Column("tolerance", "tolerance", lambda s: cell(fmt_float(s.tolerance)), numeric=True, fold=True, drop=4),
@@ -535,8 +576,8 @@ RANK_COLUMNS: tuple[Column, ...] = (
 @dataclass
 class Row:
     cells: dict[str, Cell]
-    tone: str = ""           # BAD: a failing row
-    gap: int = 0             # > 0: stands for that many hidden rows
+    tone: str = ""  # BAD: a failing row
+    gap: int = 0  # > 0: stands for that many hidden rows
 
 
 @dataclass
@@ -544,15 +585,16 @@ class TableView:
     title: str
     columns: list[Column]
     rows: list[Row]
-    folded: list[tuple[str, str]] = field(default_factory=list)   # (header, value) said once
-    all_rows: list[Row] = field(default_factory=list)             # every row, when some are hidden
+    folded: list[tuple[str, str]] = field(default_factory=list)  # (header, value) said once
+    all_rows: list[Row] = field(default_factory=list)  # every row, when some are hidden
     hidden: int = 0
     summary: str = ""
-    note: str = ""            # a line under the table, where a count would otherwise mislead
+    note: str = ""  # a line under the table, where a count would otherwise mislead
 
 
-def table_rows(columns: tuple[Column, ...] | list[Column], items: list[Any],
-               failed: Callable[[Any], bool] = lambda _: False) -> list[Row]:
+def table_rows(
+    columns: tuple[Column, ...] | list[Column], items: list[Any], failed: Callable[[Any], bool] = lambda _: False
+) -> list[Row]:
     return [Row({c.key: c.get(x) for c in columns}, BAD if failed(x) else "") for x in items]
 
 
@@ -623,9 +665,15 @@ def steps_view(steps: list[StepRecord]) -> TableView:
             continue
         columns.append(c)
     hidden = len(steps) - len(shown)
-    return TableView(title=steps_title(steps), columns=columns, rows=with_gaps(shown, [every[i] for i in shown]),
-                     folded=folded, all_rows=every if hidden > 0 else [], hidden=hidden,
-                     summary=steps_summary(steps) if hidden > 0 else "")
+    return TableView(
+        title=steps_title(steps),
+        columns=columns,
+        rows=with_gaps(shown, [every[i] for i in shown]),
+        folded=folded,
+        all_rows=every if hidden > 0 else [],
+        hidden=hidden,
+        summary=steps_summary(steps) if hidden > 0 else "",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -636,7 +684,7 @@ def steps_view(steps: list[StepRecord]) -> TableView:
 class Artifact:
     name: str
     path: str
-    href: str = ""            # relative link from the page that shows it, when known
+    href: str = ""  # relative link from the page that shows it, when known
 
 
 @dataclass
@@ -647,7 +695,7 @@ class TrialView:
     title: str
     scenario: str
     mode: str
-    config: str               # 'tp=2 after-free=release reload-drafter'
+    config: str  # 'tp=2 after-free=release reload-drafter'
     device: str
     outcome: str
     tone: str
@@ -656,9 +704,9 @@ class TrialView:
     met_mark: Cell
     verdict: Cell
     meaning: str
-    first_failure: str        # '' when none
+    first_failure: str  # '' when none
     first_failure_short: str
-    basis: list[str]          # where the verdict came from, when that is not the usual
+    basis: list[str]  # where the verdict came from, when that is not the usual
     facts: list[Fact]
     seconds: float | None
     findings_total: int
@@ -669,10 +717,10 @@ class TrialView:
     timings: list[tuple[str, str]]
     notes: list[str]
     artifacts: list[Artifact]
-    ranks: TableView          # every rank's exit
-    show_ranks: bool          # the processes' ends explain the outcome: show them with it
+    ranks: TableView  # every rank's exit
+    show_ranks: bool  # the processes' ends explain the outcome: show them with it
     stderr_tails: list[tuple[int, str]]
-    record: TrialRecord       # charts and JUnit names read the raw steps
+    record: TrialRecord  # charts and JUnit names read the raw steps
 
     @property
     def seconds_text(self) -> str:
@@ -681,8 +729,14 @@ class TrialView:
     @property
     def details_parts(self) -> list[str]:
         """What the HTML page folds under the trial's verdict, named in its summary line."""
-        parts = [("facts", self.facts), ("storages after reloads", self.manifests), ("steps", self.steps),
-                 ("timings", self.timings), ("notes", self.notes), ("artifacts", self.artifacts)]
+        parts = [
+            ("facts", self.facts),
+            ("storages after reloads", self.manifests),
+            ("steps", self.steps),
+            ("timings", self.timings),
+            ("notes", self.notes),
+            ("artifacts", self.artifacts),
+        ]
         return [name for name, present in parts if present]
 
 
@@ -691,7 +745,7 @@ def artifact_href(path: str, link_base: Path | None) -> str:
         return ""
     try:
         rel = os.path.relpath(Path(path).resolve(), link_base.resolve())
-    except ValueError:        # another drive (Windows): an absolute link still works
+    except ValueError:  # another drive (Windows): an absolute link still works
         return Path(path).resolve().as_uri()
     return quote(Path(rel).as_posix())
 
@@ -702,27 +756,46 @@ def manifest_note(trial: TrialRecord) -> str:
     renamed = {(f.rank, f.slot) for f in trial.guard_findings if f.status == Status.FREED and f.new_ptr is not None}
     if not renamed:
         return ""
-    return (f"each storage is counted once, freed before rebound: the {len(renamed)} freed storage(s) whose "
-            "name now points at another tensor are counted as freed")
+    return (
+        f"each storage is counted once, freed before rebound: the {len(renamed)} freed storage(s) whose "
+        "name now points at another tensor are counted as freed"
+    )
 
 
 def trial_view(index: int, trial: TrialRecord, link_base: Path | None = None) -> TrialView:
     groups = group_findings(trial.guard_findings)
     return TrialView(
-        index=index, id=trial.id, anchor=f"trial-{index}", title=trial_title(trial), scenario=trial.scenario,
-        mode=trial.mode, config=config_highlights(trial, sep=" "), device=trial_device(trial),
-        outcome=trial.outcome.value, tone=outcome_tone(trial.outcome), expected=fmt_expected(trial.expected),
-        met=trial.met, met_mark=met_cell(trial), verdict=verdict_words(trial),
+        index=index,
+        id=trial.id,
+        anchor=f"trial-{index}",
+        title=trial_title(trial),
+        scenario=trial.scenario,
+        mode=trial.mode,
+        config=config_highlights(trial, sep=" "),
+        device=trial_device(trial),
+        outcome=trial.outcome.value,
+        tone=outcome_tone(trial.outcome),
+        expected=fmt_expected(trial.expected),
+        met=trial.met,
+        met_mark=met_cell(trial),
+        verdict=verdict_words(trial),
         meaning=describe(trial.outcome, trial.first_failure, replayed=trial.graph_replayed),
         first_failure=failure_line(trial.first_failure) if trial.first_failure else "",
         first_failure_short=short_failure(trial),
-        basis=verdict_basis(trial) + option_notes(trial) + scenario_lines(trial), facts=trial_facts(trial),
-        seconds=trial_seconds(trial), findings_total=len(trial.guard_findings),
+        basis=verdict_basis(trial) + option_notes(trial) + scenario_lines(trial),
+        facts=trial_facts(trial),
+        seconds=trial_seconds(trial),
+        findings_total=len(trial.guard_findings),
         findings=[finding_view(g) for g in groups[:MAX_FINDING_GROUPS]],
         hidden_finding_groups=max(0, len(groups) - MAX_FINDING_GROUPS),
-        manifests=TableView("Captured storages after reloads", list(MANIFEST_COLUMNS),
-                            table_rows(MANIFEST_COLUMNS, trial.manifests),
-                            note=manifest_note(trial)) if trial.manifests else None,
+        manifests=TableView(
+            "Captured storages after reloads",
+            list(MANIFEST_COLUMNS),
+            table_rows(MANIFEST_COLUMNS, trial.manifests),
+            note=manifest_note(trial),
+        )
+        if trial.manifests
+        else None,
         steps=steps_view(trial.steps) if trial.steps else None,
         timings=[(k, fmt_seconds(v)) for k, v in ordered_timings(trial.timings)],
         notes=[plain(n) for n in trial.notes],
@@ -730,7 +803,8 @@ def trial_view(index: int, trial: TrialRecord, link_base: Path | None = None) ->
         ranks=TableView("Rank exits", list(RANK_COLUMNS), table_rows(RANK_COLUMNS, trial.ranks, abnormal)),
         show_ranks=trial.outcome in EXIT_OUTCOMES and bool(trial.ranks),
         stderr_tails=[(r.rank, tail(r.stderr_tail)) for r in trial.ranks if tail(r.stderr_tail)],
-        record=trial)
+        record=trial,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -740,9 +814,11 @@ def trial_view(index: int, trial: TrialRecord, link_base: Path | None = None) ->
 def record_column(f: RecordField) -> Column:
     """A scenario's trial field (ScenarioSpec.record_fields) as a summary column: '-' for trials
     that did not measure it, those of other scenarios among them."""
+
     def get(t: TrialView) -> Cell:
         value = t.record.measures.get(f.name)
         return Cell("-" if value is None else format(value, f.fmt))
+
     return Column(f.name, f.column, get, numeric=True)
 
 
@@ -827,14 +903,21 @@ class RunView:
     interrupted: bool
     trials: list[TrialView]
     summary_columns: tuple[Column, ...] = SUMMARY_COLUMNS
-    problems: list[str] = field(default_factory=list)   # a merge's missing / duplicated shards
+    problems: list[str] = field(default_factory=list)  # a merge's missing / duplicated shards
 
 
 def run_view(report: Report, link_base: Path | None = None) -> RunView:
     """link_base: the directory of the page that will link the artifacts (HTML)."""
     env = report.environment or {}
-    return RunView(environment=environment_line(env), environment_rows=environment_rows(env),
-                   command=report.command, created=report.created, schema=report.schema,
-                   summary=summary_line(report), all_met=report.all_met(), interrupted=report.interrupted,
-                   trials=[trial_view(i, t, link_base) for i, t in enumerate(report.trials)],
-                   problems=report.shard_problems())
+    return RunView(
+        environment=environment_line(env),
+        environment_rows=environment_rows(env),
+        command=report.command,
+        created=report.created,
+        schema=report.schema,
+        summary=summary_line(report),
+        all_met=report.all_met(),
+        interrupted=report.interrupted,
+        trials=[trial_view(i, t, link_base) for i, t in enumerate(report.trials)],
+        problems=report.shard_problems(),
+    )

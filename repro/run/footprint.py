@@ -6,6 +6,7 @@ CRASH. Each scenario's bound (ScenarioSpec.footprint) counts only tensors it hol
 moment, so it is a lower bound: a trial refused here could not have run; one admitted may
 still need more. Plain arithmetic on the config: no torch (the parent must stay torch-free).
 """
+
 from __future__ import annotations
 
 import os
@@ -53,17 +54,21 @@ def fit_reason(cfg: TrialConfig, device: str) -> str:
     tp = cfg.run.tp
     if device == "cuda":
         totals = gpus.visible_memory()[:tp]
-        if cfg.run.share_gpu:             # every rank on the first GPU
+        if cfg.run.share_gpu:  # every rank on the first GPU
             totals, per_rank = totals[:1], per_rank * tp
         if not totals or min(totals) >= per_rank:
             return ""
-        return (f"{cfg.scenario} at these model sizes needs at least {gib(per_rank)} of GPU memory per rank "
-                f"(lower bound), the smallest of the {tp} GPU(s) it would use has {gib(min(totals))}; "
-                "use smaller [model] sizes")
+        return (
+            f"{cfg.scenario} at these model sizes needs at least {gib(per_rank)} of GPU memory per rank "
+            f"(lower bound), the smallest of the {tp} GPU(s) it would use has {gib(min(totals))}; "
+            "use smaller [model] sizes"
+        )
     need = per_rank * tp
     available = host_available()
     if available is None or available >= need:
         return ""
     ranks = f" ({tp} ranks x {gib(per_rank)})" if tp > 1 else ""
-    return (f"{cfg.scenario} at these model sizes needs at least {gib(need)} of host memory{ranks} "
-            f"(lower bound), this host has {gib(available)} available; use smaller [model] sizes")
+    return (
+        f"{cfg.scenario} at these model sizes needs at least {gib(need)} of host memory{ranks} "
+        f"(lower bound), this host has {gib(available)} available; use smaller [model] sizes"
+    )

@@ -17,6 +17,7 @@ of a script ignores SIGINT) stay ignored, as a fresh interpreter keeps them.
 Test hook: REPRO_SIGNAL_AT=SIGNAL@POINT (e.g. SIGTERM@server) makes the process signal
 itself when it passes the named point, so a test reaches every window without timing.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,9 +38,9 @@ class Interrupts:
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self.event = threading.Event()        # set at the first signal; the runner waits on it
-        self.deferred = True                  # True: record only; False: raise as Python would
-        self.settled = False                  # the report is out: later signals change nothing
+        self.event = threading.Event()  # set at the first signal; the runner waits on it
+        self.deferred = True  # True: record only; False: raise as Python would
+        self.settled = False  # the report is out: later signals change nothing
         self.installed = False
         self._previous: dict[int, Any] = {}
 
@@ -65,7 +66,7 @@ class Interrupts:
 
     def handle(self, signum: int, frame: Any) -> None:
         if self.signum is None:
-            self.signum = signum              # the first signal names the interruption
+            self.signum = signum  # the first signal names the interruption
         self.event.set()
         if not self.deferred and not self.settled:
             raise self.exception()

@@ -6,6 +6,7 @@ run's rank server, which imported torch once and never initialises CUDA, or a fr
 as one rank dies (a peer blocked in a collective after its neighbour's illegal memory access
 must never hang the harness), then reads the ranks' JSONL records back.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,10 +24,31 @@ from repro.run import stacks
 from repro.config import TrialConfig, default_expectation
 from repro.run.interrupts import checkpoint
 from repro.run.launch import RankServer, ServerUnavailable, StartCancelled, child_env
-from repro.outcome import (REPRODUCED, FirstFailure, Outcome, RankExit, TrialRecord, finding_from_dict,
-                           manifest_from_dict, parse_expectation, step_from_dict, worst)
-from repro.run.protocol import (STACKS_SIGNAL, Event, RankRecords, StepCounter, TrialSpec, log_path, read_records,
-                            records_path, rendezvous_path, spec_path, stacks_path)
+from repro.outcome import (
+    REPRODUCED,
+    FirstFailure,
+    Outcome,
+    RankExit,
+    TrialRecord,
+    finding_from_dict,
+    manifest_from_dict,
+    parse_expectation,
+    step_from_dict,
+    worst,
+)
+from repro.run.protocol import (
+    STACKS_SIGNAL,
+    Event,
+    RankRecords,
+    StepCounter,
+    TrialSpec,
+    log_path,
+    read_records,
+    records_path,
+    rendezvous_path,
+    spec_path,
+    stacks_path,
+)
 from repro.scenarios import trial_measures
 
 POLL_S = 0.05
@@ -44,18 +66,27 @@ TAIL_CHARS = 3000
 # evidence of an assert (measured on torch 2.11 / H200).
 ERROR_PATTERNS = [
     (Outcome.STALE_CAPTURE, re.compile(r"StaleCaptureError")),
-    (Outcome.DEVICE_ASSERT, re.compile(
-        r"device-side assert triggered|cudaErrorAssert|CUDA_ERROR_ASSERT|Assertion `.*` failed", re.I)),
-    (Outcome.ILLEGAL_ADDRESS, re.compile(
-        r"illegal memory access|cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS|"
-        r"Invalid __global__ (read|write)", re.I)),
+    (
+        Outcome.DEVICE_ASSERT,
+        re.compile(r"device-side assert triggered|cudaErrorAssert|CUDA_ERROR_ASSERT|Assertion `.*` failed", re.I),
+    ),
+    (
+        Outcome.ILLEGAL_ADDRESS,
+        re.compile(
+            r"illegal memory access|cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS|"
+            r"Invalid __global__ (read|write)",
+            re.I,
+        ),
+    ),
 ]
 
 
 # A rank that died of these died because a peer went away first: collateral, not the cause.
 PEER_LOSS = re.compile(
     r"Connection closed by peer|Connection reset by peer|remote worker|remote process|"
-    r"Broken pipe|NCCL communicator was aborted|ncclRemoteError|Socket Timeout", re.I)
+    r"Broken pipe|NCCL communicator was aborted|ncclRemoteError|Socket Timeout",
+    re.I,
+)
 
 
 class Interrupted(Exception):
@@ -69,8 +100,8 @@ class Interrupted(Exception):
 @dataclass
 class Rank:
     rank: int
-    proc: Any                          # subprocess.Popen, or launch.RemoteRank (same interface)
-    log: Any                           # the log file we opened; None when the rank opened its own
+    proc: Any  # subprocess.Popen, or launch.RemoteRank (same interface)
+    log: Any  # the log file we opened; None when the rank opened its own
     pgid: int
     exited_at: float | None = None
     killed: bool = False
@@ -80,15 +111,15 @@ class Rank:
 class Waited:
     spawned_at: float
     ended_at: float
-    hung: bool = False                 # no progress (stalled) or no record at all by the deadline
+    hung: bool = False  # no progress (stalled) or no record at all by the deadline
     interrupted: bool = False
     first_death: int | None = None
-    stacks: dict[int, str] = field(default_factory=dict)   # rank -> its faulthandler dump, when asked
-    stalled: bool = False              # the progress watchdog fired (no record for stall_s)
-    deadline: bool = False             # the overall deadline came while the trial still progressed
-    quiet_s: float | None = None       # seconds since the last record when the wait ended
-    longest_pause_s: float = 0.0       # the longest pause between records before that
-    stall_limit_s: float | None = None # the watchdog's limit then: --stall, or twice that pause
+    stacks: dict[int, str] = field(default_factory=dict)  # rank -> its faulthandler dump, when asked
+    stalled: bool = False  # the progress watchdog fired (no record for stall_s)
+    deadline: bool = False  # the overall deadline came while the trial still progressed
+    quiet_s: float | None = None  # seconds since the last record when the wait ended
+    longest_pause_s: float = 0.0  # the longest pause between records before that
+    stall_limit_s: float | None = None  # the watchdog's limit then: --stall, or twice that pause
 
 
 @dataclass
@@ -98,12 +129,13 @@ class Activity:
     build above all, may be long and silent; steps repeat). The pauses between records are
     measured from the first step's start, so a step whose own phases are slow (a real-dims
     reload on CPU: a minute or two without a record) sets how long a pause may be."""
+
     counters: list[StepCounter]
-    seen: int = 0                      # bytes of complete records read so far, all ranks
-    last_at: float | None = None       # monotonic time a record was last seen; None: none yet
-    stepping: bool = False             # some rank has recorded a step
-    began: bool = False                # some rank has begun a step
-    longest_pause_s: float = 0.0       # the longest pause between records since then
+    seen: int = 0  # bytes of complete records read so far, all ranks
+    last_at: float | None = None  # monotonic time a record was last seen; None: none yet
+    stepping: bool = False  # some rank has recorded a step
+    began: bool = False  # some rank has begun a step
+    longest_pause_s: float = 0.0  # the longest pause between records since then
 
     def poll(self, now: float) -> None:
         steps = [c.poll() for c in self.counters]
@@ -140,9 +172,14 @@ class Activity:
         return quiet <= max(2 * self.longest_pause_s, PROGRESS_PAUSE_S)
 
 
-def spawn_ranks(spec: TrialSpec, spec_file: Path, wrapper: list[str],
-                extra_env: dict[str, str] | None = None, server: RankServer | None = None,
-                stop: threading.Event | None = None) -> list[Rank]:
+def spawn_ranks(
+    spec: TrialSpec,
+    spec_file: Path,
+    wrapper: list[str],
+    extra_env: dict[str, str] | None = None,
+    server: RankServer | None = None,
+    stop: threading.Event | None = None,
+) -> list[Rank]:
     """One process per rank: forked by the run's rank server where it serves this trial,
     else a fresh `python -m repro.rank.worker` (always under a wrapper program). Once `stop` is
     set (an interrupt) no further rank is started: the ranks so far are returned."""
@@ -167,11 +204,18 @@ def spawn_ranks(spec: TrialSpec, spec_file: Path, wrapper: list[str],
                 except StartCancelled:
                     break
                 except ServerUnavailable:
-                    use_server = False           # this rank and the rest the old way
+                    use_server = False  # this rank and the rest the old way
             log = open(log_file, "wb")
             cmd = [*wrapper, sys.executable, "-m", "repro.rank.worker", str(spec_file), str(r)]
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, cwd=os.getcwd(), process_group=pgid)
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=os.getcwd(),
+                process_group=pgid,
+            )
             ranks.append(Rank(rank=r, proc=proc, log=log, pgid=pgid or proc.pid))
     except BaseException:
         kill_group(ranks)
@@ -181,7 +225,7 @@ def spawn_ranks(spec: TrialSpec, spec_file: Path, wrapper: list[str],
 
 def kill_group(ranks: list[Rank]) -> None:
     """SIGKILL every process group of the trial (children of ranks included) and reap."""
-    for r in ranks:                       # decide before the kill: afterwards poll() says -9
+    for r in ranks:  # decide before the kill: afterwards poll() says -9
         if r.proc.poll() is None:
             r.killed = True
     for pgid in {r.pgid for r in ranks}:
@@ -206,14 +250,14 @@ def request_stacks(ranks: list[Rank], out_dir: str) -> list[int]:
         starts = recs.of(Event.START)
         if r.proc.poll() is None and starts:
             try:
-                os.kill(starts[0]["pid"], STACKS_SIGNAL)   # the worker's own pid (a wrapper may sit above it)
+                os.kill(starts[0]["pid"], STACKS_SIGNAL)  # the worker's own pid (a wrapper may sit above it)
                 asked.append(r.rank)
             except (ProcessLookupError, PermissionError):
                 pass
     end = time.monotonic() + STACKS_WAIT_S
     while asked and time.monotonic() < end:
         if all(answered(stacks_path(out_dir, k)) for k in asked):
-            time.sleep(POLL_S)                 # the dump is a burst of small writes: let it finish
+            time.sleep(POLL_S)  # the dump is a burst of small writes: let it finish
             break
         time.sleep(POLL_S)
     return asked
@@ -235,9 +279,15 @@ def read_stacks(out_dir: str, ranks: list[int]) -> dict[int, str]:
     return dumps
 
 
-def wait_group(ranks: list[Rank], deadline_s: float, spawned_at: float,
-               on_tick: Callable[[], None] | None = None, stop: threading.Event | None = None,
-               out_dir: str | None = None, stall_s: float | None = None) -> Waited:
+def wait_group(
+    ranks: list[Rank],
+    deadline_s: float,
+    spawned_at: float,
+    on_tick: Callable[[], None] | None = None,
+    stop: threading.Event | None = None,
+    out_dir: str | None = None,
+    stall_s: float | None = None,
+) -> Waited:
     """Poll until every rank exited, one died (plus GRACE_S), the trial stalled, the deadline,
     or an interrupt: Ctrl-C in this thread, or `stop` set by the thread that got it.
 
@@ -254,7 +304,7 @@ def wait_group(ranks: list[Rank], deadline_s: float, spawned_at: float,
         while True:
             now = time.monotonic()
             if stop is not None and stop.is_set():
-                waited.interrupted = True      # first: a trial stopped before all its ranks started
+                waited.interrupted = True  # first: a trial stopped before all its ranks started
                 break
             if activity is not None:
                 activity.poll(now)
@@ -321,11 +371,17 @@ def rank_exit(r: Rank, recs: RankRecords, out_dir: str, dump: str = "") -> RankE
     code = r.proc.returncode
     starts = recs.of(Event.START)
     last = [e for e in recs.events if e.get("event") in (Event.DONE, Event.ERROR)][-1:]
-    return RankExit(rank=r.rank, pid=starts[0]["pid"] if starts else r.proc.pid,
-                    exitcode=None if r.killed else code, signal=None if r.killed else signal_name(code),
-                    killed_by_harness=r.killed, stderr_tail=tail(log_path(out_dir, r.rank)), error=error,
-                    stack=stacks.top_frames(dump),
-                    peak_reserved_bytes=last[0].get("peak_reserved_bytes") if last else None)
+    return RankExit(
+        rank=r.rank,
+        pid=starts[0]["pid"] if starts else r.proc.pid,
+        exitcode=None if r.killed else code,
+        signal=None if r.killed else signal_name(code),
+        killed_by_harness=r.killed,
+        stderr_tail=tail(log_path(out_dir, r.rank)),
+        error=error,
+        stack=stacks.top_frames(dump),
+        peak_reserved_bytes=last[0].get("peak_reserved_bytes") if last else None,
+    )
 
 
 def error_text(ex: RankExit, recs: RankRecords) -> str:
@@ -370,7 +426,7 @@ def clip(text: str, limit: int = DETAIL_CHARS) -> str:
     head = text[:limit]
     end = max(head.rfind(". "), head.rfind("; "))
     if end > limit // 2:
-        return head[:end + 1].rstrip(";") + " …"
+        return head[: end + 1].rstrip(";") + " …"
     return head.rsplit(" ", 1)[0].rstrip(" ,;:(") + " …"
 
 
@@ -384,13 +440,17 @@ def crash_detail(ex: RankExit) -> str:
     return clip((telling or lines or [f"exit code {ex.exitcode}"])[-1])
 
 
-def classify(cfg: TrialConfig, recs: list[RankRecords], exits: list[RankExit], waited: Waited
-             ) -> tuple[Outcome, FirstFailure | None]:
+def classify(
+    cfg: TrialConfig, recs: list[RankRecords], exits: list[RankExit], waited: Waited
+) -> tuple[Outcome, FirstFailure | None]:
     if any(r.of(Event.UNSUPPORTED) for r in recs):
         reason = next(e["reason"] for r in recs for e in r.of(Event.UNSUPPORTED))
         return Outcome.UNSUPPORTED, FirstFailure(Outcome.UNSUPPORTED, None, None, reason)
-    died = [(ex, o) for ex, rr in zip(exits, recs) if (o := rank_failure(ex, rr)) is not None
-            and not (waited.interrupted and interrupt_victim(ex))]
+    died = [
+        (ex, o)
+        for ex, rr in zip(exits, recs)
+        if (o := rank_failure(ex, rr)) is not None and not (waited.interrupted and interrupt_victim(ex))
+    ]
     causes = [(ex, o) for ex, o in died if not collateral(ex, recs[ex.rank])]
     # Peers lost to an interrupted rank are not a crash of their own.
     died = causes or ([] if waited.interrupted else died)
@@ -408,8 +468,9 @@ def classify(cfg: TrialConfig, recs: list[RankRecords], exits: list[RankExit], w
     if waited.interrupted:
         steps = {current_step(r) for r in recs}
         step = steps.pop() if len(steps) == 1 else None
-        return Outcome.INTERRUPTED, FirstFailure(Outcome.INTERRUPTED, None, step,
-                                                 "interrupted before the trial finished; records up to then kept")
+        return Outcome.INTERRUPTED, FirstFailure(
+            Outcome.INTERRUPTED, None, step, "interrupted before the trial finished; records up to then kept"
+        )
     return classify_steps(recs)
 
 
@@ -421,13 +482,18 @@ def hang_failure(cfg: TrialConfig, recs: list[RankRecords], exits: list[RankExit
         detail = f"no record from any rank within the {cfg.run.deadline_s:g} s deadline; group killed"
     elif waited.stalled:
         limit = waited.stall_limit_s or cfg.run.stall_s
-        why = (f"{cfg.run.stall_s:g} s, --stall" if limit <= cfg.run.stall_s else
-               f"{limit:.0f} s, twice the longest pause between the steps' records so far; --stall {cfg.run.stall_s:g}")
+        why = (
+            f"{cfg.run.stall_s:g} s, --stall"
+            if limit <= cfg.run.stall_s
+            else f"{limit:.0f} s, twice the longest pause between the steps' records so far; --stall {cfg.run.stall_s:g}"
+        )
         detail = f"no record from any rank for {waited.quiet_s:.0f} s (stall limit {why}); group killed"
     else:
-        detail = (f"no record from any rank for the last {waited.quiet_s:.1f} s before the "
-                  f"{cfg.run.deadline_s:g} s deadline (longest pause before: {waited.longest_pause_s:.1f} s); "
-                  "group killed")
+        detail = (
+            f"no record from any rank for the last {waited.quiet_s:.1f} s before the "
+            f"{cfg.run.deadline_s:g} s deadline (longest pause before: {waited.longest_pause_s:.1f} s); "
+            "group killed"
+        )
     rank, why = stacks.blame({k: stacks.main_frames(waited.stacks.get(k, "")) for k in stuck})
     if rank is None and len(stuck) == 1:
         rank = stuck[0]
@@ -444,10 +510,15 @@ def deadline_failure(cfg: TrialConfig, recs: list[RankRecords], waited: Waited) 
     steps = [s for s in (current_step(r) for r in recs) if s is not None]
     done = min(len({e["step"] for e in r.of(Event.STEP)}) for r in recs) if recs else 0
     # Steps counted from 0, as the steps table and the verdict's "on step N" count them.
-    where = (f"in step {max(steps)} ({done} of {cfg.run.steps} steps done)" if steps
-             else f"before the first step (0 of {cfg.run.steps} steps done)")
-    detail = (f"deadline {cfg.run.deadline_s:g} s reached {where} while progressing (last record "
-              f"{waited.quiet_s or 0:.1f} s before); not a hang: raise --deadline, or lower --steps")
+    where = (
+        f"in step {max(steps)} ({done} of {cfg.run.steps} steps done)"
+        if steps
+        else f"before the first step (0 of {cfg.run.steps} steps done)"
+    )
+    detail = (
+        f"deadline {cfg.run.deadline_s:g} s reached {where} while progressing (last record "
+        f"{waited.quiet_s or 0:.1f} s before); not a hang: raise --deadline, or lower --steps"
+    )
     return FirstFailure(Outcome.DEADLINE, None, max(steps) if steps else None, detail)
 
 
@@ -457,15 +528,20 @@ def classify_steps(recs: list[RankRecords]) -> tuple[Outcome, FirstFailure | Non
         bad = sorted((s for s in steps if s.outcome() == kind), key=lambda s: (s.step, s.rank))
         if bad:
             s = bad[0]
-            what = (f"{s.nonfinite}/{s.numel} non-finite" if kind == Outcome.NONFINITE
-                    else f"{s.mismatches}/{s.compared} differ from the reference" if s.mismatches
-                    else f"the ranks disagree on {s.rank_disagreements()}/{s.compared} outputs")
+            what = (
+                f"{s.nonfinite}/{s.numel} non-finite"
+                if kind == Outcome.NONFINITE
+                else f"{s.mismatches}/{s.compared} differ from the reference"
+                if s.mismatches
+                else f"the ranks disagree on {s.rank_disagreements()}/{s.compared} outputs"
+            )
             return kind, FirstFailure(kind, s.rank, s.step, f"{s.label}: {what}")
     findings = [e for r in recs for e in r.of(Event.FINDING)]
     if findings:
         f = findings[0]
-        return Outcome.STALE_CAPTURE, FirstFailure(Outcome.STALE_CAPTURE, f["rank"], None,
-                                                   f"{f['slot']} {f['status']} ({f['when']})")
+        return Outcome.STALE_CAPTURE, FirstFailure(
+            Outcome.STALE_CAPTURE, f["rank"], None, f"{f['slot']} {f['status']} ({f['when']})"
+        )
     return Outcome.CLEAN, None
 
 
@@ -510,9 +586,16 @@ def runtime_facts(recs: list[RankRecords]) -> dict[str, Any]:
     return {k: v for k, v in reported[0].items() if k not in ("event", "rank", "t")} if reported else {}
 
 
-def build_record(trial_id: str, cfg: TrialConfig, device: str, recs: list[RankRecords],
-                 exits: list[RankExit], waited: Waited, out_dir: str,
-                 fault: dict[str, Any] | None = None) -> TrialRecord:
+def build_record(
+    trial_id: str,
+    cfg: TrialConfig,
+    device: str,
+    recs: list[RankRecords],
+    exits: list[RankExit],
+    waited: Waited,
+    out_dir: str,
+    fault: dict[str, Any] | None = None,
+) -> TrialRecord:
     outcome, first = classify(cfg, recs, exits, waited)
     fault = injected(fault, recs)
     expected = parse_expectation(default_expectation(cfg))
@@ -528,37 +611,68 @@ def build_record(trial_id: str, cfg: TrialConfig, device: str, recs: list[RankRe
     # A symptom the harness injected is not the bug's: it can never meet a "reproduced" expectation.
     met = outcome in expected and not waited.interrupted and not (fault and outcome in REPRODUCED)
     return TrialRecord(
-        id=trial_id, scenario=cfg.scenario, mode=cfg.run.mode, config=cfg.to_dict(), outcome=outcome,
-        expected=expected, met=met,
-        graph_replayed=replayed_graphs(steps, recs), first_failure=first, steps=steps,
+        id=trial_id,
+        scenario=cfg.scenario,
+        mode=cfg.run.mode,
+        config=cfg.to_dict(),
+        outcome=outcome,
+        expected=expected,
+        met=met,
+        graph_replayed=replayed_graphs(steps, recs),
+        first_failure=first,
+        steps=steps,
         guard_findings=[finding_from_dict(e) for r in recs for e in r.of(Event.FINDING)],
         manifests=[manifest_from_dict(e) for r in recs for e in r.of(Event.MANIFEST)],
-        timings=phase_timings(recs, waited), ranks=exits, notes=notes, artifacts=artifacts, details=details,
-        device=device, injected_fault=fault, runtime=runtime_facts(recs),
-        measures=trial_measures(cfg.scenario, steps))
+        timings=phase_timings(recs, waited),
+        ranks=exits,
+        notes=notes,
+        artifacts=artifacts,
+        details=details,
+        device=device,
+        injected_fault=fault,
+        runtime=runtime_facts(recs),
+        measures=trial_measures(cfg.scenario, steps),
+    )
 
 
 def unsupported_record(trial_id: str, cfg: TrialConfig, reason: str) -> TrialRecord:
     expected = parse_expectation(default_expectation(cfg))
-    return TrialRecord(id=trial_id, scenario=cfg.scenario, mode=cfg.run.mode, config=cfg.to_dict(),
-                       outcome=Outcome.UNSUPPORTED, expected=expected, met=Outcome.UNSUPPORTED in expected,
-                       graph_replayed=False,
-                       first_failure=FirstFailure(Outcome.UNSUPPORTED, None, None, reason),
-                       notes=[f"not run: {reason}"], measures=trial_measures(cfg.scenario, []))
+    return TrialRecord(
+        id=trial_id,
+        scenario=cfg.scenario,
+        mode=cfg.run.mode,
+        config=cfg.to_dict(),
+        outcome=Outcome.UNSUPPORTED,
+        expected=expected,
+        met=Outcome.UNSUPPORTED in expected,
+        graph_replayed=False,
+        first_failure=FirstFailure(Outcome.UNSUPPORTED, None, None, reason),
+        notes=[f"not run: {reason}"],
+        measures=trial_measures(cfg.scenario, []),
+    )
 
 
-def run_trial(cfg: TrialConfig, device: str, out_root: Path, trial_id: str,
-              fault: dict[str, Any] | None = None, wrapper: list[str] | None = None,
-              on_tick: Callable[[str, int], None] | None = None, env: dict[str, str] | None = None,
-              stop: threading.Event | None = None, server: RankServer | None = None) -> TrialRecord:
+def run_trial(
+    cfg: TrialConfig,
+    device: str,
+    out_root: Path,
+    trial_id: str,
+    fault: dict[str, Any] | None = None,
+    wrapper: list[str] | None = None,
+    on_tick: Callable[[str, int], None] | None = None,
+    env: dict[str, str] | None = None,
+    stop: threading.Event | None = None,
+    server: RankServer | None = None,
+) -> TrialRecord:
     """Spawn, watch, kill, classify. Raises Interrupted (with the partial record) on Ctrl-C
     or once `stop` is set. env: extra variables for the ranks (the runner's GPU lanes).
     server: the run's rank server, which forks the ranks where it can (repro/rank/server.py)."""
     out_dir = out_root / trial_id
     out_dir.mkdir(parents=True, exist_ok=True)
     world = cfg.run.tp
-    spec = TrialSpec(trial_id=trial_id, config=cfg.to_dict(), device=device, world_size=world,
-                     out_dir=str(out_dir), fault=fault)
+    spec = TrialSpec(
+        trial_id=trial_id, config=cfg.to_dict(), device=device, world_size=world, out_dir=str(out_dir), fault=fault
+    )
     spec.save(spec_path(out_dir))
     # A reused directory's old store port and stack dumps belong to another run.
     rendezvous_path(out_dir).unlink(missing_ok=True)
@@ -576,7 +690,7 @@ def run_trial(cfg: TrialConfig, device: str, out_root: Path, trial_id: str,
 
     waited = wait_group(ranks, cfg.run.deadline_s, spawned_at, tick, stop, str(out_dir), cfg.run.stall_s)
     checkpoint("ended")
-    tick()   # the polls can miss the last steps of a quick trial; the final count is always said
+    tick()  # the polls can miss the last steps of a quick trial; the final count is always said
     recs = read_records(out_dir, world)
     exits = [rank_exit(r, rr, str(out_dir), waited.stacks.get(r.rank, "")) for r, rr in zip(ranks, recs)]
     trial = build_record(trial_id, cfg, device, recs, exits, waited, str(out_dir), fault)

@@ -13,6 +13,7 @@ failed, it died, a request needs an interpreter of its own) the parent spawns th
 `prestart(argv)` starts the server before the CLI imports its own modules, for the commands
 that run trials: the server's torch import then overlaps the parent's start-up and planning.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent.parent      # holds repro/ (repro/run/launch.py)
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent  # holds repro/ (repro/run/launch.py)
 
 # Children inherit these; NVLink multicast must stay off on shared hosts. This module is the
 # parent's and must not import torch (seconds of start-up before the first rank is spawned).
@@ -66,8 +67,8 @@ def with_bytecode_cache(env: dict[str, str], torch_origin: str | None) -> dict[s
     if "PYTHONPYCACHEPREFIX" in env or torch_origin is None:
         return env
     if Path(importlib.util.cache_from_source(torch_origin)).exists():
-        return env                                  # the install's own bytecode is there: use it
-    out = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}   # writes go to our cache
+        return env  # the install's own bytecode is there: use it
+    out = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}  # writes go to our cache
     out["PYTHONPYCACHEPREFIX"] = str(cache_root(env) / "pycache")
     return out
 
@@ -99,9 +100,10 @@ class StartCancelled(Exception):
 @dataclass
 class RemoteRank:
     """A rank forked by the server, seen through Popen's interface (pid, poll, wait, returncode)."""
+
     pid: int
     returncode: int | None = None
-    lost: bool = False                       # the server died before reporting this rank's exit
+    lost: bool = False  # the server died before reporting this rank's exit
     exited: threading.Event = field(default_factory=threading.Event)
 
     def poll(self) -> int | None:
@@ -117,7 +119,7 @@ class RemoteRank:
             if end is not None and time.monotonic() > end:
                 raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
             time.sleep(0.01)
-        return self.returncode               # type: ignore[return-value]
+        return self.returncode  # type: ignore[return-value]
 
     def set_exit(self, code: int, lost: bool = False) -> None:
         if self.returncode is None:
@@ -153,10 +155,10 @@ class RankServer:
         self._state = threading.Condition()
         self._next_id = 0
         self._answers: dict[int, dict[str, Any]] = {}
-        self._ranks: dict[int, RemoteRank] = {}   # live ranks by pid (the server reports
-                                                  # a rank's start before its exit)
-        self.started: list[int] = []              # pids of every rank it forked
-        self.ready: bool | None = None            # None until the server said ready/unavailable
+        self._ranks: dict[int, RemoteRank] = {}  # live ranks by pid (the server reports
+        # a rank's start before its exit)
+        self.started: list[int] = []  # pids of every rank it forked
+        self.ready: bool | None = None  # None until the server said ready/unavailable
         self.reason = ""
         self.preload_s: float | None = None
         self._reader = threading.Thread(target=self._read, name="rank-server-replies", daemon=True)
@@ -169,9 +171,15 @@ class RankServer:
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "repro.rank.server", str(req_r), str(rep_w)],
-                                    pass_fds=(req_r, rep_w), stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, env=env, cwd=os.getcwd(), process_group=0)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "repro.rank.server", str(req_r), str(rep_w)],
+                pass_fds=(req_r, rep_w),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                env=env,
+                cwd=os.getcwd(),
+                process_group=0,
+            )
         finally:
             os.close(req_r)
             os.close(rep_w)
@@ -187,8 +195,9 @@ class RankServer:
         keys = set(env) | set(self.env)
         return all(env.get(k) == self.env.get(k) for k in keys - RUNTIME_ONLY_ENV)
 
-    def start_rank(self, spec_file: str, rank: int, env: dict[str, str], log: str, pgid: int,
-                   stop: threading.Event | None = None) -> tuple[RemoteRank, int]:
+    def start_rank(
+        self, spec_file: str, rank: int, env: dict[str, str], log: str, pgid: int, stop: threading.Event | None = None
+    ) -> tuple[RemoteRank, int]:
         """Fork one rank; returns it and its process group. Raises ServerUnavailable, or
         StartCancelled once `stop` is set while the server still imports."""
         if not self.wait_ready(READY_TIMEOUT_S, stop):
@@ -196,8 +205,7 @@ class RankServer:
         with self._lock:
             self._next_id += 1
             rid = self._next_id
-            req = {"id": rid, "spec": spec_file, "rank": rank, "env": env, "log": log, "pgid": pgid,
-                   "cwd": os.getcwd()}
+            req = {"id": rid, "spec": spec_file, "rank": rank, "env": env, "log": log, "pgid": pgid, "cwd": os.getcwd()}
             try:
                 self._requests.write(json.dumps(req) + "\n")
                 self._requests.flush()
@@ -238,7 +246,7 @@ class RankServer:
         try:
             self.proc.wait(timeout=CLOSE_WAIT_S if self.ready else 0)
         except subprocess.TimeoutExpired:
-            self.proc.kill()                   # its ranks die with it (PR_SET_PDEATHSIG)
+            self.proc.kill()  # its ranks die with it (PR_SET_PDEATHSIG)
             self.proc.wait()
         self._reader.join(timeout=5)
 
@@ -271,7 +279,7 @@ class RankServer:
             with self._state:
                 self._handle(msg)
                 self._state.notify_all()
-        with self._state:                     # EOF: the server exited or died
+        with self._state:  # EOF: the server exited or died
             self._lose_all()
             self._state.notify_all()
 
@@ -302,8 +310,9 @@ class RankServer:
 
 
 # Flags after which a command runs no trial; prestart() leaves the server off for them.
-NO_TRIAL_FLAGS = frozenset({"--help", "-h", "--print-config", "--list", "--install-completion",
-                            "--show-completion", "--version"})
+NO_TRIAL_FLAGS = frozenset(
+    {"--help", "-h", "--print-config", "--list", "--install-completion", "--show-completion", "--version"}
+)
 
 
 def runs_trials(argv: list[str], commands: frozenset[str]) -> bool:
@@ -319,4 +328,4 @@ def prestart(argv: list[str], commands: frozenset[str]) -> RankServer | None:
     try:
         return RankServer.start(child_env())
     except OSError:
-        return None                               # the run starts ranks the old way
+        return None  # the run starts ranks the old way

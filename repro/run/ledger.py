@@ -12,6 +12,7 @@ small ones behind it.
 
 Torch-free (the parent's): the totals come from NVML (repro/env/gpus.py).
 """
+
 from __future__ import annotations
 
 import threading
@@ -26,26 +27,27 @@ POLL_S = 0.2
 
 @dataclass
 class Claim:
-    need: dict[int, int]            # GPU (index among the visible ones) -> bytes promised
+    need: dict[int, int]  # GPU (index among the visible ones) -> bytes promised
     waited_s: float = 0.0
     ticket: int = 0
 
 
 @dataclass
 class MemoryLedger:
-    totals: list[int]               # bytes of each visible GPU, in CUDA order
+    totals: list[int]  # bytes of each visible GPU, in CUDA order
     promised: dict[int, int] = field(default_factory=dict)
-    holders: dict[int, int] = field(default_factory=dict)     # GPU -> running trials on it
-    _next: int = 0                  # the next ticket handed out
-    _serving: list[int] = field(default_factory=list)         # tickets waiting, oldest first
+    holders: dict[int, int] = field(default_factory=dict)  # GPU -> running trials on it
+    _next: int = 0  # the next ticket handed out
+    _serving: list[int] = field(default_factory=list)  # tickets waiting, oldest first
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
     def capacity(self, gpu: int) -> int:
         return int(self.totals[gpu] * USABLE)
 
     def fits(self, need: dict[int, int]) -> bool:
-        return all(self.holders.get(g, 0) == 0 or self.promised.get(g, 0) + n <= self.capacity(g)
-                   for g, n in need.items())
+        return all(
+            self.holders.get(g, 0) == 0 or self.promised.get(g, 0) + n <= self.capacity(g) for g, n in need.items()
+        )
 
     def claim(self, need: dict[int, int], stop: threading.Event | None = None) -> Claim | None:
         """Wait until `need` fits (or nothing runs on those GPUs), then promise it; None when

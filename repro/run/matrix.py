@@ -1,14 +1,15 @@
 """`repro matrix`: every scenario x mode x lifecycle with its expected outcome, from one TOML file.
 
-    [matrix]                     # defaults for every trial
-    description = "..."
-    device = "cpu"               # any [run] key
-    [[trial]]
-    scenario = "gemma4-mtp"
-    preset = "gemma4-tiny"
-    mode = "unfixed"             # any other [run] key: tp, after_free, reload_drafter, expect, ...
-    expect = "STALE_CAPTURE"
+[matrix]                     # defaults for every trial
+description = "..."
+device = "cpu"               # any [run] key
+[[trial]]
+scenario = "gemma4-mtp"
+preset = "gemma4-tiny"
+mode = "unfixed"             # any other [run] key: tp, after_free, reload_drafter, expect, ...
+expect = "STALE_CAPTURE"
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,9 +41,11 @@ def load_matrix(path_or_name: str, gpus: int) -> tuple[str, list[Planned]]:
     data = read_toml(path)
     unknown = set(data) - {"matrix", "trial"}
     if "scenario" in data and "trial" not in data:
-        raise ConfigError(f"{path}: a scenario preset (for {data['scenario']}), not a matrix; run it with "
-                          f"`repro {data['scenario']} --config {path_or_name}`, or give a matrix "
-                          "(`repro presets` lists them)")
+        raise ConfigError(
+            f"{path}: a scenario preset (for {data['scenario']}), not a matrix; run it with "
+            f"`repro {data['scenario']} --config {path_or_name}`, or give a matrix "
+            "(`repro presets` lists them)"
+        )
     if unknown:
         raise ConfigError(f"{path}: unknown top-level key {sorted(unknown)[0]!r}; allowed: [matrix], [[trial]]")
     head = data.get("matrix", {})
@@ -84,8 +87,10 @@ def select(planned: list[Planned], patterns: list[str], name: str) -> list[Plann
     chosen = [p for p in planned if any(matches(planned_id(p), pat) for pat in patterns)]
     if not chosen:
         shown = " ".join(f"--only {pat!r}" for pat in patterns)
-        raise ConfigError(f"{shown} matches none of the {len(planned)} trials of {name}; "
-                          f"`repro matrix --config {name} --list` shows their ids")
+        raise ConfigError(
+            f"{shown} matches none of the {len(planned)} trials of {name}; "
+            f"`repro matrix --config {name} --list` shows their ids"
+        )
     return chosen
 
 
@@ -98,8 +103,9 @@ def listing(planned: list[Planned], width: int = 80) -> list[str]:
     as wide as their longest entry, so the gpu-2 matrix fits 80 characters."""
     ids = max(len(planned_id(p)) for p in planned)
     expects = max(len(default_expectation(p.cfg)) for p in planned)
-    lines = [f"{planned_id(p):<{ids}} expect {default_expectation(p.cfg):<{expects}} {p.device or NOT_HERE}"
-             for p in planned]
+    lines = [
+        f"{planned_id(p):<{ids}} expect {default_expectation(p.cfg):<{expects}} {p.device or NOT_HERE}" for p in planned
+    ]
     for reason in dict.fromkeys(p.reason for p in planned if p.device is None):
         count = sum(1 for p in planned if p.device is None and p.reason == reason)
         lines += textwrap.wrap(f"{NOT_HERE} ({count} trials, UNSUPPORTED): {reason}", width, subsequent_indent="  ")

@@ -9,6 +9,7 @@ twice, is a failure of the merged run, named in the report (summary line, JUnit,
 Reports of different plans (another matrix, another `--only`, another shard count) cannot be
 joined: that is bad input (exit 2), not a failed run.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,10 @@ def load(path: Path) -> ShardReport:
         raise ConfigError(f"{path}: not a repro JSON report ({e})") from None
     shard = report.shard
     if not shard or "plan" not in shard or "index" not in shard or "merged" in shard:
-        raise ConfigError(f"{path}: not the report of one shard (it has no shard K/N); "
-                          "write each shard's with `repro matrix --shard K/N --json PATH`")
+        raise ConfigError(
+            f"{path}: not the report of one shard (it has no shard K/N); "
+            "write each shard's with `repro matrix --shard K/N --json PATH`"
+        )
     return ShardReport(path, report, shard)
 
 
@@ -49,12 +52,16 @@ def check_same_split(shards: list[ShardReport]) -> None:
     first = shards[0]
     for s in shards[1:]:
         if s.shard["count"] != first.shard["count"]:
-            raise ConfigError(f"{s.path} is shard {s.name} of {s.shard['count']}, {first.path} shard {first.name} "
-                              f"of {first.shard['count']}: merge the reports of one split")
+            raise ConfigError(
+                f"{s.path} is shard {s.name} of {s.shard['count']}, {first.path} shard {first.name} "
+                f"of {first.shard['count']}: merge the reports of one split"
+            )
         if s.shard["plan"] != first.shard["plan"]:
-            raise ConfigError(f"{s.path} was planned with {len(s.shard['plan'])} trials, {first.path} with "
-                              f"{len(first.shard['plan'])} (or other ids): merge the reports of one matrix, "
-                              "run with the same --config and --only")
+            raise ConfigError(
+                f"{s.path} was planned with {len(s.shard['plan'])} trials, {first.path} with "
+                f"{len(first.shard['plan'])} (or other ids): merge the reports of one matrix, "
+                "run with the same --config and --only"
+            )
 
 
 def host_of(report: Report) -> str:
@@ -72,14 +79,18 @@ def problems_of(shards: list[ShardReport], count: int, plan: list[str]) -> list[
         if k not in by_index:
             problems.append(f"shard {k}/{count} missing: no report given for it")
         elif len(by_index[k]) > 1:
-            problems.append(f"shard {k}/{count} given {len(by_index[k])} times ({', '.join(str(s.path) for s in by_index[k])})")
+            problems.append(
+                f"shard {k}/{count} given {len(by_index[k])} times ({', '.join(str(s.path) for s in by_index[k])})"
+            )
     owner: dict[str, str] = {}
     for k in sorted(by_index):
         s = by_index[k][0]
         for tid in s.shard["trials"]:
             if tid in owner and owner[tid] != s.name:
-                problems.append(f"trial {tid} is in shard {owner[tid]} and shard {s.name}: the shards were split "
-                                "differently (the same --balance file for every shard?)")
+                problems.append(
+                    f"trial {tid} is in shard {owner[tid]} and shard {s.name}: the shards were split "
+                    "differently (the same --balance file for every shard?)"
+                )
             owner.setdefault(tid, s.name)
     present = set(by_index)
     unowned = [t for t in plan if t not in owner]
@@ -112,9 +123,23 @@ def merge(paths: list[Path]) -> Report:
         environment=used[0].report.environment,
         trials=sorted(trials.values(), key=lambda t: order.get(t.id, len(order))),
         created=min(s.report.created for s in used),
-        interrupted=any(s.report.interrupted for s in used), interrupted_by=interrupted_by,
+        interrupted=any(s.report.interrupted for s in used),
+        interrupted_by=interrupted_by,
         not_run=sum(s.report.not_run for s in used) + sum(1 for t in plan if t not in owned),
-        shard={"merged": [{"index": s.shard["index"], "count": count, "source": str(s.path),
-                           "host": host_of(s.report), "created": s.report.created, "by": s.shard.get("by", "")}
-                          for s in used],
-               "count": count, "plan": plan, "problems": problems})
+        shard={
+            "merged": [
+                {
+                    "index": s.shard["index"],
+                    "count": count,
+                    "source": str(s.path),
+                    "host": host_of(s.report),
+                    "created": s.report.created,
+                    "by": s.shard.get("by", ""),
+                }
+                for s in used
+            ],
+            "count": count,
+            "plan": plan,
+            "problems": problems,
+        },
+    )

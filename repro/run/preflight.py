@@ -8,6 +8,7 @@ under the user's cache is created with its parents: that place is ours. Whether 
 created is tried, not inferred from permission bits: root passes every access() check, yet
 /proc or a read-only mount refuses the file.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,9 @@ def check_parent(flag: str, value: str | os.PathLike, directory: Path) -> None:
     if not base.is_dir():
         raise ConfigError(f"{flag} {value}: {base} is a file, not a directory; choose a path outside it")
     if base != directory:
-        raise ConfigError(f"{flag} {value}: directory {directory} does not exist; create it first "
-                          "(repro does not create it)")
+        raise ConfigError(
+            f"{flag} {value}: directory {directory} does not exist; create it first (repro does not create it)"
+        )
     reason = try_create_in(base)
     if reason:
         raise ConfigError(f"{flag} {value}: cannot create files in {base} ({reason}); choose a writable location")
@@ -74,8 +76,10 @@ def check_default_root(root: Path) -> None:
         denied = try_create_in(base)
         reason = f"cannot create files in {base} ({denied})" if denied else None
     if reason:
-        raise ConfigError(f"cannot create the run folder {root}, {DEFAULT_ROOT_HELP}: {reason}; "
-                          "set XDG_CACHE_HOME to a writable directory or pass --artifacts DIR")
+        raise ConfigError(
+            f"cannot create the run folder {root}, {DEFAULT_ROOT_HELP}: {reason}; "
+            "set XDG_CACHE_HOME to a writable directory or pass --artifacts DIR"
+        )
 
 
 def check_distinct(outputs: dict[str, str | os.PathLike | None]) -> None:
@@ -90,8 +94,13 @@ def check_distinct(outputs: dict[str, str | os.PathLike | None]) -> None:
         seen[key] = flag
 
 
-def check_outputs(json_file: str | None, junit: Path | None, html: Path | None, artifacts: Path | None,
-                  default_root: Path | None = None) -> None:
+def check_outputs(
+    json_file: str | None,
+    junit: Path | None,
+    html: Path | None,
+    artifacts: Path | None,
+    default_root: Path | None = None,
+) -> None:
     """json_file: the file --json writes (None for none, also for `--json -`: stdout; see
     repro/output.py); artifacts: the --artifacts the user gave (None: the run folder goes to
     default_root)."""
@@ -113,5 +122,7 @@ def refuse_ignored(mode: str, given: dict[str, object]) -> None:
     refused rather than ignored, so nobody waits for a file that never comes."""
     ignored = [flag for flag, value in given.items() if value not in (None, False, [], ())]
     if ignored:
-        raise ConfigError(f"{mode} runs no trial, so {', '.join(ignored)} would be ignored; "
-                          f"drop {'it' if len(ignored) == 1 else 'them'} or drop {mode}")
+        raise ConfigError(
+            f"{mode} runs no trial, so {', '.join(ignored)} would be ignored; "
+            f"drop {'it' if len(ignored) == 1 else 'them'} or drop {mode}"
+        )

@@ -6,6 +6,7 @@ has it, so a crash loses nothing already produced. Every line carries "event" (a
 rank and a wall-clock "t"; the other fields depend on the event. Neither side imports the
 other: both import this module (plain data, no torch).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,21 +22,21 @@ from repro.outcome import to_jsonable
 
 
 class Event(str, Enum):
-    START = "start"              # pid, device, world_size, visible_gpus: the rank is up
-    RUNTIME = "runtime"          # rank 0, once torch is imported: torch/CUDA/NCCL facts
-    PHASE = "phase"              # name, seconds
-    BEGIN = "begin"              # step: a death from here on belongs to this step
-    FAULT = "fault"              # kind, step: an injected fault (test hook) fires now
-    REPLAY = "replay"            # graph: a captured graph is about to replay (once per graph)
-    STEP = "step"                # a StepRecord
-    FINDING = "finding"          # a guard Finding
-    MANIFEST = "manifest"        # a Manifest
-    NOTE = "note"                # text
-    DETAIL = "detail"            # trial facts (after-free result, mechanism, ...)
-    ARTIFACT = "artifact"        # name, path
+    START = "start"  # pid, device, world_size, visible_gpus: the rank is up
+    RUNTIME = "runtime"  # rank 0, once torch is imported: torch/CUDA/NCCL facts
+    PHASE = "phase"  # name, seconds
+    BEGIN = "begin"  # step: a death from here on belongs to this step
+    FAULT = "fault"  # kind, step: an injected fault (test hook) fires now
+    REPLAY = "replay"  # graph: a captured graph is about to replay (once per graph)
+    STEP = "step"  # a StepRecord
+    FINDING = "finding"  # a guard Finding
+    MANIFEST = "manifest"  # a Manifest
+    NOTE = "note"  # text
+    DETAIL = "detail"  # trial facts (after-free result, mechanism, ...)
+    ARTIFACT = "artifact"  # name, path
     UNSUPPORTED = "unsupported"  # reason: this rank cannot run the scenario here
-    ERROR = "error"              # type, message, traceback, peak_reserved_bytes: recorded before the rank exits
-    DONE = "done"                # timings, peak_reserved_bytes (None off CUDA): the rank finished cleanly
+    ERROR = "error"  # type, message, traceback, peak_reserved_bytes: recorded before the rank exits
+    DONE = "done"  # timings, peak_reserved_bytes (None off CUDA): the rank finished cleanly
 
 
 # Test hook: the ways a rank can be made to fail as real failures look from the outside.
@@ -49,12 +50,13 @@ STACKS_SIGNAL = signal.SIGUSR1
 @dataclass
 class TrialSpec:
     """What the parent hands every rank of a trial (written to spec.json)."""
+
     trial_id: str
-    config: dict[str, Any]            # TrialConfig.to_dict()
-    device: str                       # "cuda" | "cpu"
+    config: dict[str, Any]  # TrialConfig.to_dict()
+    device: str  # "cuda" | "cpu"
     world_size: int
     out_dir: str
-    fault: dict[str, Any] | None = None   # test hook: {"kind", "rank", "step"}
+    fault: dict[str, Any] | None = None  # test hook: {"kind", "rank", "step"}
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
@@ -101,6 +103,7 @@ class RecordSink:
 @dataclass
 class RankRecords:
     """The parent's side: every complete record one rank wrote, in order."""
+
     events: list[dict[str, Any]] = field(default_factory=list)
 
     def of(self, kind: Event) -> list[dict[str, Any]]:
@@ -134,7 +137,7 @@ class StepCounter:
         self.path = path
         self.offset = 0
         self.steps = 0
-        self.begun = 0                  # steps begun (a step's own phases come after it)
+        self.begun = 0  # steps begun (a step's own phases come after it)
 
     def poll(self) -> int:
         try:
@@ -143,7 +146,7 @@ class StepCounter:
                 chunk = f.read()
         except FileNotFoundError:
             return self.steps
-        complete = chunk[: chunk.rfind(b"\n") + 1]      # a line still being written waits
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits
         self.offset += len(complete)
         records = parse_lines(complete.decode("utf-8", errors="replace"))
         self.steps += sum(1 for e in records if e.get("event") == Event.STEP)

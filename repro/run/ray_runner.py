@@ -18,6 +18,7 @@ so a node needs Python, torch and repro's dependencies, not repro itself. Ray is
 here and only when --ray is given; without Ray the command exits 3 with one line. The driver
 never imports torch.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -39,15 +40,22 @@ from typing import Any, Callable
 from repro.config import TrialConfig, default_expectation
 from repro.run.isolate import Interrupted, run_trial, unsupported_record
 from repro.run.launch import MULTICAST_OFF
-from repro.outcome import (FirstFailure, Outcome, TrialRecord, parse_expectation, step_from_dict, to_jsonable,
-                           trial_from_dict)
+from repro.outcome import (
+    FirstFailure,
+    Outcome,
+    TrialRecord,
+    parse_expectation,
+    step_from_dict,
+    to_jsonable,
+    trial_from_dict,
+)
 from repro.run.protocol import Event, StepCounter, read_records, records_path
 from repro.run.runner import Hooks, Planned, RunResult, environment, run_all, trial_id, with_runtime
 from repro.scenarios import trial_measures
 from repro.watch.ray import append_chunks, read_new
 
 RAY_MISSING = "--ray needs Ray, which is not installed here: pip install 'repro[ray]' (or pip install ray)"
-PACKAGE_DIR = Path(__file__).resolve().parent.parent     # repro/, shipped whole to the nodes
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # repro/, shipped whole to the nodes
 POLL_S = 0.5
 # After Ctrl-C an actor gets this long to stop its trial and hand back the partial record.
 STOP_WAIT_S = 15.0
@@ -81,8 +89,7 @@ class Node:
 
 def runtime_env() -> dict[str, Any]:
     """What every actor of the run gets: this copy of repro, and the children's must-have variables."""
-    return {"py_modules": [str(PACKAGE_DIR)], "excludes": ["__pycache__", "*.pyc"],
-            "env_vars": dict(MULTICAST_OFF)}
+    return {"py_modules": [str(PACKAGE_DIR)], "excludes": ["__pycache__", "*.pyc"], "env_vars": dict(MULTICAST_OFF)}
 
 
 def label_nodes(nodes: list[Node]) -> list[Node]:
@@ -94,9 +101,18 @@ def label_nodes(nodes: list[Node]) -> list[Node]:
 
 
 def alive_nodes(ray: Any) -> list[Node]:
-    return label_nodes([Node(id=n["NodeID"], name=n.get("NodeName") or n.get("NodeManagerAddress") or "?",
-                             cpus=float(n["Resources"].get("CPU", 0)), gpus=float(n["Resources"].get("GPU", 0)))
-                        for n in ray.nodes() if n.get("Alive")])
+    return label_nodes(
+        [
+            Node(
+                id=n["NodeID"],
+                name=n.get("NodeName") or n.get("NodeManagerAddress") or "?",
+                cpus=float(n["Resources"].get("CPU", 0)),
+                gpus=float(n["Resources"].get("GPU", 0)),
+            )
+            for n in ray.nodes()
+            if n.get("Alive")
+        ]
+    )
 
 
 def needs(p: Planned) -> tuple[int, int]:
@@ -113,18 +129,27 @@ def connect(address: str) -> "Cluster":
     local = address == "local"
     refused = unreachable(address)
     if refused:
-        raise RayUnavailable(f"--ray {address}: cannot reach a Ray cluster ({refused}); start one with "
-                             "`ray start --head` and pass its address, or use --ray local")
+        raise RayUnavailable(
+            f"--ray {address}: cannot reach a Ray cluster ({refused}); start one with "
+            "`ray start --head` and pass its address, or use --ray local"
+        )
     # Ray's core worker installs its own fatal-signal handler for SIGTERM (it aborts the
     # process); the CLI's must stay, so a CI cancel still stops every remote trial cleanly.
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        ray.init(address=None if local else address, runtime_env=runtime_env(), logging_level=logging.ERROR,
-                 log_to_driver=False, **({"include_dashboard": False} if local else {}))
-    except Exception as e:        # ConnectionError, ValueError, RuntimeError: all mean "not reached"
+        ray.init(
+            address=None if local else address,
+            runtime_env=runtime_env(),
+            logging_level=logging.ERROR,
+            log_to_driver=False,
+            **({"include_dashboard": False} if local else {}),
+        )
+    except Exception as e:  # ConnectionError, ValueError, RuntimeError: all mean "not reached"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise RayUnavailable(f"--ray {address}: cannot reach a Ray cluster ({first}); start one with "
-                             "`ray start --head` and pass its address, or use --ray local") from None
+        raise RayUnavailable(
+            f"--ray {address}: cannot reach a Ray cluster ({first}); start one with "
+            "`ray start --head` and pass its address, or use --ray local"
+        ) from None
     finally:
         if threading.current_thread() is threading.main_thread():
             for sig, handler in handlers.items():
@@ -173,8 +198,12 @@ class Cluster:
         """'' when every trial fits some node; else one line naming the first that fits none."""
         for p in planned:
             tid = trial_id(p.index or 0, p.cfg)
-            if p.device is None and p.cfg.run.device != "cpu" and not p.cfg.run.share_gpu \
-                    and p.cfg.run.tp > self.largest_gpus():
+            if (
+                p.device is None
+                and p.cfg.run.device != "cpu"
+                and not p.cfg.run.share_gpu
+                and p.cfg.run.tp > self.largest_gpus()
+            ):
                 return f"trial {tid} needs a node with {p.cfg.run.tp} GPUs; largest has {self.largest_gpus()}"
             if p.device is None:
                 continue
@@ -214,9 +243,14 @@ class TrialHost:
                 trial, interrupted = e.trial, True
             if device == "cuda":
                 import ray
+
                 trial.notes.append(f"Ray gave this trial GPU(s) {', '.join(map(str, ray.get_gpu_ids()))} of its node")
-            return {"trial": to_jsonable(trial), "interrupted": interrupted, "dir": str(self.dir),
-                    "files": read_new(self.dir, {})}
+            return {
+                "trial": to_jsonable(trial),
+                "interrupted": interrupted,
+                "dir": str(self.dir),
+                "files": read_new(self.dir, {}),
+            }
         finally:
             self.dir = None
             shutil.rmtree(root, ignore_errors=True)
@@ -253,23 +287,38 @@ class Mirror:
         append_chunks(self.folder, chunks, self.offsets)
 
 
-def failed_record(tid: str, cfg: TrialConfig, device: str, outcome: Outcome, detail: str,
-                  notes: list[str], node: str, folder: Path) -> TrialRecord:
+def failed_record(
+    tid: str, cfg: TrialConfig, device: str, outcome: Outcome, detail: str, notes: list[str], node: str, folder: Path
+) -> TrialRecord:
     """A trial whose node-side record never came back (node lost, actor killed): its outcome,
     and the steps of the records copied to the driver before that."""
     expected = parse_expectation(default_expectation(cfg))
     recs = read_records(folder, cfg.run.tp)
     steps = sorted((step_from_dict(e) for r in recs for e in r.of(Event.STEP)), key=lambda s: (s.step, s.rank))
-    return TrialRecord(steps=steps, id=tid, scenario=cfg.scenario, mode=cfg.run.mode, config=cfg.to_dict(), outcome=outcome,
-                       expected=expected, met=False, graph_replayed=False, device=device,
-                       first_failure=FirstFailure(outcome, None, None, detail), notes=notes, node=node,
-                       measures=trial_measures(cfg.scenario, []))   # measured on the node, which never reported
+    return TrialRecord(
+        steps=steps,
+        id=tid,
+        scenario=cfg.scenario,
+        mode=cfg.run.mode,
+        config=cfg.to_dict(),
+        outcome=outcome,
+        expected=expected,
+        met=False,
+        graph_replayed=False,
+        device=device,
+        first_failure=FirstFailure(outcome, None, None, detail),
+        notes=notes,
+        node=node,
+        measures=trial_measures(cfg.scenario, []),
+    )  # measured on the node, which never reported
 
 
 def relocate(trial: TrialRecord, node_dir: str, local_dir: Path) -> None:
     """Artifact paths as the driver has them (the node's folder is gone)."""
-    trial.artifacts = {k: str(local_dir / Path(v).relative_to(node_dir)) if v.startswith(node_dir) else v
-                       for k, v in trial.artifacts.items()}
+    trial.artifacts = {
+        k: str(local_dir / Path(v).relative_to(node_dir)) if v.startswith(node_dir) else v
+        for k, v in trial.artifacts.items()
+    }
 
 
 def node_alive(ray: Any, node_id: str) -> bool:
@@ -278,16 +327,23 @@ def node_alive(ray: Any, node_id: str) -> bool:
 
 @dataclass
 class Attempt:
-    trial: TrialRecord | None          # None: never placed (an interrupt came first)
-    lost: bool = False                 # the node or the actor's worker went away mid-trial
+    trial: TrialRecord | None  # None: never placed (an interrupt came first)
+    lost: bool = False  # the node or the actor's worker went away mid-trial
     interrupted: bool = False
 
 
-def attempt(cluster: Cluster, p: Planned, tid: str, folder: Path, stop: threading.Event,
-            on_tick: Callable[[str, int], None] | None) -> Attempt:
+def attempt(
+    cluster: Cluster,
+    p: Planned,
+    tid: str,
+    folder: Path,
+    stop: threading.Event,
+    on_tick: Callable[[str, int], None] | None,
+) -> Attempt:
     ray = import_ray()
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     cpus, gpus = needs(p)
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
     pg = placement_group([bundle], strategy="STRICT_PACK")
@@ -298,16 +354,24 @@ def attempt(cluster: Cluster, p: Planned, tid: str, folder: Path, stop: threadin
                 return Attempt(None)
         node_id = placement_group_table(pg)["bundles_to_node_id"][0]
         node = cluster.label(node_id)
-        host = actor_class(ray).options(
-            num_cpus=cpus, num_gpus=gpus, max_concurrency=4, max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)).remote()
+        host = (
+            actor_class(ray)
+            .options(
+                num_cpus=cpus,
+                num_gpus=gpus,
+                max_concurrency=4,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+            )
+            .remote()
+        )
         ref = host.run.remote(p.cfg, p.device, tid, p.fault)
         mirror = Mirror(folder)
         halted_at = None
         while not ray.wait([ref], timeout=POLL_S)[0]:
             try:
                 mirror.apply(ray.get(host.snapshot.remote(dict(mirror.offsets)), timeout=SNAPSHOT_TIMEOUT_S))
-            except Exception:          # the actor is gone or stuck: the run's own result says which
+            except Exception:  # the actor is gone or stuck: the run's own result says which
                 pass
             if on_tick:
                 on_tick(tid, mirror.steps.poll())
@@ -315,22 +379,33 @@ def attempt(cluster: Cluster, p: Planned, tid: str, folder: Path, stop: threadin
                 host.halt.remote()
                 halted_at = time.monotonic()
             if halted_at is not None and time.monotonic() - halted_at > STOP_WAIT_S:
-                ray.kill(host)         # its ranks die with its process (PR_SET_PDEATHSIG)
+                ray.kill(host)  # its ranks die with its process (PR_SET_PDEATHSIG)
                 break
         try:
             out = ray.get(ref)
         except Exception as e:
             if halted_at is not None:
-                return Attempt(failed_record(tid, p.cfg, p.device, Outcome.INTERRUPTED,
-                                             f"interrupted; the actor on {node} did not stop in time and was killed",
-                                             [f"records received before the kill are in {folder}"], node, folder),
-                           interrupted=True)
+                return Attempt(
+                    failed_record(
+                        tid,
+                        p.cfg,
+                        p.device,
+                        Outcome.INTERRUPTED,
+                        f"interrupted; the actor on {node} did not stop in time and was killed",
+                        [f"records received before the kill are in {folder}"],
+                        node,
+                        folder,
+                    ),
+                    interrupted=True,
+                )
             gone = not node_alive(ray, node_id)
-            what = f"node {node} was lost during the trial" if gone else \
-                f"the Ray worker running the trial on {node} died ({type(e).__name__})"
+            what = (
+                f"node {node} was lost during the trial"
+                if gone
+                else f"the Ray worker running the trial on {node} died ({type(e).__name__})"
+            )
             notes = [f"records received before that are in {folder}"]
-            return Attempt(failed_record(tid, p.cfg, p.device, Outcome.CRASH, what, notes, node, folder),
-                           lost=True)
+            return Attempt(failed_record(tid, p.cfg, p.device, Outcome.CRASH, what, notes, node, folder), lost=True)
         mirror.apply(out["files"])
         trial = trial_from_dict(out["trial"])
         relocate(trial, out["dir"], folder)
@@ -342,9 +417,19 @@ def attempt(cluster: Cluster, p: Planned, tid: str, folder: Path, stop: threadin
         remove_placement_group(pg)
 
 
-def run_remote(cluster: Cluster, retries: int, i: int, p: Planned, run_dir: Path, hooks: Hooks,
-               wrapper: list[str] | None, slots: Any, lanes: list[str], stop: threading.Event,
-               server: Any = None) -> TrialRecord | None:
+def run_remote(
+    cluster: Cluster,
+    retries: int,
+    i: int,
+    p: Planned,
+    run_dir: Path,
+    hooks: Hooks,
+    wrapper: list[str] | None,
+    slots: Any,
+    lanes: list[str],
+    stop: threading.Event,
+    server: Any = None,
+) -> TrialRecord | None:
     """One trial on the cluster (run_all's per-trial step, like runner.run_one)."""
     if stop.is_set():
         return None
@@ -371,18 +456,34 @@ def run_remote(cluster: Cluster, retries: int, i: int, p: Planned, run_dir: Path
     return result.trial
 
 
-def run_on_ray(cluster: Cluster, retries: int, planned: list[Planned], out_root: Path,
-               on_start: Callable[[str, Planned], None] | None = None,
-               on_tick: Callable[[str, int], None] | None = None,
-               on_done: Callable[[TrialRecord], None] | None = None,
-               jobs: int = 1, server: Any = None, interrupts: Any = None) -> RunResult:
+def run_on_ray(
+    cluster: Cluster,
+    retries: int,
+    planned: list[Planned],
+    out_root: Path,
+    on_start: Callable[[str, Planned], None] | None = None,
+    on_tick: Callable[[str, int], None] | None = None,
+    on_done: Callable[[TrialRecord], None] | None = None,
+    jobs: int = 1,
+    server: Any = None,
+    interrupts: Any = None,
+) -> RunResult:
     """run_planned's contract on a Ray cluster (interrupts: the CLI's signal flag, polled). Every trial is submitted at once: Ray's
     placement decides how many run together (a node holds as many bundles as it has room for)."""
     stamp = dt.datetime.now(dt.timezone.utc)
     run_dir = out_root / stamp.strftime("%Y%m%d-%H%M%S-%f")
     one = partial(run_remote, cluster, retries)
-    result = run_all(planned, run_dir, Hooks(on_start, on_tick, on_done), None, max(1, len(planned)), [], None,
-                     one=one, interrupts=interrupts)
+    result = run_all(
+        planned,
+        run_dir,
+        Hooks(on_start, on_tick, on_done),
+        None,
+        max(1, len(planned)),
+        [],
+        None,
+        one=one,
+        interrupts=interrupts,
+    )
     env = environment()
     env["ray"] = {"address": cluster.address, "nodes": [n.describe() for n in cluster.nodes]}
     result.report.environment = with_runtime(env, result.report.trials)

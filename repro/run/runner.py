@@ -3,6 +3,7 @@
 Never touches CUDA and never imports torch: GPU facts come from NVML (repro.env.gpus), torch's
 from rank 0 of a trial; trials run in worker processes.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -30,17 +31,17 @@ from repro.outcome import Report, TrialRecord
 @dataclass
 class Planned:
     cfg: TrialConfig
-    device: str | None                # None: cannot run here (see reason)
+    device: str | None  # None: cannot run here (see reason)
     reason: str = ""
     fault: dict[str, Any] | None = None
-    index: int | None = None          # its place in the full plan, kept when a subset runs
+    index: int | None = None  # its place in the full plan, kept when a subset runs
 
 
 @dataclass
 class RunResult:
     report: Report
     interrupted: bool = False
-    run_dir: Path | None = None       # the folder this run's trials wrote to
+    run_dir: Path | None = None  # the folder this run's trials wrote to
 
 
 def resolve_device(requested: str, tp: int, gpus: int, share_gpu: bool = False) -> tuple[str | None, str]:
@@ -53,13 +54,21 @@ def resolve_device(requested: str, tp: int, gpus: int, share_gpu: bool = False) 
     if gpus == 0:
         return None, "device = cuda but no CUDA GPU is visible (NVML found none)"
     if tp > gpus and not share_gpu:
-        return None, (f"tp = {tp} needs {tp} GPUs, {gpus} visible; run on a machine with {tp} GPUs, "
-                      "use --share-gpu (ranks share one GPU over gloo, not NCCL) or --device cpu")
+        return None, (
+            f"tp = {tp} needs {tp} GPUs, {gpus} visible; run on a machine with {tp} GPUs, "
+            "use --share-gpu (ranks share one GPU over gloo, not NCCL) or --device cpu"
+        )
     return "cuda", ""
 
 
-def plan(scenario: str, preset: str | None, run: dict[str, Any], sets: list[str], gpus: int,
-         sources: dict[str, str] | None = None) -> Planned:
+def plan(
+    scenario: str,
+    preset: str | None,
+    run: dict[str, Any],
+    sets: list[str],
+    gpus: int,
+    sources: dict[str, str] | None = None,
+) -> Planned:
     """Load the preset (the CPU preset when no preset was named and the run lands on CPU; the
     scenario's bare defaults when it has no such preset).
     sources: which [run] keys the command line set (config.override_sources), for errors."""
@@ -97,9 +106,14 @@ def installed_torch() -> dict[str, Any]:
         version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         version = None
-    return {"version": version, "cuda": None, "nccl": None, "cuda_built": None,
-            "graph_check_input_liveness": None,
-            "error": "no rank reported torch's facts (from package metadata)" if version else "torch is not installed"}
+    return {
+        "version": version,
+        "cuda": None,
+        "nccl": None,
+        "cuda_built": None,
+        "graph_check_input_liveness": None,
+        "error": "no rank reported torch's facts (from package metadata)" if version else "torch is not installed",
+    }
 
 
 def trial_id(index: int, cfg: TrialConfig) -> str:
@@ -108,9 +122,9 @@ def trial_id(index: int, cfg: TrialConfig) -> str:
     for k in SCENARIOS[cfg.scenario].run_keys:
         value = getattr(r, k.name)
         if k.tag and value is True:
-            parts.append(k.tag)                   # a switch that is on: 'reload'
+            parts.append(k.tag)  # a switch that is on: 'reload'
         elif k.tag and k.type is int and value:
-            parts.append(f"{k.tag}{value}")      # a number: 'level2'
+            parts.append(f"{k.tag}{value}")  # a number: 'level2'
     return "-".join(parts)
 
 
@@ -118,15 +132,21 @@ def lane_env(slot: int, lanes: list[str]) -> dict[str, str] | None:
     """Concurrent slot k sees the GPUs rotated by k, so TP=1 trials spread over every GPU."""
     k = slot % len(lanes) if lanes else 0
     if k == 0:
-        return None                               # identity: leave the environment as it is
+        return None  # identity: leave the environment as it is
     return {"CUDA_VISIBLE_DEVICES": ",".join(lanes[k:] + lanes[:k])}
 
 
-def run_planned(planned: list[Planned], out_root: Path, on_start: Callable[[str, Planned], None] | None = None,
-                on_tick: Callable[[str, int], None] | None = None,
-                on_done: Callable[[TrialRecord], None] | None = None,
-                wrapper: list[str] | None = None, jobs: int = 1, server: RankServer | None = None,
-                interrupts: Interrupts | None = None) -> RunResult:
+def run_planned(
+    planned: list[Planned],
+    out_root: Path,
+    on_start: Callable[[str, Planned], None] | None = None,
+    on_tick: Callable[[str, int], None] | None = None,
+    on_done: Callable[[TrialRecord], None] | None = None,
+    wrapper: list[str] | None = None,
+    jobs: int = 1,
+    server: RankServer | None = None,
+    interrupts: Interrupts | None = None,
+) -> RunResult:
     """Run every planned trial, `jobs` at a time; the report keeps the plan's order.
 
     Ranks are forked from one rank server per run (torch imported once; repro/rank/server.py):
@@ -148,8 +168,17 @@ def run_planned(planned: list[Planned], out_root: Path, on_start: Callable[[str,
         with ThreadPoolExecutor(max_workers=1) as pool:
             env = pool.submit(environment)
             lanes = gpus.gpu_lanes(gpus.gpu_count(), dict(os.environ)) if jobs > 1 else []
-            result = run_all(planned, run_dir, Hooks(on_start, on_tick, on_done), wrapper, jobs, lanes, server,
-                             interrupts=interrupts, ledger=gpu_ledger(planned, lanes))
+            result = run_all(
+                planned,
+                run_dir,
+                Hooks(on_start, on_tick, on_done),
+                wrapper,
+                jobs,
+                lanes,
+                server,
+                interrupts=interrupts,
+                ledger=gpu_ledger(planned, lanes),
+            )
             checkpoint("collected")
             result.report.environment = with_runtime(env.result(), result.report.trials)
     finally:
@@ -166,12 +195,13 @@ def gpu_ledger(planned: list[Planned], lanes: list[str]) -> MemoryLedger | None:
     memory from (repro/run/ledger.py); None otherwise (one job, no CUDA trial, no NVML)."""
     if not lanes or not any(p.device == "cuda" for p in planned):
         return None
-    totals = gpus.visible_memory()[:len(lanes)]
+    totals = gpus.visible_memory()[: len(lanes)]
     return MemoryLedger(totals) if len(totals) == len(lanes) and all(totals) else None
 
 
-def claim_memory(ledger: MemoryLedger | None, p: Planned, slot: int, lanes: list[str],
-                 stop: threading.Event) -> tuple[Any, str, bool]:
+def claim_memory(
+    ledger: MemoryLedger | None, p: Planned, slot: int, lanes: list[str], stop: threading.Event
+) -> tuple[Any, str, bool]:
     """(the claim or None, a note for the trial when it had to wait, whether it was stopped
     while waiting); no claim without a ledger or off CUDA."""
     if ledger is None or p.device != "cuda":
@@ -182,8 +212,14 @@ def claim_memory(ledger: MemoryLedger | None, p: Planned, slot: int, lanes: list
         return None, "", True
     if claim.waited_s < 1.0:
         return claim, "", False
-    return claim, (f"waited {claim.waited_s:.0f} s for GPU memory: this trial is expected to reach "
-                   f"{gib(per_rank)} a rank, more than was left beside the trials running then"), False
+    return (
+        claim,
+        (
+            f"waited {claim.waited_s:.0f} s for GPU memory: this trial is expected to reach "
+            f"{gib(per_rank)} a rank, more than was left beside the trials running then"
+        ),
+        False,
+    )
 
 
 @dataclass
@@ -193,13 +229,22 @@ class Hooks:
     on_done: Callable[[TrialRecord], None] | None = None
 
 
-def run_one(i: int, p: Planned, run_dir: Path, hooks: Hooks, wrapper: list[str] | None,
-            slots: queue.SimpleQueue, lanes: list[str], stop: threading.Event,
-            server: RankServer | None = None, ledger: MemoryLedger | None = None) -> TrialRecord | None:
+def run_one(
+    i: int,
+    p: Planned,
+    run_dir: Path,
+    hooks: Hooks,
+    wrapper: list[str] | None,
+    slots: queue.SimpleQueue,
+    lanes: list[str],
+    stop: threading.Event,
+    server: RankServer | None = None,
+    ledger: MemoryLedger | None = None,
+) -> TrialRecord | None:
     """One trial on a pool thread. The thread lives until its trial's ranks are reaped, which
     matters: PR_SET_PDEATHSIG fires when the *thread* that spawned a worker exits."""
     if stop.is_set():
-        return None                                   # Ctrl-C before this trial started
+        return None  # Ctrl-C before this trial started
     tid = trial_id(i if p.index is None else p.index, p.cfg)
     if hooks.on_start:
         hooks.on_start(tid, p)
@@ -211,9 +256,19 @@ def run_one(i: int, p: Planned, run_dir: Path, hooks: Hooks, wrapper: list[str] 
         try:
             claim, waited, stopped = claim_memory(ledger, p, slot, lanes, stop)
             if stopped:
-                return None                           # Ctrl-C while it waited for GPU memory
-            trial = run_trial(p.cfg, p.device, run_dir, tid, fault=p.fault, wrapper=wrapper,
-                              on_tick=hooks.on_tick, env=lane_env(slot, lanes), stop=stop, server=server)
+                return None  # Ctrl-C while it waited for GPU memory
+            trial = run_trial(
+                p.cfg,
+                p.device,
+                run_dir,
+                tid,
+                fault=p.fault,
+                wrapper=wrapper,
+                on_tick=hooks.on_tick,
+                env=lane_env(slot, lanes),
+                stop=stop,
+                server=server,
+            )
             if waited:
                 trial.notes.append(waited)
         finally:
@@ -225,10 +280,18 @@ def run_one(i: int, p: Planned, run_dir: Path, hooks: Hooks, wrapper: list[str] 
     return trial
 
 
-def run_all(planned: list[Planned], run_dir: Path, hooks: Hooks, wrapper: list[str] | None,
-            jobs: int, lanes: list[str], server: RankServer | None = None,
-            one: Callable[..., TrialRecord | None] | None = None,
-            interrupts: Interrupts | None = None, ledger: MemoryLedger | None = None) -> RunResult:
+def run_all(
+    planned: list[Planned],
+    run_dir: Path,
+    hooks: Hooks,
+    wrapper: list[str] | None,
+    jobs: int,
+    lanes: list[str],
+    server: RankServer | None = None,
+    one: Callable[..., TrialRecord | None] | None = None,
+    interrupts: Interrupts | None = None,
+    ledger: MemoryLedger | None = None,
+) -> RunResult:
     """one: the per-trial step, run_one's signature (repro/run/ray_runner.py runs it on a cluster);
     ledger: the GPU memory concurrent CUDA trials claim (passed to `one` only when there is one)."""
     one = one or run_one
@@ -239,18 +302,20 @@ def run_all(planned: list[Planned], run_dir: Path, hooks: Hooks, wrapper: list[s
     records: list[TrialRecord | None] = [None] * len(planned)
     interrupted_by = None
     if interrupts is not None and interrupts.pending():
-        stop.set()                                     # a signal during start-up: run nothing
+        stop.set()  # a signal during start-up: run nothing
         interrupted_by = interrupts.name
     with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="trial") as pool:
         extra = {"ledger": ledger} if ledger is not None else {}
-        futures = {pool.submit(one, i, p, run_dir, hooks, wrapper, slots, lanes, stop, server, **extra): i
-                   for i, p in enumerate(planned)}
+        futures = {
+            pool.submit(one, i, p, run_dir, hooks, wrapper, slots, lanes, stop, server, **extra): i
+            for i, p in enumerate(planned)
+        }
         pending = set(futures)
         while pending:
             try:
                 done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
                 if interrupts is not None and interrupts.pending() and not stop.is_set():
-                    stop.set()                         # the trials kill their groups, keep records
+                    stop.set()  # the trials kill their groups, keep records
                     interrupted_by = interrupted_by or interrupts.name
             except KeyboardInterrupt as e:
                 # Ctrl-C (or SIGTERM, see Terminated) reaches this thread only (the ranks run in
@@ -267,6 +332,11 @@ def run_all(planned: list[Planned], run_dir: Path, hooks: Hooks, wrapper: list[s
                     interrupted_by = interrupted_by or "SIGINT"
     trials = [t for t in records if t is not None]
     interrupted = interrupted_by is not None
-    report = Report(environment={}, trials=trials, interrupted=interrupted, interrupted_by=interrupted_by,
-                    not_run=len(planned) - len(trials))
+    report = Report(
+        environment={},
+        trials=trials,
+        interrupted=interrupted,
+        interrupted_by=interrupted_by,
+        not_run=len(planned) - len(trials),
+    )
     return RunResult(report=report, interrupted=interrupted)

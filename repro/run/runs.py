@@ -3,6 +3,7 @@
 The default root is the user's cache (`$XDG_CACHE_HOME/repro/runs`, else `~/.cache/repro/runs`),
 not the current directory: a day of runs must not litter whatever directory the user is in.
 """
+
 from __future__ import annotations
 
 import os

@@ -9,6 +9,7 @@ trials were listed in, so every copy computes the same split without talking to 
 Each shard's report records which shard it was and the ids of the whole plan, so the merge can
 tell a missing or duplicated shard from a complete set.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,7 @@ UNKNOWN_S = 1.0
 
 @dataclass(frozen=True)
 class Shard:
-    index: int                        # 1-based: shard 1/4 .. 4/4
+    index: int  # 1-based: shard 1/4 .. 4/4
     count: int
 
     @property
@@ -40,11 +41,12 @@ class Shard:
 @dataclass
 class ShardRecord:
     """What a shard's report says about its place in the plan (the report's `shard` key)."""
+
     index: int
     count: int
-    plan: list[str]                   # every trial id of the full plan, in plan order
-    trials: list[str]                 # the ids this shard was given
-    by: str = "trial id"              # how the plan was split: "trial id" | "durations from PATH"
+    plan: list[str]  # every trial id of the full plan, in plan order
+    trials: list[str]  # the ids this shard was given
+    by: str = "trial id"  # how the plan was split: "trial id" | "durations from PATH"
     durations: dict[str, float] = field(default_factory=dict)  # the estimate each given trial was balanced by
 
     def to_dict(self) -> dict[str, Any]:
@@ -76,11 +78,13 @@ def shard_from_env(env: dict[str, str]) -> Shard:
             k, n = int(job or ""), int(count or "")
         except ValueError:
             raise ConfigError(f"{where}: both must be integers (Buildkite sets them with `parallelism: N`)") from None
-        return parse_pair(where, f"{k + 1}/{n}")       # Buildkite counts jobs from 0
+        return parse_pair(where, f"{k + 1}/{n}")  # Buildkite counts jobs from 0
     if env.get(PLAIN_VAR):
         return parse_pair(f"--shard auto: {PLAIN_VAR}={env[PLAIN_VAR]!r}", env[PLAIN_VAR])
-    raise ConfigError(f"--shard auto: neither {BUILDKITE_JOB}/{BUILDKITE_COUNT} (Buildkite `parallelism`) "
-                      f"nor {PLAIN_VAR}=K/N is set; pass --shard K/N")
+    raise ConfigError(
+        f"--shard auto: neither {BUILDKITE_JOB}/{BUILDKITE_COUNT} (Buildkite `parallelism`) "
+        f"nor {PLAIN_VAR}=K/N is set; pass --shard K/N"
+    )
 
 
 def split_by_id(ids: list[str], count: int) -> list[list[str]]:
@@ -106,13 +110,20 @@ def previous_durations(path: Path) -> dict[str, float]:
     try:
         data = json.loads(path.read_text())
         trials = data["trials"]
-        return {t["id"]: float(t["timings"]["total"]) for t in trials
-                if isinstance(t.get("timings"), dict) and "total" in t["timings"]}
+        return {
+            t["id"]: float(t["timings"]["total"])
+            for t in trials
+            if isinstance(t.get("timings"), dict) and "total" in t["timings"]
+        }
     except OSError as e:
-        raise ConfigError(f"--balance {path}: cannot read it ({e.strerror}); pass the JSON report of a previous run") from None
+        raise ConfigError(
+            f"--balance {path}: cannot read it ({e.strerror}); pass the JSON report of a previous run"
+        ) from None
     except (ValueError, KeyError, TypeError):
-        raise ConfigError(f"--balance {path}: not a repro JSON report (no trials[] with timings); "
-                          "pass the file a previous `repro matrix --json PATH` wrote") from None
+        raise ConfigError(
+            f"--balance {path}: not a repro JSON report (no trials[] with timings); "
+            "pass the file a previous `repro matrix --json PATH` wrote"
+        ) from None
 
 
 def estimates(ids: list[str], recorded: dict[str, float]) -> dict[str, float]:
@@ -125,6 +136,7 @@ def estimates(ids: list[str], recorded: dict[str, float]) -> dict[str, float]:
 def select_shard(planned: list, text: str, balance: Path | None, env: dict[str, str]) -> tuple[list, ShardRecord]:
     """The planned trials of shard `text` ('K/N' | 'auto') and the record its report keeps."""
     from repro.run.matrix import planned_id
+
     record = assign([planned_id(p) for p in planned], parse_shard(text, env), balance)
     mine = set(record.trials)
     return [p for p in planned if planned_id(p) in mine], record
@@ -137,5 +149,11 @@ def assign(ids: list[str], shard: Shard, balance: Path | None = None) -> ShardRe
         return ShardRecord(shard.index, shard.count, list(ids), mine)
     seconds = estimates(ids, previous_durations(balance))
     mine = split_by_durations(ids, shard.count, seconds)[shard.index - 1]
-    return ShardRecord(shard.index, shard.count, list(ids), mine, by=f"durations from {balance.name}",
-                       durations={t: seconds[t] for t in mine})
+    return ShardRecord(
+        shard.index,
+        shard.count,
+        list(ids),
+        mine,
+        by=f"durations from {balance.name}",
+        durations={t: seconds[t] for t in mine},
+    )

@@ -5,6 +5,7 @@ tensor-parallel group one rank that stops (a hang, an endless loop, a deadlock) 
 peers blocked in the next collective; the rank to blame is the one that is NOT waiting in a
 collective while the others are.
 """
+
 from __future__ import annotations
 
 import re
@@ -35,7 +36,7 @@ class Frame:
 @dataclass
 class Thread:
     current: bool
-    frames: list[Frame] = field(default_factory=list)    # most recent first
+    frames: list[Frame] = field(default_factory=list)  # most recent first
 
 
 def parse_dump(text: str) -> list[Thread]:
@@ -82,8 +83,10 @@ def blame(stacks: dict[int, list[Frame]]) -> tuple[int | None, str]:
     where = dumped[rank][0]
     others = ", ".join(str(r) for r in waiting)
     also = f" (also outside: {', '.join(str(r) for r in outside[1:])})" if len(outside) > 1 else ""
-    return rank, (f"rank {rank} was not in a collective (at {short(where)}) while rank{'s' if len(waiting) > 1 else ''} "
-                  f"{others} waited in one{also}")
+    return rank, (
+        f"rank {rank} was not in a collective (at {short(where)}) while rank{'s' if len(waiting) > 1 else ''} "
+        f"{others} waited in one{also}"
+    )
 
 
 def short(frame: Frame) -> str:

@@ -16,6 +16,7 @@ reference) are helpers the scenario modules share: torch, and no scenarios of th
 This module stays torch-free: the parent imports it. Scenario modules import torch and touch
 CUDA, so they are imported lazily, inside workers only (load_scenario).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -23,13 +24,27 @@ import importlib.metadata
 from types import ModuleType
 from typing import Any
 
-from repro.scenarios import (gemma4_mtp_spec, nvfp4_moe_spec, piecewise_split_spec, selftest_spec, sleep_wake_spec,
-                             workspace_grow_spec)
-from repro.scenarios.spec import (CpuCost, ModeSpec, RecordField, RunKeySpec, ScenarioSpec,  # noqa: F401
-                                  StepColumn)
+from repro.scenarios import (
+    gemma4_mtp_spec,
+    nvfp4_moe_spec,
+    piecewise_split_spec,
+    selftest_spec,
+    sleep_wake_spec,
+    workspace_grow_spec,
+)
+from repro.scenarios.spec import ScenarioSpec
 
-BUILTIN = (gemma4_mtp_spec.SPEC, nvfp4_moe_spec.SPEC, selftest_spec.SPEC, workspace_grow_spec.SPEC,
-           sleep_wake_spec.SPEC, piecewise_split_spec.SPEC)
+# A scenario plugin's building blocks, importable from the registry's path too.
+from repro.scenarios.spec import CpuCost, ModeSpec, RecordField, RunKeySpec, StepColumn  # noqa: F401
+
+BUILTIN = (
+    gemma4_mtp_spec.SPEC,
+    nvfp4_moe_spec.SPEC,
+    selftest_spec.SPEC,
+    workspace_grow_spec.SPEC,
+    sleep_wake_spec.SPEC,
+    piecewise_split_spec.SPEC,
+)
 ENTRY_POINT_GROUP = "repro.scenarios"
 
 
@@ -43,8 +58,9 @@ def by_name(specs: list[ScenarioSpec]) -> dict[str, ScenarioSpec]:
         if not isinstance(spec, ScenarioSpec):
             raise TypeError(f"entry point group {ENTRY_POINT_GROUP!r} gave {spec!r}, not a ScenarioSpec")
         if spec.name in registry:
-            raise ValueError(f"scenario {spec.name!r} is registered twice ({registry[spec.name].module}, "
-                             f"{spec.module}); rename one")
+            raise ValueError(
+                f"scenario {spec.name!r} is registered twice ({registry[spec.name].module}, {spec.module}); rename one"
+            )
         registry[spec.name] = spec
     return registry
 

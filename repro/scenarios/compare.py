@@ -6,6 +6,7 @@ counting on rounding alone. Each scenario picks its tolerance and says why (nvfp
 nvfp4_moe.TOLERANCE; piecewise-split: piecewise_split.TOLERANCE). Non-finite elements are
 counted apart, never as mismatches; a non-finite reference is a harness bug and raises.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,10 +19,10 @@ from torch import Tensor
 class Comparison:
     numel: int
     nonfinite: int
-    compared: int             # finite elements compared with the reference
-    mismatches: int           # finite elements beyond the tolerance (elementwise count)
+    compared: int  # finite elements compared with the reference
+    mismatches: int  # finite elements beyond the tolerance (elementwise count)
     max_abs_err: float | None
-    rel_err: float | None     # ||y - y_ref|| / ||y_ref|| over the finite elements
+    rel_err: float | None  # ||y - y_ref|| / ||y_ref|| over the finite elements
     max_scaled_err: float | None  # max |y - y_ref| / (|y_ref| + rms(y_ref)): vs the tolerance
 
 
@@ -38,8 +39,11 @@ def compare(out: Tensor, ref: Tensor, tolerance: float) -> Comparison:
     beyond = (scaled > tolerance) & finite
     ref_norm = float(torch.where(finite, r, torch.zeros_like(r)).norm())
     return Comparison(
-        numel=y.numel(), nonfinite=y.numel() - compared, compared=compared,
+        numel=y.numel(),
+        nonfinite=y.numel() - compared,
+        compared=compared,
         mismatches=int(beyond.sum()),
         max_abs_err=float(diff.abs().max()) if compared else None,
         rel_err=(float(diff.norm()) / ref_norm if ref_norm > 0 else 0.0) if compared else None,
-        max_scaled_err=float(scaled.max()) if compared else None)
+        max_scaled_err=float(scaled.max()) if compared else None,
+    )

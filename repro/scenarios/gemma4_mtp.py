@@ -25,6 +25,7 @@ Upstream names: Gemma4MTP._get_full_lm_head_weight, Gemma4Proposer._setup_centro
 Gemma4Proposer._greedy_sample, masked_embedding.get_top_tokens (vllm/v1/spec_decode/gemma4.py,
 vllm/model_executor/models/gemma4_mtp.py). Our code is written from their description.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +54,8 @@ SCHEDULE = [1, 2, 3, 5, 8, 13, 21, 34, 55, 64, 4, 16, 32, 7]
 
 @dataclass(frozen=True)
 class Fixes:
-    cache_gathered: bool            # #43909: keep the gathered lm_head on the module at TP > 1
-    refresh_cache_on_reload: bool   # ours: load_weights refreshes the cache in place, never drops it
+    cache_gathered: bool  # #43909: keep the gathered lm_head on the module at TP > 1
+    refresh_cache_on_reload: bool  # ours: load_weights refreshes the cache in place, never drops it
 
 
 # The fix flags of each mode are the spec's (ModeSpec.fixes); Fixes names and documents them.
@@ -78,62 +79,70 @@ class MaskedEmbedding(nn.Module):
     direction of its cluster's mean row.
     """
 
-    def __init__(self, dims: Gemma4Dims, dtype: torch.dtype, device: torch.device, centroids: torch.Tensor,
-                 order: torch.Tensor):
+    def __init__(
+        self, dims: Gemma4Dims, dtype: torch.dtype, device: torch.device, centroids: torch.Tensor, order: torch.Tensor
+    ):
         super().__init__()
         self.hidden_size, self.vocab_size = dims.hidden_size, dims.vocab_size
         self.num_centroids, self.top_k = dims.num_centroids, dims.centroid_top_k
         self.centroids = nn.Linear(dims.hidden_size, dims.num_centroids, bias=False, device=device, dtype=dtype)
         with torch.no_grad():
-            self.centroids.weight.copy_(centroids)                          # [C, H]
-        self.register_buffer("token_ordering", order.clone())               # [V] int64, the module's own
+            self.centroids.weight.copy_(centroids)  # [C, H]
+        self.register_buffer("token_ordering", order.clone())  # [V] int64, the module's own
 
     def get_top_tokens(self, h: torch.Tensor, lm_head_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h32 = h.float()                                                      # [T, H]
-        logits = h32 @ self.centroids.weight.float().t()                     # [T, C]
-        top = logits.topk(self.top_k, dim=-1).indices                        # [T, K]
-        groups = self.token_ordering.view(self.num_centroids, -1)            # [C, V/C]
-        candidates = groups[top].flatten(1)                                  # [T, K*V/C]
-        rows = lm_head_weight[candidates]                                    # [T, K*V/C, H]
-        scores = torch.einsum("tnh,th->tn", rows.float(), h32)               # [T, K*V/C]
-        best_scores, best = scores.max(dim=-1)                               # [T]
-        return candidates.gather(1, best[:, None]).squeeze(1), best_scores   # tokens [T], scores [T]
+        h32 = h.float()  # [T, H]
+        logits = h32 @ self.centroids.weight.float().t()  # [T, C]
+        top = logits.topk(self.top_k, dim=-1).indices  # [T, K]
+        groups = self.token_ordering.view(self.num_centroids, -1)  # [C, V/C]
+        candidates = groups[top].flatten(1)  # [T, K*V/C]
+        rows = lm_head_weight[candidates]  # [T, K*V/C, H]
+        scores = torch.einsum("tnh,th->tn", rows.float(), h32)  # [T, K*V/C]
+        best_scores, best = scores.max(dim=-1)  # [T]
+        return candidates.gather(1, best[:, None]).squeeze(1), best_scores  # tokens [T], scores [T]
 
 
 class Gemma4Drafter(nn.Module):
     """The slice of Gemma4MTP the bug lives in: masked embedding + vocab-parallel lm_head."""
 
-    def __init__(self, dims: Gemma4Dims, tp: TP, mode: str, device: torch.device, seed: int,
-                 scratch: Callable[[], ContextManager] = contextlib.nullcontext):
+    def __init__(
+        self,
+        dims: Gemma4Dims,
+        tp: TP,
+        mode: str,
+        device: torch.device,
+        seed: int,
+        scratch: Callable[[], ContextManager] = contextlib.nullcontext,
+    ):
         """scratch: where the checkpoint is made (the harness passes its own memory pool), so
         that no build-time temporary shares an allocator segment with the drafter's tensors and
         what happens to the freed gathered weight is decided by the after-free knob alone."""
         super().__init__()
         self.tp, self.fixes, self.vocab_size = tp, MODES[mode], dims.vocab_size
         self.dtype = getattr(torch, dims.dtype)
-        with scratch():                                                      # the checkpoint, as if read from disk
-            rows = full_lm_head(dims, seed, device)                          # [V, H], every rank
-            order = token_ordering(dims, seed, device)                       # [V]
-            centroids = centroid_directions(rows, order, dims.num_centroids) # [C, H]
-            shard = shard_of(rows, dims, tp)                                 # [V_pad / tp, H]
+        with scratch():  # the checkpoint, as if read from disk
+            rows = full_lm_head(dims, seed, device)  # [V, H], every rank
+            order = token_ordering(dims, seed, device)  # [V]
+            centroids = centroid_directions(rows, order, dims.num_centroids)  # [C, H]
+            shard = shard_of(rows, dims, tp)  # [V_pad / tp, H]
         self.masked_embedding = MaskedEmbedding(dims, self.dtype, device, centroids, order)
         self.vocab_padded = padded_vocab(dims.vocab_size, tp.world_size)
         shard_rows = self.vocab_padded // tp.world_size
         self.lm_head = nn.Linear(dims.hidden_size, shard_rows, bias=False, device=device, dtype=self.dtype)
-        self._stable_full_lm_head_weight: torch.Tensor | None = None        # fix (#43909)
+        self._stable_full_lm_head_weight: torch.Tensor | None = None  # fix (#43909)
         self.load_weights(shard)
 
     def full_lm_head_weight(self) -> torch.Tensor:
         """[vocab, H]: a view of the parameter at TP = 1, a freshly gathered tensor at TP > 1."""
-        if self._stable_full_lm_head_weight is not None:                     # fix (#43909)
-            return self._stable_full_lm_head_weight                          # fix (#43909)
-        weight = self.lm_head.weight                                         # [V_pad / tp, H]
+        if self._stable_full_lm_head_weight is not None:  # fix (#43909)
+            return self._stable_full_lm_head_weight  # fix (#43909)
+        weight = self.lm_head.weight  # [V_pad / tp, H]
         if self.tp.active:
-            weight = all_gather_dim0(weight, self.tp)                        # [V_pad, H]: a NEW tensor
+            weight = all_gather_dim0(weight, self.tp)  # [V_pad, H]: a NEW tensor
         weight = weight[: self.vocab_size]
-        if self.tp.active and self.fixes.cache_gathered:                     # fix (#43909)
-            weight = weight.contiguous()                                     # fix (#43909)
-            self._stable_full_lm_head_weight = weight                        # fix (#43909)
+        if self.tp.active and self.fixes.cache_gathered:  # fix (#43909)
+            weight = weight.contiguous()  # fix (#43909)
+            self._stable_full_lm_head_weight = weight  # fix (#43909)
         return weight
 
     def load_weights(self, lm_head_shard: torch.Tensor) -> None:
@@ -145,7 +154,7 @@ class Gemma4Drafter(nn.Module):
                 # Refresh the storage the graphs captured instead of dropping it.
                 cached.copy_(all_gather_dim0(self.lm_head.weight, self.tp)[: self.vocab_size])
                 return
-        self._stable_full_lm_head_weight = None                              # fix (#43909): reset
+        self._stable_full_lm_head_weight = None  # fix (#43909): reset
 
 
 # The drafter's lm_head, built so that its clustering is known: each token's row is its
@@ -153,7 +162,7 @@ class Gemma4Drafter(nn.Module):
 # token ordering and centroids learnt from their embeddings; clustering 262144 rows at start-up
 # (k-means) would cost seconds, drawing rows around known centres costs one randn.
 TOKEN_NOISE = 0.5
-UPDATE_NOISE = 0.15    # an RL-style weight update (reload): small moves of every row
+UPDATE_NOISE = 0.15  # an RL-style weight update (reload): small moves of every row
 
 
 def token_ordering(dims: Gemma4Dims, seed: int, device: torch.device) -> torch.Tensor:
@@ -169,11 +178,13 @@ def full_lm_head(dims: Gemma4Dims, seed: int, device: torch.device, update: int 
     gen = torch.Generator(device=device)
     gen.manual_seed(seed * 7919 + 17)
     centres = torch.randn(dims.num_centroids, dims.hidden_size, generator=gen, device=device)
-    centres /= centres.norm(dim=-1, keepdim=True)                            # [C, H]
+    centres /= centres.norm(dim=-1, keepdim=True)  # [C, H]
     cluster = torch.empty_like(order)
     cluster[order] = torch.arange(dims.vocab_size, device=device) // (dims.vocab_size // dims.num_centroids)
-    scale = dims.hidden_size ** -0.5
-    rows = centres[cluster] + torch.randn(dims.vocab_size, dims.hidden_size, generator=gen, device=device) * (TOKEN_NOISE * scale)
+    scale = dims.hidden_size**-0.5
+    rows = centres[cluster] + torch.randn(dims.vocab_size, dims.hidden_size, generator=gen, device=device) * (
+        TOKEN_NOISE * scale
+    )
     for u in range(1, update + 1):
         gen.manual_seed(seed * 7919 + 17 + 1000 * u)
         rows += torch.randn(rows.shape, generator=gen, device=device) * (UPDATE_NOISE * scale)
@@ -192,7 +203,7 @@ def shard_of(rows: torch.Tensor, dims: Gemma4Dims, tp: TP) -> torch.Tensor:
     per_rank = v_pad // tp.world_size
     full = torch.zeros(v_pad, rows.shape[1], device=rows.device, dtype=rows.dtype)
     full[: dims.vocab_size] = rows
-    return full[tp.rank * per_rank:(tp.rank + 1) * per_rank].clone()
+    return full[tp.rank * per_rank : (tp.rank + 1) * per_rank].clone()
 
 
 def make_lm_head_shard(dims: Gemma4Dims, tp: TP, device: torch.device, seed: int, update: int = 0) -> torch.Tensor:
@@ -203,21 +214,28 @@ def make_lm_head_shard(dims: Gemma4Dims, tp: TP, device: torch.device, seed: int
 class Proposer:
     """The slice of Gemma4Proposer: one raw CUDA graph per batch size around get_top_tokens."""
 
-    def __init__(self, drafter: Gemma4Drafter, batch_sizes: list[int], guard, device: torch.device,
-                 on_replay=None, census=None):
+    def __init__(
+        self, drafter: Gemma4Drafter, batch_sizes: list[int], guard, device: torch.device, on_replay=None, census=None
+    ):
         self.drafter, self.batch_sizes, self.guard, self.device = drafter, batch_sizes, guard, device
-        self.on_replay = on_replay       # the harness records that a replay ran
-        self.census = census             # repro.diagnose.census.CensusBook: reads each captured graph
+        self.on_replay = on_replay  # the harness records that a replay ran
+        self.census = census  # repro.diagnose.census.CensusBook: reads each captured graph
         self.graphs: dict[int, Captured] = {}
 
     def setup_centroid_graphs(self) -> None:
         masked = self.drafter.masked_embedding
-        lm_head_weight = self.drafter.full_lm_head_weight()   # unfixed, TP > 1: the ONLY reference
+        lm_head_weight = self.drafter.full_lm_head_weight()  # unfixed, TP > 1: the ONLY reference
         for size in self.batch_sizes:
             static_input = torch.zeros(size, masked.hidden_size, dtype=self.drafter.dtype, device=self.device)
-            self.graphs[size] = capture(lambda x: masked.get_top_tokens(x, lm_head_weight), (static_input,),
-                                        label=graph_label(size), guard=self.guard, warmup=3,
-                                        on_replay=self.on_replay, census=self.census)
+            self.graphs[size] = capture(
+                lambda x: masked.get_top_tokens(x, lm_head_weight),
+                (static_input,),
+                label=graph_label(size),
+                guard=self.guard,
+                warmup=3,
+                on_replay=self.on_replay,
+                census=self.census,
+            )
         # lm_head_weight dies here; the graphs keep its address.
 
     def greedy_sample(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -228,7 +246,7 @@ class Proposer:
                 g = self.graphs[size]
                 g.inputs[0][:t].copy_(hidden)
                 out = g.replay()
-                if out is None:   # CPU: no graph; the eager path on live weights stands in
+                if out is None:  # CPU: no graph; the eager path on live weights stands in
                     out = self.drafter.masked_embedding.get_top_tokens(g.inputs[0], self.drafter.full_lm_head_weight())
                 return out[0][:t].clone(), out[1][:t].clone(), g.graph is not None
         return self.eager_sample(hidden)
@@ -242,8 +260,9 @@ class Proposer:
 @dataclass
 class Oracle:
     """Eager top tokens on live weights, computed on the same padded shape as the graph."""
+
     masked: MaskedEmbedding
-    weight: torch.Tensor                 # [vocab, H], gathered by the harness from the live shard
+    weight: torch.Tensor  # [vocab, H], gathered by the harness from the live shard
 
     def top_tokens(self, hidden: torch.Tensor, size: int) -> torch.Tensor:
         padded = torch.zeros(size, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
@@ -259,8 +278,9 @@ def bucket(tokens: int, sizes: list[int]) -> int:
 class Sequences:
     """The decode state of every sequence: the target's backbone state before the last emitted
     token, and that token (the next target pass consumes it)."""
-    state: torch.Tensor                  # [S, backbone_hidden] fp32
-    last: torch.Tensor                   # [S] int64
+
+    state: torch.Tensor  # [S, backbone_hidden] fp32
+    last: torch.Tensor  # [S] int64
 
     def clone(self) -> "Sequences":
         return Sequences(self.state.clone(), self.last.clone())
@@ -268,16 +288,15 @@ class Sequences:
 
 @dataclass
 class Drafted:
-    tokens: torch.Tensor                 # [B, k] rank 0's drafts: what the scheduler verifies
-    local: torch.Tensor                  # [B, k] this rank's drafts
-    hiddens: list[torch.Tensor]          # k x [B, H]: the drafter's input at each position
-    scores: torch.Tensor                 # [B, k]
+    tokens: torch.Tensor  # [B, k] rank 0's drafts: what the scheduler verifies
+    local: torch.Tensor  # [B, k] this rank's drafts
+    hiddens: list[torch.Tensor]  # k x [B, H]: the drafter's input at each position
+    scores: torch.Tensor  # [B, k]
     replayed: bool
-    rank_disagreements: int              # sequences whose drafts differ between ranks
+    rank_disagreements: int  # sequences whose drafts differ between ranks
 
 
-def propose(target: TargetStandIn, sample, seqs: Sequences, b: int, k: int, dtype: torch.dtype,
-            tp: TP) -> Drafted:
+def propose(target: TargetStandIn, sample, seqs: Sequences, b: int, k: int, dtype: torch.dtype, tp: TP) -> Drafted:
     """k drafts per sequence, each position feeding the drafter's previous draft back.
 
     Like Gemma4Proposer: the drafter starts from the target's state and last token, and every
@@ -287,23 +306,29 @@ def propose(target: TargetStandIn, sample, seqs: Sequences, b: int, k: int, dtyp
     tokens, scores, hiddens, replayed = [], [], [], False
     for _ in range(k):
         state = target.advance(state, token)
-        hidden = target.draft_hidden(state, dtype)                       # [B, H]
+        hidden = target.draft_hidden(state, dtype)  # [B, H]
         token, score, replayed = sample(hidden)
         tokens.append(token)
         scores.append(score)
         hiddens.append(hidden)
-    local = torch.stack(tokens, dim=1)                                   # [B, k]
+    local = torch.stack(tokens, dim=1)  # [B, k]
     # The engine verifies rank 0's drafts (its scheduler sees one output); every rank gathers them.
-    everyone = all_gather_dim0(local[None], tp)                          # [W, B, k]
+    everyone = all_gather_dim0(local[None], tp)  # [W, B, k]
     disagree = int((everyone != everyone[0]).any(dim=0).any(dim=1).sum())
-    return Drafted(tokens=everyone[0], local=local, hiddens=hiddens, scores=torch.stack(scores, dim=1),
-                   replayed=replayed, rank_disagreements=disagree)
+    return Drafted(
+        tokens=everyone[0],
+        local=local,
+        hiddens=hiddens,
+        scores=torch.stack(scores, dim=1),
+        replayed=replayed,
+        rank_disagreements=disagree,
+    )
 
 
 def verify(target: TargetStandIn, seqs: Sequences, b: int, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One target pass over the last token and the k drafts -> (greedy tokens [B, k+1],
     states [B, k+1, Hb]: the state after consuming each input)."""
-    inputs = torch.cat([seqs.last[:b, None], drafts], dim=1)             # [B, k+1]
+    inputs = torch.cat([seqs.last[:b, None], drafts], dim=1)  # [B, k+1]
     embedded = target.embed(inputs.flatten()).view(b, inputs.shape[1], -1)
     state, states = seqs.state[:b], []
     for j in range(inputs.shape[1]):
@@ -319,8 +344,9 @@ def commit(seqs: Sequences, b: int, target_tokens: torch.Tensor, states: torch.T
     seqs.last[:b] = target_tokens[rows, accepted]
 
 
-def decode_step(target: TargetStandIn, sample, seqs: Sequences, b: int, k: int, dtype: torch.dtype,
-                tp: TP) -> tuple[Drafted, torch.Tensor, torch.Tensor]:
+def decode_step(
+    target: TargetStandIn, sample, seqs: Sequences, b: int, k: int, dtype: torch.dtype, tp: TP
+) -> tuple[Drafted, torch.Tensor, torch.Tensor]:
     """Propose, verify, accept for sequences [0, b): returns (drafted, target tokens, accepted)."""
     drafted = propose(target, sample, seqs, b, k, dtype, tp)
     target_tokens, states = verify(target, seqs, b, drafted.tokens)
@@ -341,7 +367,7 @@ def target_only(target: TargetStandIn, ref: Sequences, b: int, counts: list[int]
         last = torch.where(active, token, last)
         out.append(token)
     ref.state[:b], ref.last[:b] = state, last
-    columns = torch.stack(out, dim=1).tolist()                           # [B, max(counts)]
+    columns = torch.stack(out, dim=1).tolist()  # [B, max(counts)]
     return [row[:c] for row, c in zip(columns, counts)]
 
 
@@ -349,6 +375,7 @@ def target_only(target: TargetStandIn, ref: Sequences, b: int, counts: list[int]
 class Loop:
     """What every decode step of the speculative loop reads besides the drafter: the target, the
     sequences and their target-only twin (ref), the oracle of the drafts, k and the drafts' dtype."""
+
     target: TargetStandIn
     seqs: Sequences
     ref: Sequences
@@ -357,8 +384,9 @@ class Loop:
     dtype: torch.dtype
 
 
-def speculative_step(ctx: WorkerContext, loop: Loop, sample, step: int, b: int, size: int, label: str = "",
-                     extra: dict | None = None) -> torch.Tensor:
+def speculative_step(
+    ctx: WorkerContext, loop: Loop, sample, step: int, b: int, size: int, label: str = "", extra: dict | None = None
+) -> torch.Tensor:
     """One decode step for sequences [0, b), checked and recorded: propose through `sample` (the
     draft graph of batch size `size`), verify, accept; the drafts against the oracle, the emitted
     tokens against target-only greedy decoding. label: put before the step's own label; extra:
@@ -370,24 +398,42 @@ def speculative_step(ctx: WorkerContext, loop: Loop, sample, step: int, b: int, 
         drafted, target_tokens, accepted = decode_step(loop.target, sample, loop.seqs, b, k, loop.dtype, ctx.tp)
     seconds = time.perf_counter() - start
     with ctx.phase("oracle"), ctx.memory.use():
-        eager = torch.stack([loop.oracle.top_tokens(h, size) for h in drafted.hiddens], dim=1)   # [B, k]
+        eager = torch.stack([loop.oracle.top_tokens(h, size) for h in drafted.hiddens], dim=1)  # [B, k]
         emitted = emitted_tokens(target_tokens, accepted)
         diverged = first_divergence(emitted, target_only(loop.target, loop.ref, b, [len(e) for e in emitted]))
     stats = SpecStats()
     stats.add(accepted, k)
-    ctx.step(StepRecord(
-        step=step, rank=ctx.rank, batch=b, replayed=drafted.replayed, numel=drafted.scores.numel(),
-        nonfinite=int((~torch.isfinite(drafted.scores)).sum()), compared=drafted.local.numel(),
-        mismatches=int((drafted.local != eager).sum()), seconds=seconds,
-        label=f"{label}{'graph' if drafted.replayed else 'eager'} bs={size} k={k}",
-        extra={"rank_disagreements": drafted.rank_disagreements, "passes": stats.passes,
-               "proposed": stats.proposed, "accepted": stats.accepted, "emitted": stats.emitted,
-               "acceptance_rate": stats.acceptance_rate, "mean_accepted_length": stats.mean_accepted_length,
-               "lossless": diverged is None, **(extra or {})}))
+    ctx.step(
+        StepRecord(
+            step=step,
+            rank=ctx.rank,
+            batch=b,
+            replayed=drafted.replayed,
+            numel=drafted.scores.numel(),
+            nonfinite=int((~torch.isfinite(drafted.scores)).sum()),
+            compared=drafted.local.numel(),
+            mismatches=int((drafted.local != eager).sum()),
+            seconds=seconds,
+            label=f"{label}{'graph' if drafted.replayed else 'eager'} bs={size} k={k}",
+            extra={
+                "rank_disagreements": drafted.rank_disagreements,
+                "passes": stats.passes,
+                "proposed": stats.proposed,
+                "accepted": stats.accepted,
+                "emitted": stats.emitted,
+                "acceptance_rate": stats.acceptance_rate,
+                "mean_accepted_length": stats.mean_accepted_length,
+                "lossless": diverged is None,
+                **(extra or {}),
+            },
+        )
+    )
     if diverged is not None:
         i, j = diverged
-        raise RuntimeError(f"speculative decoding was not lossless at step {step}: sequence {i} token {j} "
-                           f"differs from target-only greedy decoding (a bookkeeping bug in the loop)")
+        raise RuntimeError(
+            f"speculative decoding was not lossless at step {step}: sequence {i} token {j} "
+            f"differs from target-only greedy decoding (a bookkeeping bug in the loop)"
+        )
     return accepted
 
 
@@ -397,11 +443,11 @@ def run(ctx: WorkerContext) -> None:
     k = run_cfg.num_speculative_tokens
     with ctx.phase("build"):
         drafter = Gemma4Drafter(dims, ctx.tp, run_cfg.mode, ctx.device, run_cfg.seed, scratch=ctx.memory.use)
-        proposer = Proposer(drafter, dims.batch_sizes, ctx.guard, ctx.device, on_replay=ctx.replaying,
-                            census=ctx.census)
-        with ctx.memory.use():   # the stand-in target never lands in, or frees, the drafter's blocks
-            target = TargetStandIn(dims, ctx.tp, ctx.device, run_cfg.seed,
-                                   full_lm_head(dims, run_cfg.seed, ctx.device))
+        proposer = Proposer(
+            drafter, dims.batch_sizes, ctx.guard, ctx.device, on_replay=ctx.replaying, census=ctx.census
+        )
+        with ctx.memory.use():  # the stand-in target never lands in, or frees, the drafter's blocks
+            target = TargetStandIn(dims, ctx.tp, ctx.device, run_cfg.seed, full_lm_head(dims, run_cfg.seed, ctx.device))
             seqs = Sequences(*target.initial(max(dims.batch_sizes), run_cfg.seed))
             ref = seqs.clone()
     ctx.guard.watch("drafter", drafter)
@@ -416,21 +462,27 @@ def run(ctx: WorkerContext) -> None:
         ctx.manifest("after drafter reload")
     after_free = ctx.after_free("after drafter reload" if run_cfg.reload_drafter else "after set-up")
     with ctx.memory.use():
-        oracle = Oracle(drafter.masked_embedding,
-                        all_gather_dim0(drafter.lm_head.weight.detach(), ctx.tp)[: dims.vocab_size].clone())
+        oracle = Oracle(
+            drafter.masked_embedding,
+            all_gather_dim0(drafter.lm_head.weight.detach(), ctx.tp)[: dims.vocab_size].clone(),
+        )
     shared = ctx.on_gpu and ctx.tp.active and run_cfg.share_gpu
-    ctx.detail(after_free=after_free.summary(), guard_mechanism=ctx.guard.mechanism,
-               harness_pool_isolated=ctx.memory.isolated, vocab_padded=drafter.vocab_padded,
-               gathered_lm_head_bytes=drafter.vocab_padded * dims.hidden_size * drafter.dtype.itemsize
-               if ctx.tp.active else 0, num_speculative_tokens=k, sequences=seqs.last.numel(),
-               tp_transport=(SHARED_GPU if shared else ctx.tp.backend))
+    ctx.detail(
+        after_free=after_free.summary(),
+        guard_mechanism=ctx.guard.mechanism,
+        harness_pool_isolated=ctx.memory.isolated,
+        vocab_padded=drafter.vocab_padded,
+        gathered_lm_head_bytes=drafter.vocab_padded * dims.hidden_size * drafter.dtype.itemsize if ctx.tp.active else 0,
+        num_speculative_tokens=k,
+        sequences=seqs.last.numel(),
+        tp_transport=(SHARED_GPU if shared else ctx.tp.backend),
+    )
     if shared:
         ctx.note(SHARED_GPU + ": collectives go through the host; tokens/s is not that of NCCL")
     if not ctx.on_gpu:
         # Only what is true of every CPU trial: the verdict's source depends on the outcome,
         # and the report says it per trial.
-        ctx.note("CPU run: no CUDA graph was captured or replayed; the eager path stood in for the "
-                 "centroid graphs")
+        ctx.note("CPU run: no CUDA graph was captured or replayed; the eager path stood in for the centroid graphs")
     loop = Loop(target, seqs, ref, oracle, k, drafter.dtype)
     schedule = [t for t in SCHEDULE if t <= max(dims.batch_sizes)]
     for step in range(run_cfg.steps):

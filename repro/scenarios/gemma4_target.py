@@ -18,6 +18,7 @@ How it relates to the drafter (the construction, documented because acceptance d
   permutation), and the state keeps MEMORY of the previous state through a fixed signed
   permutation of coordinates, so the text is neither constant nor a pure successor chain.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,7 +26,7 @@ import torch
 from repro.rank.dist import TP, all_gather_dim0
 from repro.scenarios.gemma4_mtp_spec import Gemma4Dims
 
-PRIVATE_NOISE = 0.45   # norm of a head row's private part (the drafter's rows have norm ~1)
+PRIVATE_NOISE = 0.45  # norm of a head row's private part (the drafter's rows have norm ~1)
 # Weight of the (mixed) previous state in the next state, per sqrt(backbone_hidden): a token's
 # logit gets a field of std ~MEMORY from the memory, whatever the dims, so the text depends on
 # its history at E2B dims as much as at tiny ones.
@@ -45,23 +46,23 @@ class TargetStandIn:
         """draft_rows: the drafter's full lm_head [vocab, hidden_size] (as built on every rank)."""
         self.tp, self.device = tp, device
         self.vocab_size, self.hidden = dims.vocab_size, dims.backbone_hidden_size
-        self.memory = MEMORY * self.hidden ** 0.5
+        self.memory = MEMORY * self.hidden**0.5
         gen = torch.Generator(device=device)
         gen.manual_seed(seed * 7919 + 29)
         self.draft_dims = torch.randperm(self.hidden, generator=gen, device=device)[: dims.hidden_size]
-        self.mix = torch.randperm(self.hidden, generator=gen, device=device)            # [Hb]
+        self.mix = torch.randperm(self.hidden, generator=gen, device=device)  # [Hb]
         self.signs = torch.randint(0, 2, (self.hidden,), generator=gen, device=device).float() * 2 - 1
         self.successor = torch.randperm(dims.vocab_size, generator=gen, device=device)  # [V]
         rows = padded_vocab(dims.vocab_size, tp.world_size) // tp.world_size
         self.lo = tp.rank * rows
-        self.valid = max(0, min(rows, dims.vocab_size - self.lo))   # real (unpadded) rows of this shard
+        self.valid = max(0, min(rows, dims.vocab_size - self.lo))  # real (unpadded) rows of this shard
         # The full head is drawn on every rank and sliced, so the tokens do not depend on TP.
         private = dims.hidden_size < self.hidden
         full = torch.randn(dims.vocab_size, self.hidden, generator=gen, device=device)
         full *= PRIVATE_NOISE / max(1, self.hidden - dims.hidden_size) ** 0.5 if private else 0.0
         full[:, self.draft_dims] = draft_rows.float()
-        self.head = torch.zeros(rows, self.hidden, device=device)                     # [V_pad / tp, Hb]
-        self.head[: self.valid] = full[self.lo: self.lo + self.valid]
+        self.head = torch.zeros(rows, self.hidden, device=device)  # [V_pad / tp, Hb]
+        self.head[: self.valid] = full[self.lo : self.lo + self.valid]
         del full
 
     def initial(self, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,15 +95,15 @@ class TargetStandIn:
         One head GEMM per position, each [B, Hb] x [Hb, V/tp]: target-only decoding runs the
         same shape, so a position's logits are bit-identical in both (no batch-shape effects).
         """
-        pairs = torch.stack([self.local_best(s) for s in states])                # [P, B, 2]
-        everyone = all_gather_dim0(pairs[None], self.tp)                          # [W, P, B, 2]
-        best_rank = everyone[..., 0].argmax(dim=0)                                # first max: lowest ids
-        return everyone[..., 1].gather(0, best_rank[None]).squeeze(0).long()      # [P, B]
+        pairs = torch.stack([self.local_best(s) for s in states])  # [P, B, 2]
+        everyone = all_gather_dim0(pairs[None], self.tp)  # [W, P, B, 2]
+        best_rank = everyone[..., 0].argmax(dim=0)  # first max: lowest ids
+        return everyone[..., 1].gather(0, best_rank[None]).squeeze(0).long()  # [P, B]
 
     def local_best(self, state: torch.Tensor) -> torch.Tensor:
         """[B, Hb] -> [B, 2] float64 (max logit of this shard, its global token id)."""
-        logits = state @ self.head.t()                                           # [B, V/tp]
-        logits[:, self.valid:] = float("-inf")                                   # padding rows
+        logits = state @ self.head.t()  # [B, V/tp]
+        logits[:, self.valid :] = float("-inf")  # padding rows
         value, index = logits.max(dim=-1)
         return torch.stack([value.double(), (index + self.lo).double()], dim=-1)
 

@@ -28,6 +28,7 @@ Kernels may order the scale arithmetic differently (e.g. gs * (blockamax * (1/6)
 can move an exact E4M3/E2M1 rounding tie by one step: compare against them by value with
 quantization_error_bound, not byte for byte.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,26 +37,42 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "BLOCK_SIZE", "E2M1_MAX", "E4M3_MAX", "GLOBAL_RANGE", "E2M1_VALUES",
-    "NVFP4Weight", "e2m1_encode", "e2m1_decode", "pack_fp4", "unpack_fp4",
-    "quantize", "dequantize", "dequantize_into", "quantization_error_bound",
+    "BLOCK_SIZE",
+    "E2M1_MAX",
+    "E4M3_MAX",
+    "GLOBAL_RANGE",
+    "E2M1_VALUES",
+    "NVFP4Weight",
+    "e2m1_encode",
+    "e2m1_decode",
+    "pack_fp4",
+    "unpack_fp4",
+    "quantize",
+    "dequantize",
+    "dequantize_into",
+    "quantization_error_bound",
 ]
 
-BLOCK_SIZE = 16                        # elements along K sharing one E4M3 scale
-E2M1_MAX = 6.0                         # largest E2M1 magnitude
-E4M3_MAX = 448.0                       # largest finite float8_e4m3fn
-GLOBAL_RANGE = E4M3_MAX * E2M1_MAX     # 2688: gs maps amax onto the top of both grids
-E4M3_MIN_SUBNORMAL = 2.0 ** -9         # smallest positive float8_e4m3fn
-E4M3_MIN_NORMAL = 2.0 ** -6            # below this E4M3 is uniformly spaced by 2**-9
-FP32_HALF_SUBNORMAL = 2.0 ** -150      # fp32's largest rounding error below 2**-126
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # magnitude of codes 0..7
+BLOCK_SIZE = 16  # elements along K sharing one E4M3 scale
+E2M1_MAX = 6.0  # largest E2M1 magnitude
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+GLOBAL_RANGE = E4M3_MAX * E2M1_MAX  # 2688: gs maps amax onto the top of both grids
+E4M3_MIN_SUBNORMAL = 2.0**-9  # smallest positive float8_e4m3fn
+E4M3_MIN_NORMAL = 2.0**-6  # below this E4M3 is uniformly spaced by 2**-9
+FP32_HALF_SUBNORMAL = 2.0**-150  # fp32's largest rounding error below 2**-126
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of codes 0..7
 
 # Decision boundaries between consecutive magnitude codes c and c+1 (midpoints), with
 # whether an exact tie moves up to c+1. Ties go to the EVEN code, so a tie moves up exactly
 # when c is odd: 0.25->0, 0.75->1(code 2), 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4.
 _ENCODE_BOUNDARIES = (
-    (0.25, False), (0.75, True), (1.25, False), (1.75, True),
-    (2.5, False), (3.5, True), (5.0, False),
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
 )
 
 # Default working-set cap for dequantize_into: bytes of one nibble plane per chunk. Peak
@@ -81,7 +98,8 @@ class NVFP4Weight:
         if tuple(self.scale_2.shape) != tuple(self.packed.shape[:-2]):
             raise ValueError(
                 f"NVFP4Weight: scale_2 must have the leading dims {tuple(self.packed.shape[:-2])} "
-                f"of packed {tuple(self.packed.shape)}, got {tuple(self.scale_2.shape)}")
+                f"of packed {tuple(self.packed.shape)}, got {tuple(self.scale_2.shape)}"
+            )
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -91,6 +109,7 @@ class NVFP4Weight:
 
 # ----------------------------------------------------------------------------- E2M1 codes
 
+
 def e2m1_encode(x: Tensor) -> Tensor:
     """Round values already in code units to E2M1 codes 0..15 (uint8), same shape.
 
@@ -99,7 +118,7 @@ def e2m1_encode(x: Tensor) -> Tensor:
     """
     magnitude = x.abs()
     codes = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
-    crossed = torch.empty(x.shape, dtype=torch.bool, device=x.device)   # reused buffer
+    crossed = torch.empty(x.shape, dtype=torch.bool, device=x.device)  # reused buffer
     # The magnitude code is the number of decision boundaries |x| has crossed.
     for boundary, tie_moves_up in _ENCODE_BOUNDARIES:
         compare = torch.ge if tie_moves_up else torch.gt
@@ -136,19 +155,19 @@ def _decode_doubled_(nibbles: Tensor) -> tuple[Tensor, Tensor]:
     The sign stays apart because an int8 has no -0: code 8 must decode to -0.0, so the
     caller applies it in floating point. Only elementwise kernels: safe inside capture.
     """
-    shift = (nibbles >> 1).bitwise_and_(3).clamp_(min=1).sub_(1)     # k in {0,1,2}
-    sign = (nibbles >> 3).view(torch.int8).mul_(-2).add_(1)           # +1 or -1
+    shift = (nibbles >> 1).bitwise_and_(3).clamp_(min=1).sub_(1)  # k in {0,1,2}
+    sign = (nibbles >> 3).view(torch.int8).mul_(-2).add_(1)  # +1 or -1
     doubled = nibbles.bitwise_and_(7).sub_(shift).sub_(shift).bitwise_left_shift_(shift)
     return doubled.view(torch.int8), sign
 
 
 # ----------------------------------------------------------------------------- packing
 
+
 def pack_fp4(codes: Tensor) -> Tensor:
     """[..., K] uint8 codes -> [..., K//2] uint8, element 2i in the LOW nibble of byte i."""
     if codes.dim() < 1 or codes.shape[-1] % 2:
-        raise ValueError(
-            f"pack_fp4 needs an even last dim (two codes per byte), got shape {tuple(codes.shape)}")
+        raise ValueError(f"pack_fp4 needs an even last dim (two codes per byte), got shape {tuple(codes.shape)}")
     codes = codes.to(torch.uint8)
     return (codes[..., 0::2] & 0xF) | (codes[..., 1::2] << 4)
 
@@ -162,6 +181,7 @@ def unpack_fp4(packed: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------- quantise
 
+
 def quantize(w: Tensor, global_scale: float | Tensor | None = None) -> NVFP4Weight:
     """Quantise w [..., N, K] (bf16/fp16/fp32, any device) to NVFP4, per [N, K] slice.
 
@@ -173,8 +193,8 @@ def quantize(w: Tensor, global_scale: float | Tensor | None = None) -> NVFP4Weig
     Not meant for CUDA-graph capture (it checks finiteness on the host).
     """
     _check_weight_shape(w)
-    scratch = w.to(torch.float32, copy=True)        # [..., N, K], scaled in place below
-    amax = _slice_amax(scratch)                      # [...]
+    scratch = w.to(torch.float32, copy=True)  # [..., N, K], scaled in place below
+    amax = _slice_amax(scratch)  # [...]
     if not bool(torch.isfinite(amax).all()):
         raise ValueError(f"quantize: w of shape {tuple(w.shape)} contains NaN or Inf")
     if global_scale is None:
@@ -192,13 +212,15 @@ def _check_weight_shape(w: Tensor) -> None:
     if w.dim() < 2:
         raise ValueError(
             f"quantize expects a weight of shape [..., N, K] (at least 2 dims), got shape "
-            f"{shape}; reshape a vector to [1, K]")
+            f"{shape}; reshape a vector to [1, K]"
+        )
     if w.shape[-1] % BLOCK_SIZE or w.shape[-1] == 0 or w.shape[-2] == 0:
         padded = max(BLOCK_SIZE, -(-w.shape[-1] // BLOCK_SIZE) * BLOCK_SIZE)
         raise ValueError(
             f"quantize: NVFP4 needs the last dim K to be a positive multiple of {BLOCK_SIZE} "
             f"(one E4M3 scale per {BLOCK_SIZE} elements along K) and N > 0, got shape {shape}; "
-            f"zero-pad K to {padded}")
+            f"zero-pad K to {padded}"
+        )
     if not w.is_floating_point():
         raise ValueError(f"quantize expects a floating-point weight, got {w.dtype}")
 
@@ -238,7 +260,7 @@ def _normalize_slices_(w: Tensor, amax: Tensor) -> Tensor:
     overflows when amax is tiny (gs = 2688/amax would be inf below ~8e-36) or huge.
     The shift is applied in two halves so each factor stays a normal fp32 (|p| <= 149).
     """
-    exponent = torch.frexp(amax).exponent.neg()          # amax == 0 -> 0
+    exponent = torch.frexp(amax).exponent.neg()  # amax == 0 -> 0
     first = torch.div(exponent, 2, rounding_mode="floor")
     second = exponent - first
     for part in (first, second):
@@ -257,7 +279,8 @@ def _as_global_scale(global_scale: float | Tensor, w: Tensor) -> Tensor:
     except RuntimeError as err:
         raise ValueError(
             f"quantize: global_scale of shape {tuple(gs.shape)} does not broadcast to the "
-            f"leading dims {lead} of w {tuple(w.shape)}") from err
+            f"leading dims {lead} of w {tuple(w.shape)}"
+        ) from err
     if not bool(((gs > 0) & torch.isfinite(gs)).all()):
         raise ValueError("quantize: global_scale must be positive and finite")
     return gs
@@ -268,21 +291,21 @@ def _quantize_blocks_(w: Tensor, gs: Tensor) -> tuple[Tensor, Tensor]:
 
     gs: [...] quant-direction global scale for each slice.
     """
-    blocks = w.unflatten(-1, (-1, BLOCK_SIZE))                          # [..., N, K/16, 16]
+    blocks = w.unflatten(-1, (-1, BLOCK_SIZE))  # [..., N, K/16, 16]
     block_amax = torch.maximum(blocks.amax(-1), blocks.amin(-1).neg())  # [..., N, K/16]
     scale = _divide(gs[..., None, None] * block_amax, E2M1_MAX)
     # Lower clamp: a non-zero block must not get scale 0 (it would lose every value);
     # 2**-9 is the smallest positive E4M3. Upper clamp: 448 is the largest finite E4M3.
-    scale = torch.where(block_amax > 0, scale.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX),
-                        torch.zeros_like(scale))
+    scale = torch.where(block_amax > 0, scale.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX), torch.zeros_like(scale))
     block_scale = scale.to(torch.float8_e4m3fn)
     stored = block_scale.to(torch.float32)
     divisor = torch.where(stored > 0, stored, torch.ones_like(stored))  # zero block: 0/1
-    blocks.mul_(gs[..., None, None, None]).div_(divisor[..., None])    # x * gs / s_b
+    blocks.mul_(gs[..., None, None, None]).div_(divisor[..., None])  # x * gs / s_b
     return e2m1_encode(w), block_scale
 
 
 # ----------------------------------------------------------------------------- dequantise
+
 
 def dequantize(q: NVFP4Weight, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """Reference dequantisation: [..., N, K] = value(code) * s_b * scale_2, computed in fp32.
@@ -290,15 +313,16 @@ def dequantize(q: NVFP4Weight, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     Straightforward and memory-hungry on purpose (full fp32 temporaries): the yardstick
     that dequantize_into is tested against.
     """
-    values = e2m1_decode(unpack_fp4(q.packed), torch.float32)          # [..., N, K]
-    blocks = values.unflatten(-1, (-1, BLOCK_SIZE))                     # [..., N, K/16, 16]
+    values = e2m1_decode(unpack_fp4(q.packed), torch.float32)  # [..., N, K]
+    blocks = values.unflatten(-1, (-1, BLOCK_SIZE))  # [..., N, K/16, 16]
     blocks = blocks * q.block_scale.to(torch.float32)[..., None]
     blocks = blocks * q.scale_2.to(torch.float32)[..., None, None, None]
     return blocks.flatten(-2).to(dtype)
 
 
-def dequantize_into(out: Tensor, packed: Tensor, block_scale: Tensor, alpha: Tensor | float,
-                    *, chunk_bytes: int = _DEFAULT_CHUNK_BYTES) -> Tensor:
+def dequantize_into(
+    out: Tensor, packed: Tensor, block_scale: Tensor, alpha: Tensor | float, *, chunk_bytes: int = _DEFAULT_CHUNK_BYTES
+) -> Tensor:
     """Write value(code) * float(block_scale) * alpha[..., None, None] into out; return out.
 
     out:         [..., N, K] contiguous float (bf16/fp16/fp32)
@@ -325,8 +349,7 @@ def dequantize_into(out: Tensor, packed: Tensor, block_scale: Tensor, alpha: Ten
     rows_per_chunk = max(1, chunk_bytes // (k // 2))
     for start in range(0, rows, rows_per_chunk):
         stop = min(start + rows_per_chunk, rows)
-        _write_scaled_values(out_rows[start:stop], packed_rows[start:stop],
-                             scale_rows[start:stop])
+        _write_scaled_values(out_rows[start:stop], packed_rows[start:stop], scale_rows[start:stop])
     if isinstance(alpha, Tensor):
         out.mul_(alpha[..., None, None])
     else:
@@ -334,33 +357,37 @@ def dequantize_into(out: Tensor, packed: Tensor, block_scale: Tensor, alpha: Ten
     return out
 
 
-def _check_dequantize_into_args(out: Tensor, packed: Tensor, block_scale: Tensor,
-                                alpha: Tensor | float) -> tuple[int, int]:
+def _check_dequantize_into_args(
+    out: Tensor, packed: Tensor, block_scale: Tensor, alpha: Tensor | float
+) -> tuple[int, int]:
     """Shape/dtype checks from metadata only (no device reads); returns (rows, K)."""
     if out.dim() < 2 or not out.is_floating_point() or not out.is_contiguous():
         raise ValueError(
             f"dequantize_into: out must be a contiguous float tensor [..., N, K], got "
-            f"shape {tuple(out.shape)} dtype {out.dtype} contiguous={out.is_contiguous()}")
+            f"shape {tuple(out.shape)} dtype {out.dtype} contiguous={out.is_contiguous()}"
+        )
     k = out.shape[-1]
     if k % BLOCK_SIZE:
-        raise ValueError(
-            f"dequantize_into: K must be a multiple of {BLOCK_SIZE}, out has shape {tuple(out.shape)}")
+        raise ValueError(f"dequantize_into: K must be a multiple of {BLOCK_SIZE}, out has shape {tuple(out.shape)}")
     expected_packed = (*out.shape[:-1], k // 2)
     expected_scale = (*out.shape[:-1], k // BLOCK_SIZE)
     if packed.dtype != torch.uint8 or tuple(packed.shape) != expected_packed:
         raise ValueError(
             f"dequantize_into: packed must be uint8 {expected_packed} for out "
-            f"{tuple(out.shape)}, got {packed.dtype} {tuple(packed.shape)}")
+            f"{tuple(out.shape)}, got {packed.dtype} {tuple(packed.shape)}"
+        )
     if not block_scale.is_floating_point() or tuple(block_scale.shape) != expected_scale:
         raise ValueError(
             f"dequantize_into: block_scale must be float8_e4m3fn {expected_scale} for out "
-            f"{tuple(out.shape)}, got {block_scale.dtype} {tuple(block_scale.shape)}")
+            f"{tuple(out.shape)}, got {block_scale.dtype} {tuple(block_scale.shape)}"
+        )
     if isinstance(alpha, Tensor):
         lead = tuple(out.shape[:-2])
         if not broadcasts_to(tuple(alpha.shape), lead):
             raise ValueError(
                 f"dequantize_into: alpha of shape {tuple(alpha.shape)} must broadcast to "
-                f"the leading dims {lead} of out {tuple(out.shape)}")
+                f"the leading dims {lead} of out {tuple(out.shape)}"
+            )
     return (out.numel() // k if k else 0), k
 
 
@@ -380,7 +407,7 @@ def _write_scaled_values(out: Tensor, packed: Tensor, block_scale: Tensor) -> No
     [r, K/16, 8, 2] and each nibble plane is written straight into its strided half.
     """
     r, k = out.shape
-    half_scale = block_scale.to(out.dtype).mul_(0.5).unsqueeze(-1)   # s_b/2: [r, K/16, 1]
+    half_scale = block_scale.to(out.dtype).mul_(0.5).unsqueeze(-1)  # s_b/2: [r, K/16, 1]
     out_pairs = out.view(r, k // BLOCK_SIZE, BLOCK_SIZE // 2, 2)
     packed_blocks = packed.reshape(r, k // BLOCK_SIZE, BLOCK_SIZE // 2)
     for position in (0, 1):
@@ -390,11 +417,12 @@ def _write_scaled_values(out: Tensor, packed: Tensor, block_scale: Tensor) -> No
         doubled, sign = _decode_doubled_(nibbles)
         half = out_pairs[..., position]
         torch.mul(doubled, half_scale, out=half)
-        half.mul_(sign)             # in float: +0.0 * -1 = -0.0 for code 8, as dequantize gives
+        half.mul_(sign)  # in float: +0.0 * -1 = -0.0 for code 8, as dequantize gives
         del nibbles, doubled, sign
 
 
 # ----------------------------------------------------------------------------- error bound
+
 
 def quantization_error_bound(q: NVFP4Weight) -> Tensor:
     """Per-element bound on |x - dequantize(q, float32)| for q = quantize(x): [..., N, K] fp32.
@@ -429,19 +457,18 @@ def quantization_error_bound(q: NVFP4Weight) -> Tensor:
     from 1/gs and u is rounded, each by a relative ~1e-7, so compare with a relative slack of
     ~1e-5 (and no absolute slack).
     """
-    magnitude = e2m1_decode(unpack_fp4(q.packed), torch.float32).abs()   # [..., N, K]
-    scale = q.block_scale.to(torch.float32)                               # [..., N, K/16]
+    magnitude = e2m1_decode(unpack_fp4(q.packed), torch.float32).abs()  # [..., N, K]
+    scale = q.block_scale.to(torch.float32)  # [..., N, K/16]
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    saturation = torch.where(scale < E4M3_MIN_NORMAL, 3 * E4M3_MIN_SUBNORMAL / safe,
-                             torch.full_like(scale, 0.375))
-    top = torch.clamp(saturation, min=1.0)[..., None]                     # [..., N, K/16, 1]
+    saturation = torch.where(scale < E4M3_MIN_NORMAL, 3 * E4M3_MIN_SUBNORMAL / safe, torch.full_like(scale, 0.375))
+    top = torch.clamp(saturation, min=1.0)[..., None]  # [..., N, K/16, 1]
     blocks = magnitude.unflatten(-1, (-1, BLOCK_SIZE))
     half_step = torch.where(blocks < 2, 0.25, torch.where(blocks < 4, 0.5, 1.0))
     half_step = torch.where(blocks == E2M1_MAX, top, half_step)
     # In fp64: the (3) terms are below fp32's smallest subnormal (2**-149) for small |value| * s_b.
     scale_2 = q.scale_2.to(torch.float64)[..., None, None, None]
-    step = half_step.double() * scale[..., None].double()                 # halfstep * s_b
-    scaled = blocks.double() * scale[..., None].double()                  # |value| * s_b, exact
+    step = half_step.double() * scale[..., None].double()  # halfstep * s_b
+    scaled = blocks.double() * scale[..., None].double()  # |value| * s_b, exact
     bound = step * scale_2 + ((step + scaled) + 1) * FP32_HALF_SUBNORMAL
     bound = bound.flatten(-2)
     return _round_up_to_fp32(bound)
@@ -455,11 +482,12 @@ def _round_up_to_fp32(x: Tensor) -> Tensor:
 
 def _check_layout(packed: Tensor, block_scale: Tensor, who: str) -> None:
     if packed.dtype != torch.uint8 or packed.dim() < 2:
-        raise ValueError(f"{who}: packed must be uint8 [..., N, K//2], got {packed.dtype} "
-                         f"{tuple(packed.shape)}")
+        raise ValueError(f"{who}: packed must be uint8 [..., N, K//2], got {packed.dtype} {tuple(packed.shape)}")
     k = packed.shape[-1] * 2
     expected = (*packed.shape[:-1], k // BLOCK_SIZE)
     if k % BLOCK_SIZE or tuple(block_scale.shape) != expected:
-        raise ValueError(f"{who}: block_scale must be {expected} for packed "
-                         f"{tuple(packed.shape)} (K = {k}, a multiple of {BLOCK_SIZE}), "
-                         f"got {tuple(block_scale.shape)}")
+        raise ValueError(
+            f"{who}: block_scale must be {expected} for packed "
+            f"{tuple(packed.shape)} (K = {k}, a multiple of {BLOCK_SIZE}), "
+            f"got {tuple(block_scale.shape)}"
+        )

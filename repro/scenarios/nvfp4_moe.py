@@ -30,6 +30,7 @@ shapes, no host syncs, capturable.
 The check each step is vLLM RFC #48312's warm-B vs cold-B: the warm layer (built on weights A,
 captured, reloaded to B_k) against a cold layer built directly on B_k.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -72,10 +73,14 @@ if TYPE_CHECKING:
 # elements beyond 0.05 (max scaled error 1.6-4.3).
 TOLERANCE = 0.05
 
-HOPPER_NOTE = ("Hopper: NVFP4 MoE runs as weight-only W4A16 (FP4 weights dequantised, BF16 "
-               "activations) — the Blackwell tensor-core path is not exercised")
-CPU_NOTE = ("CPU: no CUDA graph was replayed; each step ran the eager forward through the layer's "
-            "current kernel, and the guard's findings name what a replay would have read")
+HOPPER_NOTE = (
+    "Hopper: NVFP4 MoE runs as weight-only W4A16 (FP4 weights dequantised, BF16 "
+    "activations) — the Blackwell tensor-core path is not exercised"
+)
+CPU_NOTE = (
+    "CPU: no CUDA graph was replayed; each step ran the eager forward through the layer's "
+    "current kernel, and the guard's findings name what a replay would have read"
+)
 
 
 class ReloadError(RuntimeError):
@@ -84,8 +89,8 @@ class ReloadError(RuntimeError):
 
 @dataclass(frozen=True)
 class Fixes:
-    reuse_kernel: bool        # #50074: build kernel + config once, reuse across reloads
-    refresh_alphas: bool      # #57954: copy the new scale_2 into the reused config's alphas
+    reuse_kernel: bool  # #50074: build kernel + config once, reuse across reloads
+    refresh_alphas: bool  # #57954: copy the new scale_2 into the reused config's alphas
 
 
 # The fix flags of each mode are the spec's (ModeSpec.fixes); Fixes names and documents them.
@@ -94,11 +99,13 @@ MODES = {m.name: Fixes(**m.fixes) for m in SPEC.modes}
 
 # ------------------------------------------------------------------------ quant config + kernel
 
+
 @dataclass
 class FusedMoEQuantConfig:
     """What the kernel reads its weight global scales from (vLLM: FusedMoEQuantConfig)."""
-    g1_alphas: Tensor         # [E] fp32: a REFERENCE to layer.w13_weight_scale_2, not a copy
-    g2_alphas: Tensor         # [E] fp32: a REFERENCE to layer.w2_weight_scale_2
+
+    g1_alphas: Tensor  # [E] fp32: a REFERENCE to layer.w13_weight_scale_2, not a copy
+    g2_alphas: Tensor  # [E] fp32: a REFERENCE to layer.w2_weight_scale_2
 
 
 def make_quant_config(layer: "NvFp4MoE") -> FusedMoEQuantConfig:
@@ -112,14 +119,15 @@ class WeightOnlyNvfp4Experts:
     them: replacing this object frees them under a captured graph.
     """
 
-    def __init__(self, quant_config: FusedMoEQuantConfig, expert_map: Tensor, dims: Any,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, quant_config: FusedMoEQuantConfig, expert_map: Tensor, dims: Any, dtype: torch.dtype, device: torch.device
+    ):
         e, d, i = dims.num_experts, dims.hidden_size, dims.intermediate_size
         self.quant_config = quant_config
-        self.expert_map = expert_map                                          # [E] int64, global -> local id
+        self.expert_map = expert_map  # [E] int64, global -> local id
         self.workspace13 = torch.empty(e, 2 * i, d, dtype=dtype, device=device)  # dequantised w13
-        self.workspace2 = torch.empty(e, d, i, dtype=dtype, device=device)       # dequantised w2
-        self.w13_alpha = torch.empty(e, dtype=torch.float32, device=device)      # derived scales
+        self.workspace2 = torch.empty(e, d, i, dtype=dtype, device=device)  # dequantised w2
+        self.w13_alpha = torch.empty(e, dtype=torch.float32, device=device)  # derived scales
         self.w2_alpha = torch.empty(e, dtype=torch.float32, device=device)
 
     def process_weights_after_loading(self, layer: "NvFp4MoE") -> None:
@@ -134,15 +142,15 @@ class WeightOnlyNvfp4Experts:
     def apply(self, layer: "NvFp4MoE", x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         """x [T, D], topk_weights [T, k] fp32, topk_ids [T, k] int64 -> [T, D]."""
         t, e = x.shape[0], self.expert_map.shape[0]
-        local = self.expert_map[topk_ids]                       # [T, k]; garbage here -> device assert
-        on_rank = local >= 0                                    # -1 marks an expert of another EP rank
+        local = self.expert_map[topk_ids]  # [T, k]; garbage here -> device assert
+        on_rank = local >= 0  # -1 marks an expert of another EP rank
         gates = torch.zeros(t, e, dtype=torch.float32, device=x.device)
-        gates.scatter_add_(1, local.clamp(min=0), topk_weights * on_rank)   # [T, E], 0 if unrouted
+        gates.scatter_add_(1, local.clamp(min=0), topk_weights * on_rank)  # [T, E], 0 if unrouted
         nvfp4.dequantize_into(self.workspace13, layer.w13_weight, layer.w13_weight_scale, self.w13_alpha)
         nvfp4.dequantize_into(self.workspace2, layer.w2_weight, layer.w2_weight_scale, self.w2_alpha)
-        h = torch.matmul(x, self.workspace13.transpose(1, 2))   # [E, T, 2I]
-        a = silu_and_mul(h)                                     # [E, T, I]
-        y = torch.bmm(a, self.workspace2.transpose(1, 2))       # [E, T, D]
+        h = torch.matmul(x, self.workspace13.transpose(1, 2))  # [E, T, 2I]
+        a = silu_and_mul(h)  # [E, T, I]
+        y = torch.bmm(a, self.workspace2.transpose(1, 2))  # [E, T, D]
         # Weighted sum in fp32. Dense on purpose: 0 * NaN is NaN, so poisoned state shows.
         return torch.einsum("te,etd->td", gates, y.float()).to(x.dtype)
 
@@ -154,15 +162,15 @@ def silu_and_mul(h: Tensor) -> Tensor:
 
 
 def make_moe_kernel(quant_config: FusedMoEQuantConfig, layer: "NvFp4MoE") -> WeightOnlyNvfp4Experts:
-    return WeightOnlyNvfp4Experts(quant_config, layer.expert_routing_table(), layer.dims,
-                                  layer.dtype, layer.device)
+    return WeightOnlyNvfp4Experts(quant_config, layer.expert_routing_table(), layer.dims, layer.dtype, layer.device)
 
 
 # ------------------------------------------------------------------------ online quant method
 
+
 @dataclass
 class QuantStats:
-    bytes_in: int             # BF16 bytes quantized
+    bytes_in: int  # BF16 bytes quantized
     seconds: float
 
     @property
@@ -172,8 +180,8 @@ class QuantStats:
 
 @dataclass
 class Nvfp4Experts:
-    w13: nvfp4.NVFP4Weight    # packed [E, 2I, D/2], block_scale [E, 2I, D/16], scale_2 [E]
-    w2: nvfp4.NVFP4Weight     # packed [E, D, I/2],  block_scale [E, D, I/16],  scale_2 [E]
+    w13: nvfp4.NVFP4Weight  # packed [E, 2I, D/2], block_scale [E, 2I, D/16], scale_2 [E]
+    w2: nvfp4.NVFP4Weight  # packed [E, D, I/2],  block_scale [E, D, I/16],  scale_2 [E]
     stats: QuantStats
 
 
@@ -222,14 +230,14 @@ class Nvfp4OnlineMoEMethod:
 
         # Unfixed: a new config and kernel on every call, so a reload frees the kernel's tensors
         # that the captured graph reads.
-        if self.moe_kernel is None or not self.fixes.reuse_kernel:             # fix (#50074)
+        if self.moe_kernel is None or not self.fixes.reuse_kernel:  # fix (#50074)
             self.moe_quant_config = make_quant_config(layer)
             self.moe_kernel = make_moe_kernel(self.moe_quant_config, layer)
-        elif self.fixes.refresh_alphas:                                         # fix (#57954)
+        elif self.fixes.refresh_alphas:  # fix (#57954)
             # The reused config's alphas are the ORIGINAL scale_2 storages; during a reload
             # they hold the previous weights' scales until the copy-back. Refresh them first.
-            self.moe_quant_config.g1_alphas.copy_(layer.w13_weight_scale_2)     # fix (#57954)
-            self.moe_quant_config.g2_alphas.copy_(layer.w2_weight_scale_2)      # fix (#57954)
+            self.moe_quant_config.g1_alphas.copy_(layer.w13_weight_scale_2)  # fix (#57954)
+            self.moe_quant_config.g2_alphas.copy_(layer.w2_weight_scale_2)  # fix (#57954)
 
         self.moe_kernel.process_weights_after_loading(layer)
 
@@ -239,6 +247,7 @@ class Nvfp4OnlineMoEMethod:
 
 # ------------------------------------------------------------------------ the layer
 
+
 class NvFp4MoE(nn.Module):
     """Router [E, D] + experts w13 [E, 2I, D] (gate | up), w2 [E, D, I]; top-k routing.
 
@@ -247,8 +256,7 @@ class NvFp4MoE(nn.Module):
     fp32 [E], and the same for w2.
     """
 
-    def __init__(self, dims: Any, quant_method: Nvfp4OnlineMoEMethod, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, dims: Any, quant_method: Nvfp4OnlineMoEMethod, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.dims = dims
         self.dtype = dtype
@@ -264,9 +272,9 @@ class NvFp4MoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x [T, D] -> [T, D]. Capturable: static shapes, no host syncs."""
-        logits = F.linear(x, self.router_weight)                  # [T, E]
+        logits = F.linear(x, self.router_weight)  # [T, E]
         probs = logits.float().softmax(dim=-1)
-        topk_weights, topk_ids = probs.topk(self.dims.top_k, dim=-1)          # [T, k]
+        topk_weights, topk_ids = probs.topk(self.dims.top_k, dim=-1)  # [T, k]
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)  # renormalise
         return self.quant_method.apply(self, x, topk_weights, topk_ids)
 
@@ -285,8 +293,9 @@ def load_weights(layer: NvFp4MoE, checkpoint: dict[str, Tensor]) -> None:
 
 
 @torch.no_grad()
-def build_layer(dims: Any, fixes: Fixes, checkpoint: dict[str, Tensor], dtype: torch.dtype,
-                device: torch.device) -> NvFp4MoE:
+def build_layer(
+    dims: Any, fixes: Fixes, checkpoint: dict[str, Tensor], dtype: torch.dtype, device: torch.device
+) -> NvFp4MoE:
     """Initial load: load-format params, load, PWAL (quantize + kernel setup)."""
     layer = NvFp4MoE(dims, Nvfp4OnlineMoEMethod(fixes), dtype, device)
     load_weights(layer, checkpoint)
@@ -295,6 +304,7 @@ def build_layer(dims: Any, fixes: Fixes, checkpoint: dict[str, Tensor], dtype: t
 
 
 # ------------------------------------------------------------------------ layerwise reload
+
 
 @torch.no_grad()
 def reload_weights(layer: NvFp4MoE, checkpoint: dict[str, Tensor]) -> None:
@@ -305,7 +315,7 @@ def reload_weights(layer: NvFp4MoE, checkpoint: dict[str, Tensor]) -> None:
     """
     originals = dict(layer.named_parameters(recurse=False))
     for name in originals:
-        delattr(layer, name)                      # vLLM keeps only meta-device records of them
+        delattr(layer, name)  # vLLM keeps only meta-device records of them
     materialize_load_format(layer)
     load_weights(layer, checkpoint)
     layer.quant_method.process_weights_after_loading(layer)
@@ -319,19 +329,22 @@ def restore_originals(layer: nn.Module, originals: dict[str, nn.Parameter]) -> N
     if set(current) != set(originals):
         raise ReloadError(
             f"reload changed the parameter set: new {sorted(set(current) - set(originals))}, "
-            f"missing {sorted(set(originals) - set(current))}; the captured originals cannot be kept")
+            f"missing {sorted(set(originals) - set(current))}; the captured originals cannot be kept"
+        )
     for name, original in originals.items():
         new = current[name]
         if new.shape != original.shape or new.dtype != original.dtype:
             raise ReloadError(
                 f"reload of {name}: PWAL produced {new.dtype} {list(new.shape)} but the captured "
                 f"original is {original.dtype} {list(original.shape)}; copy-back needs equal shape "
-                "and dtype (did the model dims change between loads?)")
+                "and dtype (did the model dims change between loads?)"
+            )
         original.copy_(new)
         layer.register_parameter(name, original)
 
 
 # ------------------------------------------------------------------------ weights and inputs
+
 
 def expert_factors(num_experts: int, step: int, phase: int) -> Tensor:
     """[E] per-expert weight scale 2**(0.5 * ((step + e + phase) % 3 - 1)).
@@ -343,8 +356,7 @@ def expert_factors(num_experts: int, step: int, phase: int) -> Tensor:
     return torch.exp2(0.5 * pos.to(torch.float32))
 
 
-def make_checkpoint(dims: Any, seed: int, step: int, dtype: torch.dtype,
-                    device: torch.device) -> dict[str, Tensor]:
+def make_checkpoint(dims: Any, seed: int, step: int, dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
     """BF16 weights for reload `step` (-1: the initial weights A); values and amax differ per step."""
     e, d, i = dims.num_experts, dims.hidden_size, dims.intermediate_size
     gen = torch.Generator(device=device)
@@ -356,9 +368,9 @@ def make_checkpoint(dims: Any, seed: int, step: int, dtype: torch.dtype,
         return torch.randn(shape, generator=gen, dtype=dtype, device=device)
 
     return {
-        "router_weight": normal(e, d).mul_(d ** -0.5),
-        "w13_weight": normal(e, 2 * i, d).mul_(f13 * d ** -0.5),
-        "w2_weight": normal(e, d, i).mul_(f2 * i ** -0.5),
+        "router_weight": normal(e, d).mul_(d**-0.5),
+        "w13_weight": normal(e, 2 * i, d).mul_(f13 * d**-0.5),
+        "w2_weight": normal(e, d, i).mul_(f2 * i**-0.5),
     }
 
 
@@ -383,11 +395,11 @@ def scale_change(before: Tensor, after: Tensor) -> float:
 def live_alpha_staleness(layer: NvFp4MoE) -> float:
     """How far the LIVE kernel's derived scales are from the layer's scale_2 (0 when current)."""
     k = layer.quant_method.moe_kernel
-    return max(scale_change(layer.w13_weight_scale_2, k.w13_alpha),
-               scale_change(layer.w2_weight_scale_2, k.w2_alpha))
+    return max(scale_change(layer.w13_weight_scale_2, k.w13_alpha), scale_change(layer.w2_weight_scale_2, k.w2_alpha))
 
 
 # ------------------------------------------------------------------------ the trial
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -410,26 +422,29 @@ def quant_stats(layer: NvFp4MoE) -> dict[str, Any]:
 
 def dims_detail(dims: Any) -> dict[str, Any]:
     e, d, i = dims.num_experts, dims.hidden_size, dims.intermediate_size
-    return {**dataclasses.asdict(dims),
-            "bf16_expert_bytes": 2 * (e * 2 * i * d + e * d * i),
-            "forward_gflop": 2 * dims.tokens * e * (2 * i * d + d * i) / 1e9}
+    return {
+        **dataclasses.asdict(dims),
+        "bf16_expert_bytes": 2 * (e * 2 * i * d + e * d * i),
+        "forward_gflop": 2 * dims.tokens * e * (2 * i * d + d * i) / 1e9,
+    }
 
 
 @dataclass
 class Trial:
     """What lives across the steps of one trial."""
+
     layer: NvFp4MoE
-    captured: Captured                # the graph (None on CPU) + static I/O
-    static_x: Tensor                  # [T, D], allocated before capture; tokens written per step
-    after_free: AfterFree | None = None   # its holders keep the fills alive
+    captured: Captured  # the graph (None on CPU) + static I/O
+    static_x: Tensor  # [T, D], allocated before capture; tokens written per step
+    after_free: AfterFree | None = None  # its holders keep the fills alive
     reloads: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 @dataclass
 class Reloaded:
-    weights: dict[str, Tensor] | None     # B_k, kept for the cold oracle
+    weights: dict[str, Tensor] | None  # B_k, kept for the cold oracle
     kernel_rebuilt: bool
-    scale_change: tuple[float, float]     # w13, w2: max |new / old - 1| over experts
+    scale_change: tuple[float, float]  # w13, w2: max |new / old - 1| over experts
     live_staleness: float
     seconds: float
 
@@ -444,33 +459,43 @@ def run(ctx: WorkerContext) -> None:
         step_start = time.perf_counter()
         reloaded = reload_step(ctx, trial, k)
         apply_after_free_once(ctx, trial)
-        ctx.check_guard(f"before replay, step {k}")   # on disk before a replay can crash
+        ctx.check_guard(f"before replay, step {k}")  # on disk before a replay can crash
         out, replayed, replay_s = replay(ctx, trial, k)
         cmp, oracle_s = compare_with_cold(ctx, trial, reloaded.weights, out)
         reloaded.weights = None
-        ctx.step(step_record(ctx, k, reloaded, cmp, replayed, time.perf_counter() - step_start,
-                             {"replay_s": replay_s, "oracle_s": oracle_s}))
+        ctx.step(
+            step_record(
+                ctx,
+                k,
+                reloaded,
+                cmp,
+                replayed,
+                time.perf_counter() - step_start,
+                {"replay_s": replay_s, "oracle_s": oracle_s},
+            )
+        )
 
 
 def build_and_capture(ctx: WorkerContext) -> Trial:
     dims, r = ctx.cfg.model, ctx.cfg.run
     dtype, device = getattr(torch, dims.dtype), ctx.device
     with ctx.phase("build"):
-        with ctx.memory.use():                # the trainer's buffer, not engine memory
+        with ctx.memory.use():  # the trainer's buffer, not engine memory
             weights_a = make_checkpoint(dims, r.seed, -1, dtype, device)
         layer = build_layer(dims, MODES[r.mode], weights_a, dtype, device)
         del weights_a
     watch_layer(ctx.guard, layer)
-    ctx.detail(dims=dims_detail(dims), mode_fixes=dataclasses.asdict(MODES[r.mode]),
-               tolerance=TOLERANCE,
-               tolerance_rule="elementwise |y - y_ref| > tolerance * (|y_ref| + rms(y_ref)); "
-                              "mismatches counts such elements",
-               kernel_path="weight-only W4A16 (NVFP4 weights dequantised into a kernel workspace)",
-               quant_build=quant_stats(layer))
-    static_x = torch.zeros(dims.tokens, dims.hidden_size, dtype=dtype, device=device)   # [T, D]
+    ctx.detail(
+        dims=dims_detail(dims),
+        mode_fixes=dataclasses.asdict(MODES[r.mode]),
+        tolerance=TOLERANCE,
+        tolerance_rule="elementwise |y - y_ref| > tolerance * (|y_ref| + rms(y_ref)); mismatches counts such elements",
+        kernel_path="weight-only W4A16 (NVFP4 weights dequantised into a kernel workspace)",
+        quant_build=quant_stats(layer),
+    )
+    static_x = torch.zeros(dims.tokens, dims.hidden_size, dtype=dtype, device=device)  # [T, D]
     with ctx.phase("capture"):
-        captured = capture(layer, (static_x,), "moe forward", ctx.guard, on_replay=ctx.replaying,
-                           census=ctx.census)
+        captured = capture(layer, (static_x,), "moe forward", ctx.guard, on_replay=ctx.replaying, census=ctx.census)
     return Trial(layer=layer, captured=captured, static_x=static_x)
 
 
@@ -478,10 +503,9 @@ def reload_step(ctx: WorkerContext, trial: Trial, k: int) -> Reloaded:
     """Reload to B_k (or A again under identity_reload) and take the storage manifest."""
     dims, r, layer = ctx.cfg.model, ctx.cfg.run, trial.layer
     with ctx.memory.use():
-        weights = make_checkpoint(dims, r.seed, weights_step(k, r.identity_reload),
-                                  layer.dtype, layer.device)
+        weights = make_checkpoint(dims, r.seed, weights_step(k, r.identity_reload), layer.dtype, layer.device)
         old = (layer.w13_weight_scale_2.clone(), layer.w2_weight_scale_2.clone())
-    kernel_before = weakref.ref(layer.quant_method.moe_kernel)   # weak: must not keep it alive
+    kernel_before = weakref.ref(layer.quant_method.moe_kernel)  # weak: must not keep it alive
     start = time.perf_counter()
     with ctx.phase("reload"):
         reload_weights(layer, weights)
@@ -490,11 +514,15 @@ def reload_step(ctx: WorkerContext, trial: Trial, k: int) -> Reloaded:
     ctx.detail(quant_reloads=trial.reloads)
     ctx.manifest(f"after reload {k}")
     with ctx.memory.use():
-        change = (scale_change(old[0], layer.w13_weight_scale_2),
-                  scale_change(old[1], layer.w2_weight_scale_2))
+        change = (scale_change(old[0], layer.w13_weight_scale_2), scale_change(old[1], layer.w2_weight_scale_2))
         staleness = live_alpha_staleness(layer)
-    return Reloaded(weights=weights, kernel_rebuilt=kernel_before() is not layer.quant_method.moe_kernel,
-                    scale_change=change, live_staleness=staleness, seconds=seconds)
+    return Reloaded(
+        weights=weights,
+        kernel_rebuilt=kernel_before() is not layer.quant_method.moe_kernel,
+        scale_change=change,
+        live_staleness=staleness,
+        seconds=seconds,
+    )
 
 
 def apply_after_free_once(ctx: WorkerContext, trial: Trial) -> None:
@@ -525,29 +553,51 @@ def replay(ctx: WorkerContext, trial: Trial, k: int) -> tuple[Tensor, bool, floa
     return out, replayed, time.perf_counter() - start
 
 
-def compare_with_cold(ctx: WorkerContext, trial: Trial, weights: dict[str, Tensor],
-                      out: Tensor) -> tuple[Comparison, float]:
+def compare_with_cold(
+    ctx: WorkerContext, trial: Trial, weights: dict[str, Tensor], out: Tensor
+) -> tuple[Comparison, float]:
     """RFC #48312's oracle: a cold layer built directly on the same weights, run eagerly."""
     dims, layer = ctx.cfg.model, trial.layer
     start = time.perf_counter()
-    with ctx.phase("oracle"), ctx.memory.use():   # never in the blocks the knob decided on
+    with ctx.phase("oracle"), ctx.memory.use():  # never in the blocks the knob decided on
         cold = build_layer(dims, MODES[ctx.cfg.run.mode], weights, layer.dtype, layer.device)
         cmp = compare(out, cold(trial.static_x), TOLERANCE)
         del cold
     return cmp, time.perf_counter() - start
 
 
-def step_record(ctx: WorkerContext, k: int, reloaded: Reloaded, cmp: Comparison, replayed: bool,
-                seconds: float, timings: dict[str, float]) -> StepRecord:
+def step_record(
+    ctx: WorkerContext,
+    k: int,
+    reloaded: Reloaded,
+    cmp: Comparison,
+    replayed: bool,
+    seconds: float,
+    timings: dict[str, float],
+) -> StepRecord:
     kind = "identity" if ctx.cfg.run.identity_reload else "changed"
     return StepRecord(
-        step=k, rank=ctx.rank, batch=ctx.cfg.model.tokens, replayed=replayed, numel=cmp.numel,
-        nonfinite=cmp.nonfinite, compared=cmp.compared, mismatches=cmp.mismatches,
-        max_abs_err=cmp.max_abs_err, rel_err=cmp.rel_err, tolerance=TOLERANCE, seconds=seconds,
+        step=k,
+        rank=ctx.rank,
+        batch=ctx.cfg.model.tokens,
+        replayed=replayed,
+        numel=cmp.numel,
+        nonfinite=cmp.nonfinite,
+        compared=cmp.compared,
+        mismatches=cmp.mismatches,
+        max_abs_err=cmp.max_abs_err,
+        rel_err=cmp.rel_err,
+        tolerance=TOLERANCE,
+        seconds=seconds,
         label=f"reload {k} ({kind})",
-        extra={"weights": kind, "kernel_rebuilt": reloaded.kernel_rebuilt,
-               "max_scaled_err": cmp.max_scaled_err,
-               "scale_change_w13": reloaded.scale_change[0],
-               "scale_change_w2": reloaded.scale_change[1],
-               "live_kernel_alpha_staleness": reloaded.live_staleness,
-               "reload_s": reloaded.seconds, **timings})
+        extra={
+            "weights": kind,
+            "kernel_rebuilt": reloaded.kernel_rebuilt,
+            "max_scaled_err": cmp.max_scaled_err,
+            "scale_change_w13": reloaded.scale_change[0],
+            "scale_change_w2": reloaded.scale_change[1],
+            "live_kernel_alpha_staleness": reloaded.live_staleness,
+            "reload_s": reloaded.seconds,
+            **timings,
+        },
+    )

@@ -40,6 +40,7 @@ references and lets the pool reuse their blocks; that reuse is the pool's contra
 this bug). Each step checks the replayed hidden states and greedy tokens against eager
 decoding of the same inputs on the same KV cache.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,13 +71,15 @@ if TYPE_CHECKING:
 TOLERANCE = 0.05
 RMS_EPS = 1e-5
 
-CPU_NOTE = ("CPU: no CUDA graph was captured or replayed; the pieces ran eagerly around the split op, so the "
-            "verdict comes from the guard (what a replay would read) and the comparison with eager decoding")
+CPU_NOTE = (
+    "CPU: no CUDA graph was captured or replayed; the pieces ran eagerly around the split op, so the "
+    "verdict comes from the guard (what a replay would read) and the comparison with eager decoding"
+)
 
 
 @dataclass(frozen=True)
 class Fixes:
-    static_output: bool       # #53915: the split op writes into a buffer whose address stays
+    static_output: bool  # #53915: the split op writes into a buffer whose address stays
 
 
 # The fix flags of each mode are the spec's (ModeSpec.fixes); Fixes names and documents them.
@@ -88,6 +91,7 @@ def piece_label(j: int, size: int) -> str:
 
 
 # ------------------------------------------------------------------------ the decoder stand-in
+
 
 def rms_norm(x: Tensor, weight: Tensor) -> Tensor:
     x32 = x.float()
@@ -127,7 +131,8 @@ class DecoderLayer(nn.Module):
         """x [T, H] -> q [T, Hq D], k, v [T, Hkv D]: the part before attention."""
         t = x.shape[0]
         q, k, v = F.linear(rms_norm(x, self.input_norm), self.qkv).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1)
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
         q = rotate(q.reshape(t, self.heads, self.head_dim), cos, sin).reshape(t, -1)
         k = rotate(k.reshape(t, self.kv_heads, self.head_dim), cos, sin).reshape(t, -1)
         return q, k, v.contiguous()
@@ -141,7 +146,7 @@ class DecoderLayer(nn.Module):
 
 def weight(rows: int, cols: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> nn.Parameter:
     """[rows, cols] ~ N(0, 1/cols): activations keep their scale through the layer."""
-    w = torch.empty(rows, cols, dtype=dtype, device=device).normal_(0.0, cols ** -0.5, generator=gen)
+    w = torch.empty(rows, cols, dtype=dtype, device=device).normal_(0.0, cols**-0.5, generator=gen)
     return nn.Parameter(w, requires_grad=False)
 
 
@@ -152,8 +157,10 @@ class Decoder(nn.Module):
         super().__init__()
         gen = torch.Generator(device=device)
         gen.manual_seed(seed * 1_000_003 + 7)
-        self.embed = nn.Parameter(torch.empty(dims.vocab_size, dims.hidden_size, dtype=dtype, device=device)
-                                  .normal_(0.0, 1.0, generator=gen), requires_grad=False)
+        self.embed = nn.Parameter(
+            torch.empty(dims.vocab_size, dims.hidden_size, dtype=dtype, device=device).normal_(0.0, 1.0, generator=gen),
+            requires_grad=False,
+        )
         self.layers = nn.ModuleList(DecoderLayer(dims, dtype, device, gen) for _ in range(dims.num_layers))
         self.final_norm = nn.Parameter(torch.ones(dims.hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.lm_head = weight(dims.vocab_size, dims.hidden_size, dtype, device, gen)
@@ -210,12 +217,12 @@ def attend(cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int
     g = q.shape[1] // (hkv * d)
     cache.k[layer, :t, pos] = k.view(t, hkv, d)
     cache.v[layer, :t, pos] = v.view(t, hkv, d)
-    keys = cache.k[layer, :t, : pos + 1].transpose(1, 2)             # [T, Hkv, N, D]
-    values = cache.v[layer, :t, : pos + 1].transpose(1, 2)           # [T, Hkv, N, D]
-    scores = torch.matmul(q.view(t, hkv, g, d), keys.transpose(2, 3)).float() * d ** -0.5   # [T, Hkv, G, N]
+    keys = cache.k[layer, :t, : pos + 1].transpose(1, 2)  # [T, Hkv, N, D]
+    values = cache.v[layer, :t, : pos + 1].transpose(1, 2)  # [T, Hkv, N, D]
+    scores = torch.matmul(q.view(t, hkv, g, d), keys.transpose(2, 3)).float() * d**-0.5  # [T, Hkv, G, N]
     probs = scores.softmax(dim=-1).to(q.dtype)
     if out is None:
-        return torch.matmul(probs, values).view(t, -1)                # a new tensor [T, Hq D]
+        return torch.matmul(probs, values).view(t, -1)  # a new tensor [T, Hq D]
     torch.matmul(probs, values, out=out.view(t, hkv, g, d))
     return out
 
@@ -226,35 +233,37 @@ class SplitAttention:
 
     def __init__(self, cache: KVCache, fixes: Fixes):
         self.cache, self.fixes = cache, fixes
-        self.outputs: dict[int, Tensor] = {}            # fix (#53915): batch size -> [T, Hq D], kept
+        self.outputs: dict[int, Tensor] = {}  # fix (#53915): batch size -> [T, Hq D], kept
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int) -> Tensor:
         # Unfixed (out None): the last matmul allocates the output, a new tensor every call, like
         # vllm::moe_forward_shared's torch.empty_like (#53915) or the torch.bmm of #37363.
-        out = self.static_output(q) if self.fixes.static_output else None      # fix (#53915)
+        out = self.static_output(q) if self.fixes.static_output else None  # fix (#53915)
         return attend(self.cache, layer, q, k, v, pos, out)
 
-    def static_output(self, q: Tensor) -> Tensor:                              # fix (#53915)
+    def static_output(self, q: Tensor) -> Tensor:  # fix (#53915)
         """One buffer per batch size, made at its first call (the capture) and kept for the
         graphs' lifetime: the next piece reads this step's values where it captured them."""
-        if q.shape[0] not in self.outputs:                                     # fix (#53915)
-            self.outputs[q.shape[0]] = torch.empty_like(q)                     # fix (#53915)
-        return self.outputs[q.shape[0]]                                        # fix (#53915)
+        if q.shape[0] not in self.outputs:  # fix (#53915)
+            self.outputs[q.shape[0]] = torch.empty_like(q)  # fix (#53915)
+        return self.outputs[q.shape[0]]  # fix (#53915)
 
 
 # ------------------------------------------------------------------------ the engine
+
 
 @dataclass
 class Engine:
     """What vLLM's model runner holds across steps: the model, the KV cache, the split op, its
     persistent input buffers, and the pieces of every batch size, all in one graph pool."""
+
     model: Decoder
     cache: KVCache
     split: SplitAttention
-    input_ids: Tensor                 # [max T] int64: pieces of size T read [:T]
-    positions: Tensor                 # [max T] int64
-    pool: tuple[int, int] | None      # one graph pool handle for every piece (None on CPU)
-    pieces: dict[int, list[Captured]] = field(default_factory=dict)      # size -> pieces 0..L
+    input_ids: Tensor  # [max T] int64: pieces of size T read [:T]
+    positions: Tensor  # [max T] int64
+    pool: tuple[int, int] | None  # one graph pool handle for every piece (None on CPU)
+    pieces: dict[int, list[Captured]] = field(default_factory=dict)  # size -> pieces 0..L
     # size -> the address each piece j+1 read layer j's split output at, during capture (the
     # addresses vLLM's DEBUG check compares; ints, so they keep nothing alive)
     captured_at: dict[int, list[int]] = field(default_factory=dict)
@@ -264,10 +273,14 @@ def build_engine(dims: DecoderDims, fixes: Fixes, seed: int, device: torch.devic
     dtype = getattr(torch, dims.dtype)
     cache = KVCache(dims, dtype, device)
     longest = max(dims.batch_sizes)
-    return Engine(model=Decoder(dims, dtype, device, seed), cache=cache, split=SplitAttention(cache, fixes),
-                  input_ids=torch.zeros(longest, dtype=torch.int64, device=device),
-                  positions=torch.full((longest,), prompt_len(dims), dtype=torch.int64, device=device),
-                  pool=torch.cuda.graph_pool_handle() if device.type == "cuda" else None)
+    return Engine(
+        model=Decoder(dims, dtype, device, seed),
+        cache=cache,
+        split=SplitAttention(cache, fixes),
+        input_ids=torch.zeros(longest, dtype=torch.int64, device=device),
+        positions=torch.full((longest,), prompt_len(dims), dtype=torch.int64, device=device),
+        pool=torch.cuda.graph_pool_handle() if device.type == "cuda" else None,
+    )
 
 
 def prompt_len(dims: DecoderDims) -> int:
@@ -287,8 +300,9 @@ def capture_size(ctx: WorkerContext, engine: Engine, size: int) -> None:
     pos = prompt_len(ctx.cfg.model)
 
     def capture_piece(j: int, fn: Any, first: Tensor) -> Captured:
-        return capture(fn, (first,), piece_label(j, size), ctx.guard, pool=engine.pool,
-                       on_replay=ctx.replaying, census=ctx.census)
+        return capture(
+            fn, (first,), piece_label(j, size), ctx.guard, pool=engine.pool, on_replay=ctx.replaying, census=ctx.census
+        )
 
     def capture_after(j: int, x: Tensor, attn_out: Tensor) -> Captured:
         """Piece j+1, which reads layer j's split output. The output is referenced only here:
@@ -308,8 +322,8 @@ def capture_size(ctx: WorkerContext, engine: Engine, size: int) -> None:
 
 @dataclass
 class Decoded:
-    hidden: Tensor                    # [T, H]: the last piece's output
-    moved: int                        # split outputs not at the address the next piece reads
+    hidden: Tensor  # [T, H]: the last piece's output
+    moved: int  # split outputs not at the address the next piece reads
     replayed: bool
 
 
@@ -327,10 +341,10 @@ def decode(engine: Engine, size: int, pos: int) -> Decoded:
         x, q, k, v = out
         attn_out = engine.split(j, q, k, v, pos)
         moved += attn_out.data_ptr() != engine.captured_at[size][j]
-        out = pieces[j + 1].replay()    # reads layer j's split output where the capture saw it
+        out = pieces[j + 1].replay()  # reads layer j's split output where the capture saw it
         if out is None:
             out = model.piece(j + 1, x, attn_out, positions)
-        del attn_out                    # freed after its last use, as in capture_size
+        del attn_out  # freed after its last use, as in capture_size
     return Decoded(hidden=out[0], moved=moved, replayed=replayed)
 
 
@@ -354,6 +368,7 @@ def make_tokens(dims: DecoderDims, seed: int, step: int, size: int, device: torc
 
 # ------------------------------------------------------------------------ the trial
 
+
 def watch_engine(guard: CaptureGuard, engine: Engine) -> None:
     """Readable names for what the pieces read (weights, input buffers) and the static outputs."""
     guard.watch("model", engine.model)
@@ -362,10 +377,14 @@ def watch_engine(guard: CaptureGuard, engine: Engine) -> None:
 
 
 def dims_detail(dims: DecoderDims) -> dict[str, Any]:
-    return {**dataclasses.asdict(dims), "pieces_per_size": dims.num_layers + 1,
-            "graphs": (dims.num_layers + 1) * len(dims.batch_sizes),
-            "split_output_bytes": {b: b * dims.num_heads * dims.head_dim * getattr(torch, dims.dtype).itemsize
-                                   for b in dims.batch_sizes}}
+    return {
+        **dataclasses.asdict(dims),
+        "pieces_per_size": dims.num_layers + 1,
+        "graphs": (dims.num_layers + 1) * len(dims.batch_sizes),
+        "split_output_bytes": {
+            b: b * dims.num_heads * dims.head_dim * getattr(torch, dims.dtype).itemsize for b in dims.batch_sizes
+        },
+    }
 
 
 @torch.no_grad()
@@ -375,14 +394,19 @@ def run(ctx: WorkerContext) -> None:
         engine = build_engine(dims, MODES[r.mode], r.seed, ctx.device)
     watch_engine(ctx.guard, engine)
     with ctx.phase("capture"), ctx.guard.tracking():
-        for size in sorted(dims.batch_sizes, reverse=True):       # largest first, as vLLM captures
+        for size in sorted(dims.batch_sizes, reverse=True):  # largest first, as vLLM captures
             capture_size(ctx, engine, size)
     with ctx.phase("prefill"):
         engine.cache.prefill(r.seed)
     after_free = ctx.after_free("after set-up")
-    ctx.detail(dims=dims_detail(dims), mode_fixes=dataclasses.asdict(MODES[r.mode]), tolerance=TOLERANCE,
-               after_free=after_free.summary(), guard_mechanism=ctx.guard.mechanism,
-               harness_pool_isolated=ctx.memory.isolated)
+    ctx.detail(
+        dims=dims_detail(dims),
+        mode_fixes=dataclasses.asdict(MODES[r.mode]),
+        tolerance=TOLERANCE,
+        after_free=after_free.summary(),
+        guard_mechanism=ctx.guard.mechanism,
+        harness_pool_isolated=ctx.memory.isolated,
+    )
     if not ctx.on_gpu:
         ctx.note(CPU_NOTE)
     for step in range(r.steps):
@@ -408,16 +432,30 @@ def decode_step(ctx: WorkerContext, engine: Engine, step: int, size: int, pos: i
     start = time.perf_counter()
     with ctx.phase("replays"):
         decoded = decode(engine, size, pos)
-        tokens = engine.model.greedy(decoded.hidden)              # in the engine's memory, as vLLM samples
+        tokens = engine.model.greedy(decoded.hidden)  # in the engine's memory, as vLLM samples
     seconds = time.perf_counter() - start
-    with ctx.phase("oracle"), ctx.memory.use():                   # never in the blocks the knob decided on
+    with ctx.phase("oracle"), ctx.memory.use():  # never in the blocks the knob decided on
         reference = decode_eager(engine, size, pos)
         cmp: Comparison = compare(decoded.hidden, reference, TOLERANCE)
         wrong = int((tokens != engine.model.greedy(reference)).sum())
     return StepRecord(
-        step=step, rank=ctx.rank, batch=size, replayed=decoded.replayed, numel=cmp.numel,
-        nonfinite=cmp.nonfinite, compared=cmp.compared, mismatches=cmp.mismatches, max_abs_err=cmp.max_abs_err,
-        rel_err=cmp.rel_err, tolerance=TOLERANCE, seconds=seconds,
+        step=step,
+        rank=ctx.rank,
+        batch=size,
+        replayed=decoded.replayed,
+        numel=cmp.numel,
+        nonfinite=cmp.nonfinite,
+        compared=cmp.compared,
+        mismatches=cmp.mismatches,
+        max_abs_err=cmp.max_abs_err,
+        rel_err=cmp.rel_err,
+        tolerance=TOLERANCE,
+        seconds=seconds,
         label=f"{'graph' if decoded.replayed else 'eager'} bs={size} pos={pos}",
-        extra={"moved": decoded.moved, "split_calls": dims.num_layers, "wrong_tokens": wrong,
-               "max_scaled_err": cmp.max_scaled_err})
+        extra={
+            "moved": decoded.moved,
+            "split_calls": dims.num_layers,
+            "wrong_tokens": wrong,
+            "max_scaled_err": cmp.max_scaled_err,
+        },
+    )

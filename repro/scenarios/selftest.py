@@ -3,6 +3,7 @@
 No CUDA graph and no bug: it exists so the process isolation (deadlines, a rank dying while
 its peer waits in a collective, segfaults, SIGKILL) can be exercised on any machine.
 """
+
 from __future__ import annotations
 
 import time
@@ -33,9 +34,19 @@ def run(ctx: WorkerContext) -> None:
         ctx.begin_step(step)
         start = time.perf_counter()
         mine = torch.full((4,), float(ctx.rank + step), device=ctx.device)
-        gathered = all_gather_dim0(mine, ctx.tp)            # [world*4]
+        gathered = all_gather_dim0(mine, ctx.tp)  # [world*4]
         expected = torch.cat([torch.full((4,), float(r + step)) for r in range(ctx.tp.world_size)])
         wrong = int((gathered.cpu() != expected).sum())
-        ctx.step(StepRecord(step=step, rank=ctx.rank, batch=4, replayed=False,
-                            numel=gathered.numel(), compared=gathered.numel(), mismatches=wrong,
-                            seconds=time.perf_counter() - start, label="all-gather"))
+        ctx.step(
+            StepRecord(
+                step=step,
+                rank=ctx.rank,
+                batch=4,
+                replayed=False,
+                numel=gathered.numel(),
+                compared=gathered.numel(),
+                mismatches=wrong,
+                seconds=time.perf_counter() - start,
+                label="all-gather",
+            )
+        )

@@ -65,6 +65,7 @@ Upstream names: Worker.sleep / wake_up / reload_weights (vllm/v1/worker/gpu_work
 GPUModelRunner.post_kv_cache_wake_up and BlockTables.init_block_table_layout_tensors (Model
 Runner V2). Our code is written from their description.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -76,8 +77,18 @@ import torch
 
 from repro.rank.dist import all_gather_dim0
 from repro.rank.graphs import AfterFree, Captured, capture
-from repro.scenarios.gemma4_mtp import (SCHEDULE, SHARED_GPU, Gemma4Drafter, Loop, MaskedEmbedding, Oracle,
-                                        Sequences, bucket, full_lm_head, speculative_step)
+from repro.scenarios.gemma4_mtp import (
+    SCHEDULE,
+    SHARED_GPU,
+    Gemma4Drafter,
+    Loop,
+    MaskedEmbedding,
+    Oracle,
+    Sequences,
+    bucket,
+    full_lm_head,
+    speculative_step,
+)
 from repro.scenarios.gemma4_target import TargetStandIn
 from repro.scenarios.sleep_wake_spec import NUM_SPECULATIVE_TOKENS, SPEC
 
@@ -97,9 +108,9 @@ DRAFTER_MODE = "reload-safe"
 
 @dataclass(frozen=True)
 class Fixes:
-    restore_layout: bool          # post_kv_cache_wake_up puts the layout's values back (MRV2's hook)
-    layout_in_place: bool         # #53197: into the storage the graphs captured (copy_), not new tensors
-    reload_draft_weights: bool    # #52487: reload_weights loads the drafter's parameters too
+    restore_layout: bool  # post_kv_cache_wake_up puts the layout's values back (MRV2's hook)
+    layout_in_place: bool  # #53197: into the storage the graphs captured (copy_), not new tensors
+    reload_draft_weights: bool  # #52487: reload_weights loads the drafter's parameters too
 
 
 # The fix flags of each mode are the spec's (ModeSpec.fixes); Fixes names and documents them.
@@ -118,10 +129,11 @@ def discard(t: torch.Tensor) -> None:
     if t.device.type != "cuda":
         ctypes.memset(ptr, DISCARDED_BYTE, nbytes)
         return
-    from repro.diagnose.cuda_driver import load_driver     # libcuda through ctypes, as the census reads graphs
+    from repro.diagnose.cuda_driver import load_driver  # libcuda through ctypes, as the census reads graphs
+
     memset = load_driver().lib.cuMemsetD8_v2
     memset.argtypes, memset.restype = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t], ctypes.c_int
-    torch.cuda.synchronize(t.device)              # the program's work on it first, then the remap
+    torch.cuda.synchronize(t.device)  # the program's work on it first, then the remap
     code = memset(ptr, DISCARDED_BYTE, nbytes)
     if code:
         raise RuntimeError(f"cuMemsetD8_v2 of {nbytes} bytes at {ptr:#x} failed: CUresult {code}")
@@ -134,8 +146,8 @@ class BlockTableLayout:
     rewrites them per step, so a value the sleep discards stays lost."""
 
     def __init__(self, table: torch.Tensor, block_size: int):
-        self.strides = torch.tensor([table.stride(0)], dtype=torch.int64, device=table.device)    # [G]
-        self.block_sizes = torch.tensor([block_size], dtype=torch.int32, device=table.device)    # [G]
+        self.strides = torch.tensor([table.stride(0)], dtype=torch.int64, device=table.device)  # [G]
+        self.block_sizes = torch.tensor([block_size], dtype=torch.int32, device=table.device)  # [G]
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.strides, self.block_sizes]
@@ -150,13 +162,16 @@ class BlockTableLayout:
 class Checkpoint:
     """The weights as loaded at start-up, in host memory: what reload_weights reads again after a
     level-2 wake (vLLM reads the checkpoint files)."""
+
     target: dict[str, torch.Tensor]
-    drafter: dict[str, torch.Tensor]        # parameters only: the worker saves buffers at sleep
+    drafter: dict[str, torch.Tensor]  # parameters only: the worker saves buffers at sleep
 
     @staticmethod
     def of(drafter: Gemma4Drafter, target: TargetStandIn) -> "Checkpoint":
-        return Checkpoint({n: t.to("cpu", copy=True) for n, t in target_tensors(target).items()},
-                          {n: p.to("cpu", copy=True) for n, p in drafter.named_parameters()})
+        return Checkpoint(
+            {n: t.to("cpu", copy=True) for n, t in target_tensors(target).items()},
+            {n: p.to("cpu", copy=True) for n, p in drafter.named_parameters()},
+        )
 
 
 def target_tensors(target: TargetStandIn) -> dict[str, torch.Tensor]:
@@ -177,8 +192,17 @@ class Engine:
     """One rank's slice of vLLM's Worker and Model Runner V2 the bugs live in: the drafter's draft
     graphs, the block table and its layout, the paged KV-cache stand-in, sleep and wake."""
 
-    def __init__(self, drafter: Gemma4Drafter, target: TargetStandIn, batch_sizes: list[int], mode: str,
-                 seed: int, guard, on_replay=None, census=None):
+    def __init__(
+        self,
+        drafter: Gemma4Drafter,
+        target: TargetStandIn,
+        batch_sizes: list[int],
+        mode: str,
+        seed: int,
+        guard,
+        on_replay=None,
+        census=None,
+    ):
         self.drafter, self.target, self.batch_sizes, self.fixes = drafter, target, batch_sizes, MODES[mode]
         self.guard, self.on_replay, self.census = guard, on_replay, census
         device, sequences = drafter.lm_head.weight.device, max(batch_sizes)
@@ -186,33 +210,44 @@ class Engine:
         gen.manual_seed(seed * 7919 + 43)
         # Each sequence's pages, scattered over the cache as an allocator hands them out.
         blocks = torch.randperm(sequences * MAX_BLOCKS, generator=gen, device=device)
-        self.table = blocks.view(sequences, MAX_BLOCKS).to(torch.int32)          # [S, MAX_BLOCKS]
+        self.table = blocks.view(sequences, MAX_BLOCKS).to(torch.int32)  # [S, MAX_BLOCKS]
         # initialize_kv_cache's `kv_cache` scope: the backing (the drafter's input rows, standing
         # for the KV its layers read) and, before #53508 narrowed the scope, the layout.
-        self.kv = torch.zeros(sequences * MAX_BLOCKS * BLOCK_SIZE, drafter.masked_embedding.hidden_size,
-                              dtype=drafter.dtype, device=device)                 # [slots, H]
+        self.kv = torch.zeros(
+            sequences * MAX_BLOCKS * BLOCK_SIZE,
+            drafter.masked_embedding.hidden_size,
+            dtype=drafter.dtype,
+            device=device,
+        )  # [slots, H]
         self.layout = BlockTableLayout(self.table, BLOCK_SIZE)
-        self.lengths = torch.zeros(sequences, dtype=torch.int64, device=device)   # tokens emitted, mod MAX_MODEL_LEN
+        self.lengths = torch.zeros(sequences, dtype=torch.int64, device=device)  # tokens emitted, mod MAX_MODEL_LEN
         self.graphs: dict[int, Captured] = {}
 
     # -- the draft graphs --------------------------------------------------------------------
 
-    def draft(self, block_index: torch.Tensor, block_offset: torch.Tensor,
-              lm_head_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(
+        self, block_index: torch.Tensor, block_offset: torch.Tensor, lm_head_weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] block index and offset of each row's position -> (tokens [T], scores [T]): its
         input row read from the KV cache through the table and the layout, then drafted."""
         rows = torch.arange(block_index.shape[0], device=block_index.device)
-        entry = rows * self.layout.strides[0] + block_index                                   # [T]
-        slots = self.table.view(-1)[entry].long() * self.layout.block_sizes[0] + block_offset # [T]
+        entry = rows * self.layout.strides[0] + block_index  # [T]
+        slots = self.table.view(-1)[entry].long() * self.layout.block_sizes[0] + block_offset  # [T]
         return self.drafter.masked_embedding.get_top_tokens(self.kv[slots], lm_head_weight)
 
     def capture_draft_graphs(self) -> None:
-        lm_head_weight = self.drafter.full_lm_head_weight()      # a live parameter view, or the cached gather
+        lm_head_weight = self.drafter.full_lm_head_weight()  # a live parameter view, or the cached gather
         for size in self.batch_sizes:
             inputs = tuple(torch.zeros(size, dtype=torch.int64, device=self.kv.device) for _ in range(2))
-            self.graphs[size] = capture(lambda index, offset: self.draft(index, offset, lm_head_weight), inputs,
-                                        label=f"draft bs={size}", guard=self.guard, warmup=3,
-                                        on_replay=self.on_replay, census=self.census)
+            self.graphs[size] = capture(
+                lambda index, offset: self.draft(index, offset, lm_head_weight),
+                inputs,
+                label=f"draft bs={size}",
+                guard=self.guard,
+                warmup=3,
+                on_replay=self.on_replay,
+                census=self.census,
+            )
 
     def sampler(self):
         """greedy_sample for one decode step: its j-th call drafts position j past each sequence's
@@ -224,16 +259,16 @@ class Engine:
         """hidden [t, H] of draft position j: written into the KV cache at each sequence's slot
         (the engine's own slot mapping), then read back by the draft graph of the bucket size."""
         t = hidden.shape[0]
-        pos = (self.lengths[:t] + j) % MAX_MODEL_LEN                                          # [t]
+        pos = (self.lengths[:t] + j) % MAX_MODEL_LEN  # [t]
         index, offset = pos // BLOCK_SIZE, pos % BLOCK_SIZE
         rows = torch.arange(t, device=hidden.device)
         self.kv[self.table[rows, index].long() * BLOCK_SIZE + offset] = hidden
         g = self.graphs[bucket(t, self.batch_sizes)]
         for static, value in zip(g.inputs, (index, offset)):
-            static.zero_()                       # padding rows read a valid slot of their own rows
+            static.zero_()  # padding rows read a valid slot of their own rows
             static[:t].copy_(value)
         out = g.replay()
-        if out is None:   # CPU: no graph; the eager path on the tensors Python holds now stands in
+        if out is None:  # CPU: no graph; the eager path on the tensors Python holds now stands in
             out = self.draft(*g.inputs, self.drafter.full_lm_head_weight())
         return out[0][:t].clone(), out[1][:t].clone(), g.graph is not None
 
@@ -278,17 +313,17 @@ class Engine:
         """Worker.reload_weights: the checkpoint loaded into the weights in place."""
         for name, t in target_tensors(self.target).items():
             t.copy_(checkpoint.target[name])
-        if self.fixes.reload_draft_weights:                          # fix (#52487): the drafter's weights
-            load_drafter(self.drafter, checkpoint.drafter)           # fix (#52487): are weights too
+        if self.fixes.reload_draft_weights:  # fix (#52487): the drafter's weights
+            load_drafter(self.drafter, checkpoint.drafter)  # fix (#52487): are weights too
 
     def post_kv_cache_wake_up(self) -> None:
         """MRV2's hook once the KV-cache pool is mapped again (same addresses, fresh memory)."""
         if not self.fixes.restore_layout:
-            return                                                   # the layout stays as the wake left it
-        if self.fixes.layout_in_place:                               # fix (#53197): the values back into
-            self.layout.refresh_(self.table, BLOCK_SIZE)             # fix (#53197): the captured storage
+            return  # the layout stays as the wake left it
+        if self.fixes.layout_in_place:  # fix (#53197): the values back into
+            self.layout.refresh_(self.table, BLOCK_SIZE)  # fix (#53197): the captured storage
         else:
-            self.layout = BlockTableLayout(self.table, BLOCK_SIZE)   # NEW tensors; the graphs keep the old
+            self.layout = BlockTableLayout(self.table, BLOCK_SIZE)  # NEW tensors; the graphs keep the old
 
 
 def pool_bytes(tensors: list[torch.Tensor]) -> int:
@@ -299,8 +334,9 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def sleep_and_wake(ctx: WorkerContext, engine: Engine, checkpoint: Checkpoint, level: int,
-                   before_step: int) -> AfterFree:
+def sleep_and_wake(
+    ctx: WorkerContext, engine: Engine, checkpoint: Checkpoint, level: int, before_step: int
+) -> AfterFree:
     """Sleep, wake, then the deep check (before any replay reads what the wake left) and the
     after-free knob on what the wake freed. Returns the knob's record (it holds its fills)."""
     # Sizes only: a list of the pools' tensors held here would keep a rebuilt layout's old tensors alive.
@@ -312,13 +348,23 @@ def sleep_and_wake(ctx: WorkerContext, engine: Engine, checkpoint: Checkpoint, l
     with ctx.phase("wake"):
         engine.wake_up(level, checkpoint, saved)
     fixes = engine.fixes
-    ctx.note(f"sleep level {level} before step {before_step}: "
-             + ", ".join(f"the {name} pool ({mib(n)})" for name, n in sizes.items())
-             + " discarded at the same addresses (zeros); at wake the layout was "
-             + ("refreshed in place" if fixes.layout_in_place else "rebuilt as new tensors" if fixes.restore_layout
-                else "left as the wake mapped it")
-             + ("" if level == 1 else ", the target reloaded, the drafter "
-                + ("reloaded" if fixes.reload_draft_weights else "not")))
+    ctx.note(
+        f"sleep level {level} before step {before_step}: "
+        + ", ".join(f"the {name} pool ({mib(n)})" for name, n in sizes.items())
+        + " discarded at the same addresses (zeros); at wake the layout was "
+        + (
+            "refreshed in place"
+            if fixes.layout_in_place
+            else "rebuilt as new tensors"
+            if fixes.restore_layout
+            else "left as the wake mapped it"
+        )
+        + (
+            ""
+            if level == 1
+            else ", the target reloaded, the drafter " + ("reloaded" if fixes.reload_draft_weights else "not")
+        )
+    )
     ctx.detail(sleep_level=level, sleep_before_step=before_step, discarded_bytes=sizes)
     ctx.check_guard("after wake")
     ctx.manifest("after wake")
@@ -331,11 +377,19 @@ def run(ctx: WorkerContext) -> None:
     level, k = run_cfg.sleep_level, NUM_SPECULATIVE_TOKENS
     with ctx.phase("build"):
         drafter = Gemma4Drafter(dims, ctx.tp, DRAFTER_MODE, ctx.device, run_cfg.seed, scratch=ctx.memory.use)
-        with ctx.memory.use():   # the stand-in target never lands in, or frees, the engine's blocks
+        with ctx.memory.use():  # the stand-in target never lands in, or frees, the engine's blocks
             target = TargetStandIn(dims, ctx.tp, ctx.device, run_cfg.seed, full_lm_head(dims, run_cfg.seed, ctx.device))
             seqs = Sequences(*target.initial(max(dims.batch_sizes), run_cfg.seed))
-        engine = Engine(drafter, target, dims.batch_sizes, run_cfg.mode, run_cfg.seed, ctx.guard,
-                        on_replay=ctx.replaying, census=ctx.census)
+        engine = Engine(
+            drafter,
+            target,
+            dims.batch_sizes,
+            run_cfg.mode,
+            run_cfg.seed,
+            ctx.guard,
+            on_replay=ctx.replaying,
+            census=ctx.census,
+        )
         checkpoint = Checkpoint.of(drafter, target)
     ctx.guard.watch("engine", engine)
     ctx.guard.watch("drafter", drafter)
@@ -348,14 +402,22 @@ def run(ctx: WorkerContext) -> None:
         oracle = Oracle(healthy, all_gather_dim0(drafter.lm_head.weight.detach(), ctx.tp)[: dims.vocab_size].clone())
         loop = Loop(target, seqs, seqs.clone(), oracle, k, drafter.dtype)
     shared = ctx.on_gpu and ctx.tp.active and run_cfg.share_gpu
-    ctx.detail(guard_mechanism=ctx.guard.mechanism, harness_pool_isolated=ctx.memory.isolated,
-               num_speculative_tokens=k, sequences=seqs.last.numel(), block_size=BLOCK_SIZE,
-               max_model_len=MAX_MODEL_LEN, tp_transport=(SHARED_GPU if shared else ctx.tp.backend))
+    ctx.detail(
+        guard_mechanism=ctx.guard.mechanism,
+        harness_pool_isolated=ctx.memory.isolated,
+        num_speculative_tokens=k,
+        sequences=seqs.last.numel(),
+        block_size=BLOCK_SIZE,
+        max_model_len=MAX_MODEL_LEN,
+        tp_transport=(SHARED_GPU if shared else ctx.tp.backend),
+    )
     if shared:
         ctx.note(SHARED_GPU + ": collectives go through the host; tokens/s is not that of NCCL")
     if not ctx.on_gpu:
-        ctx.note("CPU run: no CUDA graph was captured or replayed; the eager path on the tensors Python holds "
-                 "stood in for the draft graphs (a layout rebuilt at wake reads right there)")
+        ctx.note(
+            "CPU run: no CUDA graph was captured or replayed; the eager path on the tensors Python holds "
+            "stood in for the draft graphs (a layout rebuilt at wake reads right there)"
+        )
     schedule = [t for t in SCHEDULE if t <= max(dims.batch_sizes)]
     sleep_at, after_free = run_cfg.steps // 2, None
     for step in range(run_cfg.steps):
@@ -368,8 +430,16 @@ def run(ctx: WorkerContext) -> None:
         # Deep checks before the first replay and at the wake; liveness before every replay.
         ctx.check_guard(f"before replay, step {step}", graph=f"draft bs={size}", deep=step == 0)
         woke = step >= sleep_at
-        accepted = speculative_step(ctx, loop, engine.sampler(), step, b, size,
-                                    label="after wake: " if woke else "before sleep: ", extra={"after_wake": woke})
+        accepted = speculative_step(
+            ctx,
+            loop,
+            engine.sampler(),
+            step,
+            b,
+            size,
+            label="after wake: " if woke else "before sleep: ",
+            extra={"after_wake": woke},
+        )
         with ctx.memory.use():
             engine.advance(b, accepted)
     ctx.sync()

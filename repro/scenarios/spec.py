@@ -9,6 +9,7 @@ each), the records (extra trial fields) and the report (lines, columns, charts).
 Torch-free, like every spec module: the parent imports them. Only `ScenarioSpec.module`, the
 code the ranks run, imports torch, and only inside the ranks (load_scenario).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,21 +26,22 @@ Check = Callable[[bool, str, str], None]
 @dataclass(frozen=True)
 class ModeSpec:
     name: str
-    fixes: dict[str, bool]            # the scenario's fix flags in this mode; its module builds MODES from them
-    help: str                         # one clause for --mode help: what this mode does
+    fixes: dict[str, bool]  # the scenario's fix flags in this mode; its module builds MODES from them
+    help: str  # one clause for --mode help: what this mode does
 
 
 @dataclass(frozen=True)
 class RunKeySpec:
     """A scenario-only [run] key (a switch, or a number whose 0 means the scenario's default),
     its CLI flag and its help. Off (False, 0) by default; a trial of another scenario leaves it off."""
-    name: str                         # RunConfig field, e.g. reload_drafter
-    flag: str                         # Typer declaration, e.g. --reload-drafter/--no-reload-drafter
+
+    name: str  # RunConfig field, e.g. reload_drafter
+    flag: str  # Typer declaration, e.g. --reload-drafter/--no-reload-drafter
     help: str
-    tag: str = ""                     # appended to the trial id: a switch's when on (reload), a
-                                      # number's with its value when set (level2)
+    tag: str = ""  # appended to the trial id: a switch's when on (reload), a
+    # number's with its value when set (level2)
     type: type = bool
-    default: str = ""                 # numbers: what 0 (left out) resolves to, for --help
+    default: str = ""  # numbers: what 0 (left out) resolves to, for --help
     # The common [run] key it follows in a trial's config; the keys of schema repro.report/1
     # keep their places (a new scenario's keys go after share_gpu, before expect).
     after: str = "share_gpu"
@@ -51,19 +53,21 @@ class RecordField:
 
     It is a key of every trial in a report: null where the trial's scenario does not measure it,
     so every trial of one schema has the same keys."""
-    name: str                         # the JSON key, e.g. acceptance_rate
+
+    name: str  # the JSON key, e.g. acceptance_rate
     help: str
-    column: str = ""                  # header of its column in the run summary; "" for none
-    fmt: str = ""                     # format spec of that column, e.g. ".0%"
+    column: str = ""  # header of its column in the run summary; "" for none
+    fmt: str = ""  # format spec of that column, e.g. ".0%"
 
 
 @dataclass(frozen=True)
 class StepColumn:
     """A steps-table column for a number the scenario records in StepRecord.extra. Shown after
     the error columns, and only for trials that recorded it."""
-    key: str                          # the column key and the StepRecord.extra key
+
+    key: str  # the column key and the StepRecord.extra key
     header: str
-    drop: int = 0                     # narrow consoles leave out the highest first; 0: always kept
+    drop: int = 0  # narrow consoles leave out the highest first; 0: always kept
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,7 @@ class CpuCost:
     set-up (model build and the capture dry run) and one step, each the (fastest, slowest)
     seconds seen. Load moves them by 2-3x, so the CLI says a range, up front, for any CPU trial
     of about this size (repro/cli.py: cpu_warnings)."""
+
     preset: str
     setup_s: tuple[float, float]
     step_s: tuple[float, float]
@@ -104,22 +109,22 @@ def no_lines(trial: Any) -> list[str]:
 
 @dataclass(frozen=True)
 class ScenarioSpec:
-    name: str                         # CLI command, preset `scenario = ...`, trial records
-    module: str                       # the ranks' code, `run(ctx)`; imported in the ranks only
-    modes: tuple[ModeSpec, ...]       # the first is the default
+    name: str  # CLI command, preset `scenario = ...`, trial records
+    module: str  # the ranks' code, `run(ctx)`; imported in the ranks only
+    modes: tuple[ModeSpec, ...]  # the first is the default
     default_after_free: str
-    dims: type                        # the [model] table: a dataclass whose defaults are valid dims
-    default_preset: str = ""          # real dims, used on CUDA; "": none, the dims' defaults
-    cpu_preset: str = ""              # tiny dims, used when no GPU is present and none was named
+    dims: type  # the [model] table: a dataclass whose defaults are valid dims
+    default_preset: str = ""  # real dims, used on CUDA; "": none, the dims' defaults
+    cpu_preset: str = ""  # tiny dims, used when no GPU is present and none was named
     run_keys: tuple[RunKeySpec, ...] = ()
-    tensor_parallel: bool = True      # False: one rank only; the command has no --tp
-    help: str = ""                    # the CLI command's help
-    steps_help: str = ""              # --steps help: what one step of this scenario does
-    command: bool = True              # gets a generated scenario command; False: run through matrices only
+    tensor_parallel: bool = True  # False: one rank only; the command has no --tp
+    help: str = ""  # the CLI command's help
+    steps_help: str = ""  # --steps help: what one step of this scenario does
+    command: bool = True  # gets a generated scenario command; False: run through matrices only
     # Common [run] keys the scenario's code never reads (e.g. guard, without a graph): its
     # command leaves their flags off rather than offer a flag that does nothing.
     unused_run_keys: tuple[str, ...] = ()
-    cpu_cost: CpuCost | None = None   # its real-dims preset timed on CPU: the estimate said up front
+    cpu_cost: CpuCost | None = None  # its real-dims preset timed on CPU: the estimate said up front
     # validate(model, run, check): the dims' rules, in order (a rule may assume those before it
     # hold); it may fill a run key's "0: the scenario's default" first.
     validate: Callable[[Any, Any, Check], None] = no_rules

@@ -11,6 +11,7 @@ acceptance rate.
 
 Pure tensor code, no collectives: the scenario and the tests share it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,10 +23,12 @@ def accepted_lengths(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor
     """drafts [B, k], target [B, k+1] (the target's token at each position) -> accepted [B] in 0..k."""
     k = drafts.shape[1]
     if target.shape != (drafts.shape[0], k + 1):
-        raise ValueError(f"target tokens {tuple(target.shape)} must be [B, k+1] = [{drafts.shape[0]}, {k + 1}] "
-                         f"for drafts {tuple(drafts.shape)}")
-    agree = (drafts == target[:, :k]).to(torch.int64)          # [B, k]
-    return agree.cumprod(dim=1).sum(dim=1)                     # length of the agreeing prefix
+        raise ValueError(
+            f"target tokens {tuple(target.shape)} must be [B, k+1] = [{drafts.shape[0]}, {k + 1}] "
+            f"for drafts {tuple(drafts.shape)}"
+        )
+    agree = (drafts == target[:, :k]).to(torch.int64)  # [B, k]
+    return agree.cumprod(dim=1).sum(dim=1)  # length of the agreeing prefix
 
 
 def emitted_tokens(target: torch.Tensor, accepted: torch.Tensor) -> list[list[int]]:
@@ -38,10 +41,11 @@ def emitted_tokens(target: torch.Tensor, accepted: torch.Tensor) -> list[list[in
 @dataclass
 class SpecStats:
     """Counts over one or more verification passes (one per sequence per step)."""
-    passes: int = 0                   # sequence-steps: one target verification each
-    proposed: int = 0                 # drafts proposed (passes * k)
-    accepted: int = 0                 # drafts accepted
-    emitted: int = 0                  # tokens emitted (accepted + one bonus per pass)
+
+    passes: int = 0  # sequence-steps: one target verification each
+    proposed: int = 0  # drafts proposed (passes * k)
+    accepted: int = 0  # drafts accepted
+    emitted: int = 0  # tokens emitted (accepted + one bonus per pass)
 
     def add(self, accepted: torch.Tensor, k: int) -> None:
         n = accepted.numel()

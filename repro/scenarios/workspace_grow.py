@@ -42,6 +42,7 @@ get_simultaneous, _ensure_workspace_size, lock_workspace (vllm/v1/worker/workspa
 _get_turboquant_decode_workspace_shapes (vllm/v1/attention/backends/turboquant_attn.py). Our code
 is written from their description.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,8 +60,16 @@ from torch import Tensor
 from repro.rank.graphs import AfterFree, Captured, capture
 from repro.outcome import StepRecord
 from repro.units import format_bytes
-from repro.scenarios.workspace_grow_spec import (ALIGN, MIB, SPEC, GrowthKind, WorkspaceDims, decode_workspace_views,
-                                                 round_up, workspace_bytes)
+from repro.scenarios.workspace_grow_spec import (
+    ALIGN,
+    MIB,
+    SPEC,
+    GrowthKind,
+    WorkspaceDims,
+    decode_workspace_views,
+    round_up,
+    workspace_bytes,
+)
 
 if TYPE_CHECKING:
     from repro.rank.worker import WorkerContext
@@ -72,8 +81,10 @@ if TYPE_CHECKING:
 # fixed mode's worst scaled error below a third of it.
 TOLERANCE = 0.01
 
-CPU_NOTE = ("CPU: no CUDA graph was captured or replayed; each graph's decode ran eagerly through the live "
-            "workspace, and the guard's findings name the arena a replay would have read")
+CPU_NOTE = (
+    "CPU: no CUDA graph was captured or replayed; each graph's decode ran eagerly through the live "
+    "workspace, and the guard's findings name the arena a replay would have read"
+)
 
 
 class WorkspaceLockedError(RuntimeError):
@@ -82,8 +93,8 @@ class WorkspaceLockedError(RuntimeError):
 
 @dataclass(frozen=True)
 class Fixes:
-    reserve_before_capture: bool   # #44053: size the arena for the largest capture before capturing
-    lock_after_capture: bool       # #55341 (V1's lock_workspace): growth after capture raises
+    reserve_before_capture: bool  # #44053: size the arena for the largest capture before capturing
+    lock_after_capture: bool  # #55341 (V1's lock_workspace): growth after capture raises
 
 
 # The fix flags of each mode are the spec's (ModeSpec.fixes); Fixes names and documents them.
@@ -92,9 +103,11 @@ MODES = {m.name: Fixes(**m.fixes) for m in SPEC.modes}
 
 # ------------------------------------------------------------------------ the workspace
 
+
 @dataclass
 class Growth:
     """One growth of the arena, as the report tells it."""
+
     old_bytes: int
     new_bytes: int
     how: GrowthKind
@@ -117,7 +130,8 @@ class WorkspaceManager:
         self.device = device
         self.resize_in_place = resize_in_place
         self._current_workspaces: list[Tensor | None] = [
-            torch.empty(initial_bytes, dtype=torch.uint8, device=device) if initial_bytes else None]
+            torch.empty(initial_bytes, dtype=torch.uint8, device=device) if initial_bytes else None
+        ]
         self._locked = False
         self.growths: list[Growth] = []
 
@@ -143,7 +157,7 @@ class WorkspaceManager:
         aligned = [round_up(n, ALIGN) for n in actual]
         offsets = list(accumulate([0, *aligned[:-1]]))
         arena = self._ensure_workspace_size(sum(aligned))
-        return [arena[o:o + n].view(dtype).view(shape) for o, n, (shape, dtype) in zip(offsets, actual, views)]
+        return [arena[o : o + n].view(dtype).view(shape) for o, n, (shape, dtype) in zip(offsets, actual, views)]
 
     def _ensure_workspace_size(self, required: int) -> Tensor:
         current = self.size_bytes()
@@ -153,7 +167,8 @@ class WorkspaceManager:
                     f"workspace is locked at {current} bytes ({format_bytes(current)}) but {caller_site()} "
                     f"asks for {required} bytes ({format_bytes(required)}): growing it now would free the "
                     "arena the captured graphs read. Reserve the largest request before capture (ask for "
-                    "the views of the largest capture size first), or keep this request within the lock")
+                    "the views of the largest capture size first), or keep this request within the lock"
+                )
             self._grow(required)
         return self.arena
 
@@ -196,20 +211,27 @@ def torch_views(dims: WorkspaceDims, batch: int) -> list[tuple[tuple[int, ...], 
 
 # ------------------------------------------------------------------------ the decode
 
+
 @dataclass
 class DecodeState:
     """The engine's persistent decode tensors, allocated once for the largest batch (vLLM slices
     its persistent buffers [:B] for each captured size)."""
-    k_cache: Tensor                # [B_max, L, Hkv, D]
-    v_cache: Tensor                # [B_max, L, Hkv, D]
-    q: Tensor                      # [B_max, Hq, D], written before each step
-    seq_lens: Tensor               # [B_max] int32, 1..L, written before each step
-    out: Tensor                    # [B_max, Hq, D], what each graph writes
+
+    k_cache: Tensor  # [B_max, L, Hkv, D]
+    v_cache: Tensor  # [B_max, L, Hkv, D]
+    q: Tensor  # [B_max, Hq, D], written before each step
+    seq_lens: Tensor  # [B_max] int32, 1..L, written before each step
+    out: Tensor  # [B_max, Hq, D], what each graph writes
 
 
 def make_state(dims: WorkspaceDims, seed: int, dtype: torch.dtype, device: torch.device) -> DecodeState:
-    b, hq, hkv, d, length = (max(dims.capture_sizes), dims.num_heads, dims.num_kv_heads, dims.head_size,
-                             dims.max_seq_len)
+    b, hq, hkv, d, length = (
+        max(dims.capture_sizes),
+        dims.num_heads,
+        dims.num_kv_heads,
+        dims.head_size,
+        dims.max_seq_len,
+    )
     gen = torch.Generator(device=device)
     gen.manual_seed(seed * 1_000_003)
     return DecodeState(
@@ -217,7 +239,8 @@ def make_state(dims: WorkspaceDims, seed: int, dtype: torch.dtype, device: torch
         v_cache=torch.randn(b, length, hkv, d, generator=gen, dtype=dtype, device=device),
         q=torch.zeros(b, hq, d, dtype=dtype, device=device),
         seq_lens=torch.ones(b, dtype=torch.int32, device=device),
-        out=torch.zeros(b, hq, d, dtype=dtype, device=device))
+        out=torch.zeros(b, hq, d, dtype=dtype, device=device),
+    )
 
 
 def split_kv_stage1(q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor, mid_o: Tensor) -> None:
@@ -226,12 +249,12 @@ def split_kv_stage1(q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor, mid_o: Te
     b, hq, d = q.shape
     length, hkv, s = k.shape[1], k.shape[2], mid_o.shape[2]
     g, c = hq // hkv, length // s
-    qf = q.float().view(b, hkv, g, d) * d ** -0.5
+    qf = q.float().view(b, hkv, g, d) * d**-0.5
     scores = torch.einsum("bhgd,blhd->bhgl", qf, k.float()).view(b, hkv, g, s, c)
     valid = torch.arange(length, device=q.device).view(s, c) < seq_lens.view(b, 1, 1, 1, 1)
     scores = scores.masked_fill(~valid, float("-inf"))
-    peak = scores.amax(dim=-1, keepdim=True)                            # [B, Hkv, G, S, 1]
-    peak = torch.where(torch.isneginf(peak), 0.0, peak)                 # an empty split has no peak
+    peak = scores.amax(dim=-1, keepdim=True)  # [B, Hkv, G, S, 1]
+    peak = torch.where(torch.isneginf(peak), 0.0, peak)  # an empty split has no peak
     p = (scores - peak).exp()
     total = p.sum(dim=-1, keepdim=True)
     pv = torch.einsum("bhgsc,bschd->bhgsd", p, v.float().view(b, s, c, hkv, d))
@@ -244,13 +267,14 @@ def reduce_splits(mid_o: Tensor, output: Tensor, lse: Tensor) -> None:
     """Merge the splits of mid_o [B, Hq, S, D+1] into output [B, Hq, D] and lse [B, Hq]."""
     d = output.shape[-1]
     split_lse = mid_o[..., d]
-    torch.logsumexp(split_lse, dim=-1, out=lse)                         # seq_len >= 1: a split is valid
-    weights = (split_lse - lse.unsqueeze(-1)).exp()                     # 0 for an empty split
+    torch.logsumexp(split_lse, dim=-1, out=lse)  # seq_len >= 1: a split is valid
+    weights = (split_lse - lse.unsqueeze(-1)).exp()  # 0 for an empty split
     torch.sum(weights.unsqueeze(-1) * mid_o[..., :d], dim=2, out=output)
 
 
-def split_kv_decode(q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor, workspace: WorkspaceManager,
-                    dims: WorkspaceDims) -> Tensor:
+def split_kv_decode(
+    q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor, workspace: WorkspaceManager, dims: WorkspaceDims
+) -> Tensor:
     """TurboQuant's decode: scratch from the shared workspace, asked for on every call (#46067).
     Returns output [B, Hq, D] fp32, a view of the arena."""
     mid_o, output, lse = workspace.get_simultaneous(*torch_views(dims, q.shape[0]))
@@ -261,10 +285,11 @@ def split_kv_decode(q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor, workspace
 
 def decode_body(state: DecodeState, workspace: WorkspaceManager, dims: WorkspaceDims, size: int):
     """What the graph of batch size `size` captures: q [size, Hq, D] -> state.out[:size]."""
+
     def body(q: Tensor) -> Tensor:
-        out = split_kv_decode(q, state.k_cache[:size], state.v_cache[:size], state.seq_lens[:size],
-                              workspace, dims)
+        out = split_kv_decode(q, state.k_cache[:size], state.v_cache[:size], state.seq_lens[:size], workspace, dims)
         return state.out[:size].copy_(out)
+
     return body
 
 
@@ -272,7 +297,7 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor) -> Te
     """One softmax over each sequence's KV in fp32, no splits, no workspace: [B, Hq, D]."""
     b, hq, d = q.shape
     length, hkv = k.shape[1], k.shape[2]
-    qf = q.float().view(b, hkv, hq // hkv, d) * d ** -0.5
+    qf = q.float().view(b, hkv, hq // hkv, d) * d**-0.5
     scores = torch.einsum("bhgd,blhd->bhgl", qf, k.float())
     valid = torch.arange(length, device=q.device) < seq_lens.view(b, 1, 1, 1)
     p = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1)
@@ -281,6 +306,7 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor) -> Te
 
 # ------------------------------------------------------------------------ capture
 
+
 def graph_label(size: int) -> str:
     return f"decode bs={size}"
 
@@ -288,23 +314,25 @@ def graph_label(size: int) -> str:
 @dataclass
 class CapturedArena:
     """The arena a graph was captured on: which tensor, and where its memory was then."""
-    ref: weakref.ref[Tensor]       # the arena tensor, weakly: the graph must not keep it alive
+
+    ref: weakref.ref[Tensor]  # the arena tensor, weakly: the graph must not keep it alive
     data_ptr: int
 
 
 @dataclass
 class DecodeGraphs:
     graphs: dict[int, Captured]
-    bodies: dict[int, Any]         # size -> the captured function (CPU runs it eagerly)
+    bodies: dict[int, Any]  # size -> the captured function (CPU runs it eagerly)
     arenas: dict[int, CapturedArena]
-    growths_at: dict[int, int] = field(default_factory=dict)   # size -> growths its warm-up made
+    growths_at: dict[int, int] = field(default_factory=dict)  # size -> growths its warm-up made
     reserved_bytes: int = 0
 
     def stale_sizes(self, workspace: WorkspaceManager) -> list[int]:
         """Sizes whose graph was captured on an arena that is gone or has moved since."""
         live = workspace.arena
-        return [s for s, a in self.arenas.items()
-                if live is None or a.ref() is not live or a.data_ptr != live.data_ptr()]
+        return [
+            s for s, a in self.arenas.items() if live is None or a.ref() is not live or a.data_ptr != live.data_ptr()
+        ]
 
 
 def graph_pool(device: torch.device) -> tuple[int, int] | None:
@@ -312,14 +340,17 @@ def graph_pool(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
 
-def capture_decode_graphs(ctx: WorkerContext, state: DecodeState, workspace: WorkspaceManager, fixes: Fixes) -> DecodeGraphs:
+def capture_decode_graphs(
+    ctx: WorkerContext, state: DecodeState, workspace: WorkspaceManager, fixes: Fixes
+) -> DecodeGraphs:
     """Capture one decode graph per size, ascending, as vLLM does (#46067)."""
     dims = ctx.cfg.model
     sizes, pool = dims.capture_sizes, graph_pool(ctx.device)
-    if fixes.reserve_before_capture:                                           # fix (#44053)
-        workspace.get_simultaneous(*torch_views(dims, max(sizes)))             # fix (#44053)
-    out = DecodeGraphs(graphs={}, bodies={}, arenas={},
-                       reserved_bytes=workspace.size_bytes() if fixes.reserve_before_capture else 0)
+    if fixes.reserve_before_capture:  # fix (#44053)
+        workspace.get_simultaneous(*torch_views(dims, max(sizes)))  # fix (#44053)
+    out = DecodeGraphs(
+        graphs={}, bodies={}, arenas={}, reserved_bytes=workspace.size_bytes() if fixes.reserve_before_capture else 0
+    )
     for size in sizes:
         body = decode_body(state, workspace, dims, size)
         before = len(workspace.growths)
@@ -329,24 +360,26 @@ def capture_decode_graphs(ctx: WorkerContext, state: DecodeState, workspace: Wor
         out.growths_at[size] = len(workspace.growths) - before
         out.arenas[size] = CapturedArena(weakref.ref(workspace.arena), workspace.arena.data_ptr())
         out.bodies[size] = body
-        out.graphs[size] = capture(body, (state.q[:size],), graph_label(size), ctx.guard, pool=pool,
-                                   on_replay=ctx.replaying, census=ctx.census)
-    if fixes.lock_after_capture:                                               # fix (#55341)
-        workspace.lock()                                                       # fix (#55341)
+        out.graphs[size] = capture(
+            body, (state.q[:size],), graph_label(size), ctx.guard, pool=pool, on_replay=ctx.replaying, census=ctx.census
+        )
+    if fixes.lock_after_capture:  # fix (#55341)
+        workspace.lock()  # fix (#55341)
     return out
 
 
 # ------------------------------------------------------------------------ comparison
 
+
 @dataclass
 class Comparison:
     numel: int
     nonfinite: int
-    compared: int                  # finite elements compared with the reference
-    mismatches: int                # finite elements beyond the tolerance
+    compared: int  # finite elements compared with the reference
+    mismatches: int  # finite elements beyond the tolerance
     max_abs_err: float | None
-    rel_err: float | None          # ||y - y_ref|| / ||y_ref|| over the finite elements
-    max_scaled_err: float | None   # max |y - y_ref| / (|y_ref| + rms(y_ref))
+    rel_err: float | None  # ||y - y_ref|| / ||y_ref|| over the finite elements
+    max_scaled_err: float | None  # max |y - y_ref| / (|y_ref| + rms(y_ref))
 
 
 def compare(out: Tensor, ref: Tensor, tolerance: float) -> Comparison:
@@ -358,19 +391,24 @@ def compare(out: Tensor, ref: Tensor, tolerance: float) -> Comparison:
     scaled = diff.abs() / (r.abs() + r.pow(2).mean().sqrt().clamp_min(1e-30))
     ref_norm = float(torch.where(finite, r, torch.zeros_like(r)).norm())
     return Comparison(
-        numel=y.numel(), nonfinite=y.numel() - compared, compared=compared,
+        numel=y.numel(),
+        nonfinite=y.numel() - compared,
+        compared=compared,
         mismatches=int(((scaled > tolerance) & finite).sum()),
         max_abs_err=float(diff.abs().max()) if compared else None,
         rel_err=(float(diff.norm()) / ref_norm if ref_norm > 0 else 0.0) if compared else None,
-        max_scaled_err=float(scaled.max()) if compared else None)
+        max_scaled_err=float(scaled.max()) if compared else None,
+    )
 
 
 # ------------------------------------------------------------------------ the other tensors
+
 
 @dataclass
 class Fills:
     """The after-free knob's fills (the tensors the allocator handed the freed blocks to) and a
     copy of what the knob wrote into them, kept in the harness's own pool."""
+
     holders: list[Tensor]
     written: list[Tensor]
 
@@ -390,13 +428,15 @@ def keep_fills(ctx: WorkerContext, after_free: AfterFree) -> Fills:
 
 # ------------------------------------------------------------------------ the trial
 
+
 @dataclass
 class Trial:
     """What lives across the steps of one trial."""
+
     state: DecodeState
     workspace: WorkspaceManager
     decode: DecodeGraphs
-    after_free: AfterFree          # its holders keep the fills alive
+    after_free: AfterFree  # its holders keep the fills alive
     fills: Fills
 
 
@@ -434,18 +474,29 @@ def build_and_capture(ctx: WorkerContext) -> Trial:
     after_free = ctx.after_free("after capture")
     fills = keep_fills(ctx, after_free)
     stale = decode.stale_sizes(workspace)
-    ctx.detail(dims=dataclasses.asdict(dims), mode_fixes=dataclasses.asdict(fixes), tolerance=TOLERANCE,
-               tolerance_rule="elementwise |y - y_ref| > tolerance * (|y_ref| + rms(y_ref)); mismatches "
-                              "counts such elements; the fills record counts overwritten bytes",
-               after_free=after_free.summary(), harness_pool_isolated=ctx.memory.isolated,
-               workspace={"resize_in_place": r.resize_in_place, "initial_bytes": initial,
-                          "final_bytes": workspace.size_bytes(), "locked": workspace.locked,
-                          "reserved_before_capture": fixes.reserve_before_capture,
-                          "reserved_bytes": decode.reserved_bytes,
-                          "grows": [dataclasses.asdict(g) for g in workspace.growths],
-                          "grown_at_sizes": [s for s, n in decode.growths_at.items() if n],
-                          "graphs": len(decode.graphs), "stale_graphs": len(stale), "stale_sizes": stale,
-                          "largest_request_bytes": workspace_bytes(dims, max(dims.capture_sizes))})
+    ctx.detail(
+        dims=dataclasses.asdict(dims),
+        mode_fixes=dataclasses.asdict(fixes),
+        tolerance=TOLERANCE,
+        tolerance_rule="elementwise |y - y_ref| > tolerance * (|y_ref| + rms(y_ref)); mismatches "
+        "counts such elements; the fills record counts overwritten bytes",
+        after_free=after_free.summary(),
+        harness_pool_isolated=ctx.memory.isolated,
+        workspace={
+            "resize_in_place": r.resize_in_place,
+            "initial_bytes": initial,
+            "final_bytes": workspace.size_bytes(),
+            "locked": workspace.locked,
+            "reserved_before_capture": fixes.reserve_before_capture,
+            "reserved_bytes": decode.reserved_bytes,
+            "grows": [dataclasses.asdict(g) for g in workspace.growths],
+            "grown_at_sizes": [s for s, n in decode.growths_at.items() if n],
+            "graphs": len(decode.graphs),
+            "stale_graphs": len(stale),
+            "stale_sizes": stale,
+            "largest_request_bytes": workspace_bytes(dims, max(dims.capture_sizes)),
+        },
+    )
     return Trial(state=state, workspace=workspace, decode=decode, after_free=after_free, fills=fills)
 
 
@@ -456,8 +507,9 @@ def write_step_inputs(ctx: WorkerContext, state: DecodeState, k: int) -> None:
         gen = torch.Generator(device=ctx.device)
         gen.manual_seed(seed * 1_000_003 + 500_000 + k)
         q = torch.randn(state.q.shape, generator=gen, dtype=state.q.dtype, device=ctx.device)
-        lens = torch.randint(1, dims.max_seq_len + 1, state.seq_lens.shape, generator=gen, device=ctx.device,
-                             dtype=torch.int32)
+        lens = torch.randint(
+            1, dims.max_seq_len + 1, state.seq_lens.shape, generator=gen, device=ctx.device, dtype=torch.int32
+        )
         state.q.copy_(q)
         state.seq_lens.copy_(lens)
 
@@ -477,7 +529,7 @@ def replay_and_compare(ctx: WorkerContext, trial: Trial, size: int) -> GraphResu
         replayed = out is not None
         if not replayed:
             out = trial.decode.bodies[size](s.q[:size])
-    with ctx.phase("oracle"), ctx.memory.use():    # never in the blocks the knob decided on
+    with ctx.phase("oracle"), ctx.memory.use():  # never in the blocks the knob decided on
         ref = reference_attention(s.q[:size], s.k_cache[:size], s.v_cache[:size], s.seq_lens[:size])
         cmp = compare(out, ref, TOLERANCE)
     return GraphResult(size=size, replayed=replayed, cmp=cmp)
@@ -491,14 +543,26 @@ def step_record(ctx: WorkerContext, k: int, results: list[GraphResult], seconds:
     abss = [g.cmp.max_abs_err for g in results if g.cmp.max_abs_err is not None]
     sizes = [g.size for g in results]
     return StepRecord(
-        step=k, rank=ctx.rank, batch=sum(sizes), replayed=any(g.replayed for g in results),
-        numel=sum(g.cmp.numel for g in results), nonfinite=sum(g.cmp.nonfinite for g in results),
-        compared=sum(g.cmp.compared for g in results), mismatches=sum(g.cmp.mismatches for g in results),
-        max_abs_err=max(abss) if abss else None, rel_err=max(rels) if rels else None, tolerance=TOLERANCE,
-        seconds=seconds, label=f"{len(sizes)} decode graphs, bs {sizes[0]}..{sizes[-1]}",
-        extra={"worst_scaled_err": max(errs) if errs else None, "worst_graph": worst.size,
-               "graphs_wrong": sum(1 for g in results if g.cmp.mismatches or g.cmp.nonfinite),
-               "stale_graphs": stale})
+        step=k,
+        rank=ctx.rank,
+        batch=sum(sizes),
+        replayed=any(g.replayed for g in results),
+        numel=sum(g.cmp.numel for g in results),
+        nonfinite=sum(g.cmp.nonfinite for g in results),
+        compared=sum(g.cmp.compared for g in results),
+        mismatches=sum(g.cmp.mismatches for g in results),
+        max_abs_err=max(abss) if abss else None,
+        rel_err=max(rels) if rels else None,
+        tolerance=TOLERANCE,
+        seconds=seconds,
+        label=f"{len(sizes)} decode graphs, bs {sizes[0]}..{sizes[-1]}",
+        extra={
+            "worst_scaled_err": max(errs) if errs else None,
+            "worst_graph": worst.size,
+            "graphs_wrong": sum(1 for g in results if g.cmp.mismatches or g.cmp.nonfinite),
+            "stale_graphs": stale,
+        },
+    )
 
 
 def fills_record(ctx: WorkerContext, k: int, fills: Fills) -> StepRecord:
@@ -506,6 +570,13 @@ def fills_record(ctx: WorkerContext, k: int, fills: Fills) -> StepRecord:
     with ctx.memory.use():
         changed = fills.overwritten_bytes()
     return StepRecord(
-        step=k, rank=ctx.rank, batch=0, replayed=True, numel=fills.nbytes, compared=fills.nbytes,
-        mismatches=changed, label="after-free fills (memory handed to other tensors)",
-        extra={"overwritten_bytes": changed, "fills": len(fills.holders)})
+        step=k,
+        rank=ctx.rank,
+        batch=0,
+        replayed=True,
+        numel=fills.nbytes,
+        compared=fills.nbytes,
+        mismatches=changed,
+        label="after-free fills (memory handed to other tensors)",
+        extra={"overwritten_bytes": changed, "fills": len(fills.holders)},
+    )

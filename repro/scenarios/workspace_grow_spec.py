@@ -3,6 +3,7 @@ workspace's byte layout, its step columns and what the report says about a trial
 
 Torch-free (the parent imports it); the ranks' code is repro/scenarios/workspace_grow.py.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,15 +14,16 @@ from repro.outcome import Outcome, TrialRecord
 from repro.scenarios.spec import ITEMSIZE, Check, ModeSpec, RunKeySpec, ScenarioSpec, StepColumn
 from repro.units import format_bytes
 
-ALIGN = 256                     # vLLM's WorkspaceManager.get_simultaneous aligns every view to 256 bytes
+ALIGN = 256  # vLLM's WorkspaceManager.get_simultaneous aligns every view to 256 bytes
 MIB = 1 << 20
 
 
 class GrowthKind(StrEnum):
     """How the workspace's arena grew (workspace_grow.Growth.how), as the trial's details say."""
-    ALLOCATE = "allocate"         # the first request: nothing to free
-    REPLACE = "replace"           # del, empty_cache(), torch.empty (vLLM #55336)
-    RESIZE = "resize_"            # resize_() in place: the storage stays, its memory moves (FlashInfer #4398)
+
+    ALLOCATE = "allocate"  # the first request: nothing to free
+    REPLACE = "replace"  # del, empty_cache(), torch.empty (vLLM #55336)
+    RESIZE = "resize_"  # resize_() in place: the storage stays, its memory moves (FlashInfer #4398)
 
 
 def vllm_capture_sizes(largest: int) -> list[int]:
@@ -38,13 +40,14 @@ def vllm_capture_sizes(largest: int) -> list[int]:
 class WorkspaceDims:
     """TurboQuant's split-KV decode attention (vLLM #45670) at Llama-3.1-70B's per-rank shape at
     TP 2; repro/configs/turboquant-decode.toml says where each number comes from."""
-    num_heads: int = 32               # query heads per rank
-    num_kv_heads: int = 4             # KV heads per rank (GQA)
+
+    num_heads: int = 32  # query heads per rank
+    num_kv_heads: int = 4  # KV heads per rank (GQA)
     head_size: int = 128
-    num_kv_splits: int = 32           # vLLM tq_max_kv_splits_for_cuda_graph: fixed, so the grid is too
-    max_seq_len: int = 1024           # KV tokens per sequence (ours: the KV cache holds this many)
+    num_kv_splits: int = 32  # vLLM tq_max_kv_splits_for_cuda_graph: fixed, so the grid is too
+    max_seq_len: int = 1024  # KV tokens per sequence (ours: the KV cache holds this many)
     capture_sizes: list[int] = field(default_factory=lambda: vllm_capture_sizes(512))
-    initial_workspace_mib: int = 32   # the arena before any request (FlashInfer's default; vLLM's: 0)
+    initial_workspace_mib: int = 32  # the arena before any request (FlashInfer's default; vLLM's: 0)
     dtype: str = "bfloat16"
 
 
@@ -74,15 +77,24 @@ def validate(m: WorkspaceDims, r: Any, check: Check) -> None:
     for key in ("num_heads", "num_kv_heads", "head_size", "num_kv_splits", "max_seq_len"):
         check(getattr(m, key) >= 1, "", f"model.{key} = {getattr(m, key)} must be >= 1")
     check(m.initial_workspace_mib >= 0, "", f"model.initial_workspace_mib = {m.initial_workspace_mib} must be >= 0")
-    check(m.num_heads % m.num_kv_heads == 0, "",
-          f"model.num_heads = {m.num_heads} is not a multiple of model.num_kv_heads = {m.num_kv_heads} "
-          "(each KV head serves a whole group of query heads)")
-    check(m.max_seq_len % m.num_kv_splits == 0, "",
-          f"model.max_seq_len = {m.max_seq_len} is not a multiple of model.num_kv_splits = {m.num_kv_splits} "
-          "(the decode cuts the KV cache into that many equal splits)")
+    check(
+        m.num_heads % m.num_kv_heads == 0,
+        "",
+        f"model.num_heads = {m.num_heads} is not a multiple of model.num_kv_heads = {m.num_kv_heads} "
+        "(each KV head serves a whole group of query heads)",
+    )
+    check(
+        m.max_seq_len % m.num_kv_splits == 0,
+        "",
+        f"model.max_seq_len = {m.max_seq_len} is not a multiple of model.num_kv_splits = {m.num_kv_splits} "
+        "(the decode cuts the KV cache into that many equal splits)",
+    )
     bs = m.capture_sizes
-    check(bool(bs) and all(b >= 1 for b in bs) and bs == sorted(set(bs)), "",
-          f"model.capture_sizes = {bs} must be positive, strictly increasing integers")
+    check(
+        bool(bs) and all(b >= 1 for b in bs) and bs == sorted(set(bs)),
+        "",
+        f"model.capture_sizes = {bs} must be positive, strictly increasing integers",
+    )
 
 
 def footprint(m: WorkspaceDims, tp: int) -> int:
@@ -126,8 +138,10 @@ def peak(m: WorkspaceDims, r: Any) -> int:
 
 # The worst graph's error against the eager reference, and the bytes of other tensors (the
 # after-free knob's fills) that the replays wrote over.
-STEP_COLUMNS = (StepColumn("worst_scaled_err", "worst err", drop=2),
-                StepColumn("overwritten_bytes", "overwritten", drop=1))
+STEP_COLUMNS = (
+    StepColumn("worst_scaled_err", "worst err", drop=2),
+    StepColumn("overwritten_bytes", "overwritten", drop=1),
+)
 
 
 def report_lines(trial: TrialRecord) -> list[str]:
@@ -138,47 +152,77 @@ def report_lines(trial: TrialRecord) -> list[str]:
     grows = sum(1 for g in ws["grows"] if g["how"] != GrowthKind.ALLOCATE)
     graphs, stale = ws["graphs"], ws["stale_graphs"]
     if ws["reserved_before_capture"]:
-        how = (f"Workspace: reserved {format_bytes(ws['reserved_bytes'])} for the largest capture before "
-               f"capturing{' and locked after it' if ws['locked'] else ''}; {stale} of {graphs} graphs "
-               "captured an arena that is no longer the live one.")
+        how = (
+            f"Workspace: reserved {format_bytes(ws['reserved_bytes'])} for the largest capture before "
+            f"capturing{' and locked after it' if ws['locked'] else ''}; {stale} of {graphs} graphs "
+            "captured an arena that is no longer the live one."
+        )
     else:
         verb = "resized in place (resize_)" if ws["resize_in_place"] else "replaced (del, empty_cache(), torch.empty)"
-        how = (f"Workspace: {verb} {grows} times during capture, {format_bytes(ws['initial_bytes'])} -> "
-               f"{format_bytes(ws['final_bytes'])}; {stale} of {graphs} graphs captured an arena that is "
-               "no longer the live one.")
+        how = (
+            f"Workspace: {verb} {grows} times during capture, {format_bytes(ws['initial_bytes'])} -> "
+            f"{format_bytes(ws['final_bytes'])}; {stale} of {graphs} graphs captured an arena that is "
+            "no longer the live one."
+        )
     if trial.outcome is Outcome.ILLEGAL_ADDRESS:
-        view = ("An engine dies at start-up or on its first decode step (vLLM #45670: the fault surfaces at "
-                "the next synchronizing call, far from the attention kernel).")
-    elif trial.outcome is Outcome.MISMATCH and any("overwritten_bytes" in s.extra and s.mismatches
-                                                   for s in trial.steps):
-        view = ("The graphs' own outputs came out right: the stale graphs wrote their scratch over memory the "
-                "allocator had handed to other tensors, which an engine shows as silent corruption elsewhere "
-                "(FlashInfer #4398).")
+        view = (
+            "An engine dies at start-up or on its first decode step (vLLM #45670: the fault surfaces at "
+            "the next synchronizing call, far from the attention kernel)."
+        )
+    elif trial.outcome is Outcome.MISMATCH and any(
+        "overwritten_bytes" in s.extra and s.mismatches for s in trial.steps
+    ):
+        view = (
+            "The graphs' own outputs came out right: the stale graphs wrote their scratch over memory the "
+            "allocator had handed to other tensors, which an engine shows as silent corruption elsewhere "
+            "(FlashInfer #4398)."
+        )
     elif trial.outcome is Outcome.STALE_CAPTURE:
-        view = ("An engine would show nothing yet: the stale graphs write scratch into free memory, until an "
-                "allocation takes it (corrupted) or it goes back to the driver (a fault).")
+        view = (
+            "An engine would show nothing yet: the stale graphs write scratch into free memory, until an "
+            "allocation takes it (corrupted) or it goes back to the driver (a fault)."
+        )
     else:
         view = ""
     return [f"{how} {view}".strip()]
 
 
 SPEC = ScenarioSpec(
-    name="workspace-grow", module="repro.scenarios.workspace_grow",
+    name="workspace-grow",
+    module="repro.scenarios.workspace_grow",
     modes=(
-        ModeSpec("unfixed", {"reserve_before_capture": False, "lock_after_capture": False},
-                 "the arena grows as each larger capture asks (vLLM #45670, #55336)"),
-        ModeSpec("fixed", {"reserve_before_capture": True, "lock_after_capture": True},
-                 "sized for the largest capture before capture, locked after it (#44053, #55341)"),
+        ModeSpec(
+            "unfixed",
+            {"reserve_before_capture": False, "lock_after_capture": False},
+            "the arena grows as each larger capture asks (vLLM #45670, #55336)",
+        ),
+        ModeSpec(
+            "fixed",
+            {"reserve_before_capture": True, "lock_after_capture": True},
+            "sized for the largest capture before capture, locked after it (#44053, #55341)",
+        ),
     ),
-    default_after_free="release", dims=WorkspaceDims,
-    default_preset="turboquant-decode", cpu_preset="workspace-tiny",
-    run_keys=(RunKeySpec("resize_in_place", "--resize-in-place/--replace",
-                         "Grow the arena in place with resize_() (FlashInfer #4398: the storage moves) "
-                         "instead of replacing it (del, empty_cache(), torch.empty: vLLM #55336).",
-                         tag="resize"),),
+    default_after_free="release",
+    dims=WorkspaceDims,
+    default_preset="turboquant-decode",
+    cpu_preset="workspace-tiny",
+    run_keys=(
+        RunKeySpec(
+            "resize_in_place",
+            "--resize-in-place/--replace",
+            "Grow the arena in place with resize_() (FlashInfer #4398: the storage moves) "
+            "instead of replacing it (del, empty_cache(), torch.empty: vLLM #55336).",
+            tag="resize",
+        ),
+    ),
     tensor_parallel=False,  # the decode runs on one rank's heads; TP adds nothing to the bug
     help="Decode graphs captured for ascending batch sizes over a shared, growable workspace "
-         "(vLLM #45670, #55336; FlashInfer #4398).",
+    "(vLLM #45670, #55336; FlashInfer #4398).",
     steps_help="Decode steps: each replays the graph of every captured batch size once and checks it "
-               "against an eager attention.",
-    validate=validate, footprint=footprint, peak=peak, step_columns=STEP_COLUMNS, report_lines=report_lines)
+    "against an eager attention.",
+    validate=validate,
+    footprint=footprint,
+    peak=peak,
+    step_columns=STEP_COLUMNS,
+    report_lines=report_lines,
+)

@@ -18,6 +18,7 @@ CMD runs in its own process group with stdin, stdout and stderr passed through u
 pipe: output order and bytes are CMD's own). Ctrl-C (or SIGTERM) is forwarded to that group;
 the report follows. No torch import here.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,7 +34,7 @@ from repro.watch.ray import node_dirs, node_notes, ray_env
 from repro.watch.report import WatchReport, load_report, record_files
 from repro.watch.settings import ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_RECORD, ENV_SITE, OnFinding, Record
 
-GRACE_S = 10.0    # after a forwarded Ctrl-C, how long CMD's group gets before SIGKILL
+GRACE_S = 10.0  # after a forwarded Ctrl-C, how long CMD's group gets before SIGKILL
 
 
 class WatchUsageError(ValueError):
@@ -42,7 +43,7 @@ class WatchUsageError(ValueError):
 
 @dataclass
 class CommandResult:
-    returncode: int               # CMD's exit status, 128+N when a signal N ended it
+    returncode: int  # CMD's exit status, 128+N when a signal N ended it
     interrupted: bool
 
 
@@ -63,7 +64,7 @@ def watch_env(environ: dict[str, str], run_dir: Path, on_finding: str, record: s
     env[ENV_SITE] = site
     if record is not None:
         env[ENV_RECORD] = record
-    env.update(ray_env(env))          # Ray workers on every node (repro/watch/ray.py)
+    env.update(ray_env(env))  # Ray workers on every node (repro/watch/ray.py)
     return env
 
 
@@ -72,6 +73,7 @@ def default_run_dir() -> Path:
     the current directory), created here, atomically, with a unique name: runs started in the
     same second (a script, CI jobs on one host, pytest-xdist workers) never share one."""
     from repro.run.runs import default_root
+
     root = default_root(dict(os.environ))
     root.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=time.strftime("watch-%Y%m%d-%H%M%S-", time.localtime()), dir=root))
@@ -89,8 +91,10 @@ def check_args(command: list[str], on_finding: str, run_dir: Path | None, record
     if run_dir.exists() and not run_dir.is_dir():
         raise WatchUsageError(f"--run-dir {run_dir}: exists and is not a directory")
     if run_dir.is_dir() and record_files([run_dir]):
-        raise WatchUsageError(f"--run-dir {run_dir} already holds records of an earlier run; "
-                              "give a new directory or remove its *.jsonl files")
+        raise WatchUsageError(
+            f"--run-dir {run_dir} already holds records of an earlier run; "
+            "give a new directory or remove its *.jsonl files"
+        )
 
 
 def exit_status(returncode: int) -> int:
@@ -146,12 +150,14 @@ def finish(rep: WatchReport, command: list[str], result: CommandResult, on_findi
     rep.interrupted = result.interrupted
     rep.on_finding = OnFinding(on_finding)
     if not rep.processes:
-        rep.notes.append("No Python process started the hooks (CMD started no Python, or its "
-                         "environment was replaced before Python started).")
+        rep.notes.append(
+            "No Python process started the hooks (CMD started no Python, or its "
+            "environment was replaced before Python started)."
+        )
     from repro.env.gpus import gpu_count
+
     rep.notes += sight_notes(rep, gpu_count())
-    rep.exit = Exit.INTERRUPTED if result.interrupted else \
-        Exit.FINDINGS if rep.findings else result.returncode
+    rep.exit = Exit.INTERRUPTED if result.interrupted else Exit.FINDINGS if rep.findings else result.returncode
     return rep
 
 
@@ -163,16 +169,22 @@ def sight_notes(rep: WatchReport, gpu_count: int | None = None) -> list[str]:
     if not rep.processes or any(p.graphs for p in rep.processes):
         return []
     hooked = sum(p.torch_hooked for p in rep.processes)
-    what = (f"no CUDA graph was captured in the {len(rep.processes)} watched process(es) "
-            f"({hooked} imported torch); watch looks at CUDA graph captures and their replays only, "
-            "so \"no findings\" says nothing else about the program")
+    what = (
+        f"no CUDA graph was captured in the {len(rep.processes)} watched process(es) "
+        f"({hooked} imported torch); watch looks at CUDA graph captures and their replays only, "
+        'so "no findings" says nothing else about the program'
+    )
     if gpu_count == 0:
-        what += ("; this machine has no GPU (NVML sees none), and without one no program captures a "
-                 "CUDA graph: run it on a GPU machine")
+        what += (
+            "; this machine has no GPU (NVML sees none), and without one no program captures a "
+            "CUDA graph: run it on a GPU machine"
+        )
     notes = ["Nothing checked: " + what + "."]
     if hooked:
-        notes.append("What the program prints itself (its own CaptureGuard, e.g. a CPU dry run with "
-                     "guard.recording) is its own output, not a finding of watch.")
+        notes.append(
+            "What the program prints itself (its own CaptureGuard, e.g. a CPU dry run with "
+            "guard.recording) is its own output, not a finding of watch."
+        )
     return notes
 
 
@@ -199,7 +211,7 @@ def merge(run_dirs: list[Path]) -> WatchReport:
     rep = load_report([p for d in run_dirs for p in (d, *node_dirs(d))])
     for d in run_dirs:
         with_ray_nodes(d, rep)
-    rep.notes += sight_notes(rep)          # the records may come from another machine: no GPU claim
+    rep.notes += sight_notes(rep)  # the records may come from another machine: no GPU claim
     rep.exit = Exit.FINDINGS if rep.findings else Exit.OK
     return rep
 
@@ -214,7 +226,11 @@ def check_watch_run(d: Path) -> None:
     if load_report([d]).processes:
         return
     if (d / "spec.json").exists() or any(d.glob("*/spec.json")) or any(d.glob("rank*.jsonl")):
-        raise WatchUsageError(f"{d}: a trial run's folder (records of `repro gemma4-mtp`, `matrix`, ...), "
-                              "not a repro watch run; watch-report reads the folders `repro watch` writes")
-    raise WatchUsageError(f"{d}: holds no repro watch records (<host>-<pid>.jsonl with a process record); "
-                          "give the folder `repro watch` printed after 'records:'")
+        raise WatchUsageError(
+            f"{d}: a trial run's folder (records of `repro gemma4-mtp`, `matrix`, ...), "
+            "not a repro watch run; watch-report reads the folders `repro watch` writes"
+        )
+    raise WatchUsageError(
+        f"{d}: holds no repro watch records (<host>-<pid>.jsonl with a process record); "
+        "give the folder `repro watch` printed after 'records:'"
+    )

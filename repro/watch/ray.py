@@ -27,6 +27,7 @@ runtime_env; where it sets worker variables itself, add the REPRO_ prefix to
 VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY (README; not tested here: no vLLM).
 No torch import here; Ray is imported only inside a process that already uses Ray.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -38,14 +39,23 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from repro.watch.settings import (ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_SITE, OnFinding, Origin, WatchSettings,
-                                  choice_from_env, settings_from_env)
+from repro.watch.settings import (
+    ENV_DIR,
+    ENV_ON,
+    ENV_ON_FINDING,
+    ENV_SITE,
+    OnFinding,
+    Origin,
+    WatchSettings,
+    choice_from_env,
+    settings_from_env,
+)
 
 ENV_HOOK = "RAY_RUNTIME_ENV_HOOK"
 HOOK = "repro.watch.ray.runtime_env_hook"
-ENV_CHAIN = "REPRO_WATCH_RAY_CHAIN"          # the program's own RAY_RUNTIME_ENV_HOOK, run first
-ENV_NODE_ROOT = "REPRO_WATCH_RAY_DIR"       # node-local root; each node's workers use <root>/<node id>
-PACKAGE_DIR = Path(__file__).resolve().parent.parent     # repro/, shipped whole to the workers
+ENV_CHAIN = "REPRO_WATCH_RAY_CHAIN"  # the program's own RAY_RUNTIME_ENV_HOOK, run first
+ENV_NODE_ROOT = "REPRO_WATCH_RAY_DIR"  # node-local root; each node's workers use <root>/<node id>
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # repro/, shipped whole to the workers
 SITE_DIR = Path(__file__).resolve().parent / "_site"
 NODE_PREFIX = "ray-"
 SHIP_S = 1.0
@@ -89,8 +99,12 @@ def runtime_env_hook(runtime_env: Any) -> Any:
     name = collector_name(settings.run_dir)
     # REPRO_WATCH=0: a worker that inherited the sitecustomize (a cluster ray.init() started
     # here) leaves the hooks to setup_worker, which knows the worker's node.
-    env["env_vars"] = {**(env.get("env_vars") or {}), ENV_ON: "0", ENV_NODE_ROOT: node_root(settings.run_dir),
-                       ENV_ON_FINDING: settings.on_finding}
+    env["env_vars"] = {
+        **(env.get("env_vars") or {}),
+        ENV_ON: "0",
+        ENV_NODE_ROOT: node_root(settings.run_dir),
+        ENV_ON_FINDING: settings.on_finding,
+    }
     modules = list(env.get("py_modules") or [])
     if str(PACKAGE_DIR) not in map(str, modules):
         modules.append(str(PACKAGE_DIR))
@@ -114,21 +128,27 @@ def chained_setup(theirs: Any) -> Callable[[], None]:
 
 # -- in every Ray worker ------------------------------------------------------------------------
 
+
 def setup_worker() -> None:
     """worker_process_setup_hook: start the hooks here, writing to this node's folder; processes
     this worker starts inherit them (as CMD's children do under `repro watch`)."""
     root = os.environ.get(ENV_NODE_ROOT)
     if not root:
-        return                         # the collector and its sweeps: not watched
+        return  # the collector and its sweeps: not watched
     import ray
-    from repro.watch.hooks import activate      # the worker's own: `repro watch` reads the settings only
+    from repro.watch.hooks import activate  # the worker's own: `repro watch` reads the settings only
+
     run_dir = os.path.join(root, ray.get_runtime_context().get_node_id())
     site = str(SITE_DIR)
     old = os.environ.get("PYTHONPATH", "")
-    os.environ.update({ENV_ON: "1", ENV_DIR: run_dir, ENV_SITE: site,
-                       "PYTHONPATH": site + (os.pathsep + old if old else "")})
-    activate(WatchSettings(run_dir=run_dir, on_finding=choice_from_env(os.environ, ENV_ON_FINDING, OnFinding.WARN),
-                           origin=Origin.RAY))
+    os.environ.update(
+        {ENV_ON: "1", ENV_DIR: run_dir, ENV_SITE: site, "PYTHONPATH": site + (os.pathsep + old if old else "")}
+    )
+    activate(
+        WatchSettings(
+            run_dir=run_dir, on_finding=choice_from_env(os.environ, ENV_ON_FINDING, OnFinding.WARN), origin=Origin.RAY
+        )
+    )
 
 
 def read_new(folder: Path, offsets: dict[str, int]) -> dict[str, tuple[int, bytes]]:
@@ -166,6 +186,7 @@ def append_chunks(folder: Path, chunks: dict[str, tuple[int, bytes]], offsets: d
 
 # -- on the driver ------------------------------------------------------------------------------
 
+
 def start_collector_thread(run_dir: str, name: str) -> None:
     """Once ray.init() has connected, start the collector (a thread: ray.init is still running)."""
     if any(t.name == THREAD for t in threading.enumerate()):
@@ -176,6 +197,7 @@ def start_collector_thread(run_dir: str, name: str) -> None:
 def start_collector(run_dir: str, name: str) -> None:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     end = time.monotonic() + COLLECTOR_WAIT_S
     while not ray.is_initialized():
         if time.monotonic() > end:
@@ -183,12 +205,20 @@ def start_collector(run_dir: str, name: str) -> None:
         time.sleep(0.05)
     try:
         here = ray.get_runtime_context().get_node_id()
-        collector = ray.remote(Collector).options(
-            name=name, get_if_exists=True, num_cpus=0, max_concurrency=4,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
-            runtime_env={"env_vars": {ENV_NODE_ROOT: ""}}).remote(run_dir, node_root(run_dir))
+        collector = (
+            ray.remote(Collector)
+            .options(
+                name=name,
+                get_if_exists=True,
+                num_cpus=0,
+                max_concurrency=4,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+                runtime_env={"env_vars": {ENV_NODE_ROOT: ""}},
+            )
+            .remote(run_dir, node_root(run_dir))
+        )
         collector.start.remote()
-    except Exception:      # the program shut Ray down meanwhile: nothing to collect
+    except Exception:  # the program shut Ray down meanwhile: nothing to collect
         return
     # Runs before Ray's own exit handler (registered at its import; atexit is last in, first
     # out): the last sweep happens while the job is still up.
@@ -197,8 +227,9 @@ def start_collector(run_dir: str, name: str) -> None:
 
 def final_sweep(collector: Any) -> None:
     import ray
+
     if not ray.is_initialized():
-        return                  # the program shut Ray down itself
+        return  # the program shut Ray down itself
     try:
         ray.get(collector.sweep.remote(), timeout=SWEEP_TIMEOUT_S + 5)
     except Exception:
@@ -232,23 +263,31 @@ class Collector:
         """One round over the live nodes; returns how many files changed."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         with self.lock:
             nodes = [n for n in ray.nodes() if n.get("Alive")]
             self.label_nodes(nodes)
             task = ray.remote(sweep_node)
-            refs = {n["NodeID"]: task.options(
-                num_cpus=0, runtime_env={"env_vars": {ENV_NODE_ROOT: ""}},
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n["NodeID"], soft=False)).remote(
-                os.path.join(self.root, n["NodeID"]), dict(self.offsets.get(n["NodeID"], {}))) for n in nodes}
+            refs = {
+                n["NodeID"]: task.options(
+                    num_cpus=0,
+                    runtime_env={"env_vars": {ENV_NODE_ROOT: ""}},
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n["NodeID"], soft=False),
+                ).remote(os.path.join(self.root, n["NodeID"]), dict(self.offsets.get(n["NodeID"], {})))
+                for n in nodes
+            }
             changed = 0
             for node_id, ref in refs.items():
                 try:
                     chunks = ray.get(ref, timeout=SWEEP_TIMEOUT_S)
-                except Exception:          # the node went away: what it sent so far stays
+                except Exception:  # the node went away: what it sent so far stays
                     continue
                 if chunks:
-                    append_chunks(self.run_dir / f"{NODE_PREFIX}{self.labels[node_id]}", chunks,
-                                  self.offsets.setdefault(node_id, {}))
+                    append_chunks(
+                        self.run_dir / f"{NODE_PREFIX}{self.labels[node_id]}",
+                        chunks,
+                        self.offsets.setdefault(node_id, {}),
+                    )
                     changed += len(chunks)
             return changed
 
@@ -269,6 +308,8 @@ def node_notes(run_dir: Path, pids_by_file: dict[str, int]) -> list[str]:
     for folder in node_dirs(run_dir):
         pids = sorted(pid for path, pid in pids_by_file.items() if Path(path).parent == folder)
         if pids:
-            notes.append(f"Ray node {folder.name[len(NODE_PREFIX):]}: {len(pids)} watched process"
-                         f"{'es' if len(pids) > 1 else ''} (pid {', '.join(map(str, pids))}), records in {folder}")
+            notes.append(
+                f"Ray node {folder.name[len(NODE_PREFIX) :]}: {len(pids)} watched process"
+                f"{'es' if len(pids) > 1 else ''} (pid {', '.join(map(str, pids))}), records in {folder}"
+            )
     return notes

@@ -8,6 +8,7 @@ repro.watch/1); the trial report's writers in repro/report/ draw it: console.py 
 terminal, junit.py (the one XML-safe JUnit writer), html.py (templates/watch.html, autoescaped)
 and jsonfile.py (the one strict JSON writer).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,36 +30,37 @@ from repro.report.view import BAD, OK, WARN, Cell, Column, Fact, TableView, tabl
 from repro.watch.settings import OnFinding, Origin
 
 SCHEMA = "repro.watch/1"
-MAX_GROUPS_SHOWN = 10         # groups shown in full; the rest are counted (all are in --json)
-MAX_NAMES_SHOWN = 4           # member names listed under a group
-MAX_ERRORS_SHOWN = 3          # internal errors shown per process
+MAX_GROUPS_SHOWN = 10  # groups shown in full; the rest are counted (all are in --json)
+MAX_NAMES_SHOWN = 4  # member names listed under a group
+MAX_ERRORS_SHOWN = 3  # internal errors shown per process
 
 
 @dataclass
 class WatchedProcess:
     """A process in which the hooks were active."""
+
     pid: int
     host: str
     ppid: int | None = None
-    started: float = 0.0           # unix time the hooks started in it
+    started: float = 0.0  # unix time the hooks started in it
     argv: list[str] = field(default_factory=list)
-    rank: int | None = None        # torch.distributed rank once initialised, else from RANK
-    env: dict[str, str] = field(default_factory=dict)   # RANK, LOCAL_RANK, WORLD_SIZE, ...
+    rank: int | None = None  # torch.distributed rank once initialised, else from RANK
+    env: dict[str, str] = field(default_factory=dict)  # RANK, LOCAL_RANK, WORLD_SIZE, ...
     origins: list[Origin] = field(default_factory=list)
     on_finding: OnFinding = OnFinding.WARN
-    torch_hooked: bool = False     # torch.cuda.graphs was imported and CUDAGraph wrapped
+    torch_hooked: bool = False  # torch.cuda.graphs was imported and CUDAGraph wrapped
     torch: str | None = None
     census: str = "not checked (no capture)"
-    graphs: int = 0                # captures seen (managed ones included)
-    managed_graphs: int = 0        # captured by torch.compile's cudagraph trees: not checked
-    replays: int | None = None     # from the exit record; None when the process left none
+    graphs: int = 0  # captures seen (managed ones included)
+    managed_graphs: int = 0  # captured by torch.compile's cudagraph trees: not checked
+    replays: int | None = None  # from the exit record; None when the process left none
     findings: int = 0
-    exited: bool = False           # False: killed, crashed hard, or still running
+    exited: bool = False  # False: killed, crashed hard, or still running
     forked: bool = False
     internal_errors: list[str] = field(default_factory=list)
     record_file: str = ""
-    pool_managed: int = 0          # captured storages in their own graph's pool: not checked
-    cross_pool: int = 0            # captured storages in another graph's pool: checked
+    pool_managed: int = 0  # captured storages in their own graph's pool: not checked
+    cross_pool: int = 0  # captured storages in another graph's pool: checked
 
 
 @dataclass
@@ -76,8 +78,8 @@ class WatchReport:
     findings: list[WatchFinding]
     command: list[str] = field(default_factory=list)
     run_dirs: list[str] = field(default_factory=list)
-    command_exit: int | None = None   # CMD's own exit status (None: merged report, or not run)
-    exit: int | None = None           # what `repro watch` exits with
+    command_exit: int | None = None  # CMD's own exit status (None: merged report, or not run)
+    exit: int | None = None  # what `repro watch` exits with
     interrupted: bool = False
     on_finding: OnFinding = OnFinding.WARN
     created: str = ""
@@ -92,13 +94,14 @@ class WatchReport:
 
 # -- reading ------------------------------------------------------------------------------------
 
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     records = []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
-            continue   # a line cut short by a crash mid-write
+            continue  # a line cut short by a crash mid-write
     return records
 
 
@@ -106,12 +109,18 @@ def process_from_records(path: Path, records: list[dict[str, Any]]) -> WatchedPr
     head = next((r for r in records if r.get("kind") == "process"), None)
     if head is None:
         return None
-    proc = WatchedProcess(pid=head["pid"], host=head.get("host", ""), ppid=head.get("ppid"),
-                          started=head.get("started", 0.0),
-                          argv=head.get("argv", []), env=head.get("env", {}),
-                          origins=[as_member(Origin, head.get("origin", ""))],
-                          on_finding=as_member(OnFinding, head.get("on_finding", OnFinding.WARN)),
-                          forked=bool(head.get("forked")), record_file=str(path))
+    proc = WatchedProcess(
+        pid=head["pid"],
+        host=head.get("host", ""),
+        ppid=head.get("ppid"),
+        started=head.get("started", 0.0),
+        argv=head.get("argv", []),
+        env=head.get("env", {}),
+        origins=[as_member(Origin, head.get("origin", ""))],
+        on_finding=as_member(OnFinding, head.get("on_finding", OnFinding.WARN)),
+        forked=bool(head.get("forked")),
+        record_file=str(path),
+    )
     rank_env = proc.env.get("RANK")
     proc.rank = int(rank_env) if rank_env is not None and rank_env.isdigit() else None
     for r in records:
@@ -154,8 +163,15 @@ def findings_from_records(proc: WatchedProcess, records: list[dict[str, Any]]) -
             continue
         finding = finding_from_dict(r.get("finding", {}))
         rank = r.get("rank", proc.rank)
-        out.append(WatchFinding(pid=proc.pid, host=proc.host, rank=rank,
-                                mechanism=as_member(Mechanism, r.get("mechanism", Mechanism.GUARD)), finding=finding))
+        out.append(
+            WatchFinding(
+                pid=proc.pid,
+                host=proc.host,
+                rank=rank,
+                mechanism=as_member(Mechanism, r.get("mechanism", Mechanism.GUARD)),
+                finding=finding,
+            )
+        )
     return out
 
 
@@ -173,12 +189,16 @@ def load_report(run_dirs: list[Path]) -> WatchReport:
         processes.append(proc)
         findings.extend(findings_from_records(proc, records))
     processes.sort(key=lambda p: (p.host, p.started, p.pid))
-    return WatchReport(processes=processes, findings=findings,
-                       run_dirs=[str(d) for d in run_dirs],
-                       created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    return WatchReport(
+        processes=processes,
+        findings=findings,
+        run_dirs=[str(d) for d in run_dirs],
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
 
 
 # -- the view model -----------------------------------------------------------------------------
+
 
 def short_argv(argv: list[str], width: int = 60) -> str:
     text = plain(" ".join(argv[1:] if len(argv) > 1 else argv))
@@ -209,23 +229,38 @@ def processes_view(rep: WatchReport, whole_command: bool = False) -> TableView:
     """One row per process; the host column only when the processes ran on several hosts.
     whole_command: each command whole (a page wraps it), not cut for a terminal."""
     multi_host = len({p.host for p in rep.processes}) > 1
-    columns = [WHOLE_COMMAND if whole_command and c.key == "command" else c
-               for c in PROCESS_COLUMNS if c.key != "host" or multi_host]
-    return TableView(f"Processes watched ({len(rep.processes)})", columns,
-                     table_rows(columns, rep.processes, failed=lambda p: p.findings > 0))
+    columns = [
+        WHOLE_COMMAND if whole_command and c.key == "command" else c
+        for c in PROCESS_COLUMNS
+        if c.key != "host" or multi_host
+    ]
+    return TableView(
+        f"Processes watched ({len(rep.processes)})",
+        columns,
+        table_rows(columns, rep.processes, failed=lambda p: p.findings > 0),
+    )
 
 
 def finding_facts(w: WatchFinding) -> list[tuple[str, str]]:
     f = w.finding
-    facts = [("process", f"pid {w.pid} on {w.host}" + ("" if w.rank is None else f", rank {w.rank}")),
-             ("graph", f.graph), ("mechanism", w.mechanism), ("seen", f.when),
-             ("address", fmt_ptr(f.old_ptr) + (f" → {fmt_ptr(f.new_ptr)}" if f.new_ptr is not None else ""))]
+    facts = [
+        ("process", f"pid {w.pid} on {w.host}" + ("" if w.rank is None else f", rank {w.rank}")),
+        ("graph", f.graph),
+        ("mechanism", w.mechanism),
+        ("seen", f.when),
+        ("address", fmt_ptr(f.old_ptr) + (f" → {fmt_ptr(f.new_ptr)}" if f.new_ptr is not None else "")),
+    ]
     if f.shape or f.dtype:
         facts.append(("tensor", f"{list(f.shape)} {f.dtype} · {fmt_bytes(f.nbytes)}"))
     facts += [(label, site) for label, site in (("created at", f.created_at), ("freed at", f.freed_at)) if site]
     if f.census:
-        facts.append(("kernel", f"{f.census.get('kernel')} · node {f.census.get('node')} · "
-                                f"{f.census.get('where')} +{f.census.get('offset')}"))
+        facts.append(
+            (
+                "kernel",
+                f"{f.census.get('kernel')} · node {f.census.get('node')} · "
+                f"{f.census.get('where')} +{f.census.get('offset')}",
+            )
+        )
     if f.disagreement:
         facts.append(("disagreement", f.disagreement))
     if f.message:
@@ -251,8 +286,9 @@ def group_facts(g: FindingGroup) -> list[tuple[str, str]]:
     facts = [("found", f"{g.count} time{'s' if g.count != 1 else ''} {group_headline(g)}")]
     names = g.names()
     if len(names) > 1:
-        shown = ", ".join(names[:MAX_NAMES_SHOWN]) + (f" and {len(names) - MAX_NAMES_SHOWN} more"
-                                                        if len(names) > MAX_NAMES_SHOWN else "")
+        shown = ", ".join(names[:MAX_NAMES_SHOWN]) + (
+            f" and {len(names) - MAX_NAMES_SHOWN} more" if len(names) > MAX_NAMES_SHOWN else ""
+        )
         facts.append(("tensors", shown))
     return facts + finding_facts(g.members[0])
 
@@ -260,24 +296,30 @@ def group_facts(g: FindingGroup) -> list[tuple[str, str]]:
 @dataclass
 class ProblemView:
     """One group of findings as every renderer shows it; record text made printable."""
+
     status: str
     pattern: str
-    headline: str             # 'in 67 graphs of 2 processes, ranks 0, 1'
+    headline: str  # 'in 67 graphs of 2 processes, ranks 0, 1'
     tone: str
     facts: list[Fact]
 
 
 def problem_view(g: FindingGroup) -> ProblemView:
-    return ProblemView(status=plain(g.status), pattern=plain(g.pattern), headline=plain(group_headline(g)),
-                       tone=BAD if g.status == Status.FREED else WARN,
-                       facts=[Fact(label, plain(str(value))) for label, value in group_facts(g)])
+    return ProblemView(
+        status=plain(g.status),
+        pattern=plain(g.pattern),
+        headline=plain(group_headline(g)),
+        tone=BAD if g.status == Status.FREED else WARN,
+        facts=[Fact(label, plain(str(value))) for label, value in group_facts(g)],
+    )
 
 
 @dataclass
 class ProcessCase:
     """A watched process as one test (JUnit): its findings grouped among themselves."""
-    name: str                 # 'host:pid[rank r]'
-    command: str              # the whole argv
+
+    name: str  # 'host:pid[rank r]'
+    command: str  # the whole argv
     problems: list[ProblemView]
 
 
@@ -300,8 +342,10 @@ def pool_note(rep: WatchReport) -> str | None:
     cross = sum(p.cross_pool for p in rep.processes)
     if not managed and not cross:
         return None
-    text = (f"pool contract: {managed} captured storage(s) lived in their own graph's memory pool and "
-            "were not checked (correct as long as the graphs of one pool replay in capture order)")
+    text = (
+        f"pool contract: {managed} captured storage(s) lived in their own graph's memory pool and "
+        "were not checked (correct as long as the graphs of one pool replay in capture order)"
+    )
     if cross:
         text += f"; {cross} lived in another graph's pool (a cross-pool dependency: checked)"
     return text
@@ -325,36 +369,39 @@ def verdict_cells(rep: WatchReport, groups: int) -> list[Cell]:
         cells.append(Cell("nothing checked (no CUDA graph captured)", WARN))
     else:
         cells.append(Cell("no findings", OK))
-    cells.append(Cell(f"{len(rep.processes)} process(es) watched, {hooked} imported torch, "
-                      f"{graphs} graph capture(s)"))
+    cells.append(Cell(f"{len(rep.processes)} process(es) watched, {hooked} imported torch, {graphs} graph capture(s)"))
     if rep.command_exit is not None:
         cells.append(Cell(f"command exited {rep.command_exit}"))
     return cells
 
 
 def internal_errors(rep: WatchReport) -> list[str]:
-    return [plain(f"watch internal error in pid {p.pid}: {err}")
-            for p in rep.processes for err in p.internal_errors[:MAX_ERRORS_SHOWN]]
+    return [
+        plain(f"watch internal error in pid {p.pid}: {err}")
+        for p in rep.processes
+        for err in p.internal_errors[:MAX_ERRORS_SHOWN]
+    ]
 
 
 @dataclass
 class WatchView:
     """What a watch report says, decided once for the console, JUnit and HTML."""
+
     verdict: list[Cell]
     command: str
     created: str
     schema: str
     processes: TableView
-    page_processes: TableView         # the same, each command whole (a page wraps it)
+    page_processes: TableView  # the same, each command whole (a page wraps it)
     findings_total: int
     groups_total: int
-    problems: list[ProblemView]       # the first MAX_GROUPS_SHOWN groups
-    hidden_findings: int              # in the groups past those
-    census: str                       # the census states of the processes that captured a graph
+    problems: list[ProblemView]  # the first MAX_GROUPS_SHOWN groups
+    hidden_findings: int  # in the groups past those
+    census: str  # the census states of the processes that captured a graph
     pool_note: str
     internal_errors: list[str]
     notes: list[str]
-    records: str                      # the run directories read
+    records: str  # the run directories read
     cases: list[ProcessCase]
 
     @property
@@ -377,25 +424,42 @@ class WatchView:
 def watch_view(rep: WatchReport) -> WatchView:
     groups = rep.groups()
     return WatchView(
-        verdict=verdict_cells(rep, len(groups)), command=plain(" ".join(rep.command)), created=rep.created,
-        schema=rep.schema, processes=processes_view(rep), page_processes=processes_view(rep, whole_command=True),
-        findings_total=len(rep.findings), groups_total=len(groups),
+        verdict=verdict_cells(rep, len(groups)),
+        command=plain(" ".join(rep.command)),
+        created=rep.created,
+        schema=rep.schema,
+        processes=processes_view(rep),
+        page_processes=processes_view(rep, whole_command=True),
+        findings_total=len(rep.findings),
+        groups_total=len(groups),
         problems=[problem_view(g) for g in groups[:MAX_GROUPS_SHOWN]],
         hidden_findings=sum(g.count for g in groups[MAX_GROUPS_SHOWN:]),
         census="; ".join(sorted({plain(p.census) for p in rep.processes if p.graphs})),
-        pool_note=pool_note(rep) or "", internal_errors=internal_errors(rep), notes=[plain(n) for n in rep.notes],
-        records=plain(", ".join(rep.run_dirs)), cases=process_cases(rep))
+        pool_note=pool_note(rep) or "",
+        internal_errors=internal_errors(rep),
+        notes=[plain(n) for n in rep.notes],
+        records=plain(", ".join(rep.run_dirs)),
+        cases=process_cases(rep),
+    )
 
 
 # -- the JSON document --------------------------------------------------------------------------
 
+
 def group_json(g: FindingGroup, rep: WatchReport) -> dict[str, Any]:
     index = {id(w): i for i, w in enumerate(rep.findings)}
-    return {"pattern": g.pattern, "status": g.status, "mechanism": g.mechanism, "freed_at": g.freed_at,
-            "count": g.count, "graphs": g.graphs(), "names": g.names(),
-            "processes": sorted({f"{w.host}:{w.pid}" for w in g.members}),
-            "ranks": sorted({w.rank for w in g.members if w.rank is not None}),
-            "findings": [index[id(w)] for w in g.members]}
+    return {
+        "pattern": g.pattern,
+        "status": g.status,
+        "mechanism": g.mechanism,
+        "freed_at": g.freed_at,
+        "count": g.count,
+        "graphs": g.graphs(),
+        "names": g.names(),
+        "processes": sorted({f"{w.host}:{w.pid}" for w in g.members}),
+        "ranks": sorted({w.rank for w in g.members if w.rank is not None}),
+        "findings": [index[id(w)] for w in g.members],
+    }
 
 
 def watch_document(rep: WatchReport) -> dict[str, Any]:
@@ -409,6 +473,7 @@ def watch_document(rep: WatchReport) -> dict[str, Any]:
 
 
 # -- handed to the report writers ---------------------------------------------------------------
+
 
 def render(rep: WatchReport, console: Console) -> None:
     render_watch(watch_view(rep), console)
@@ -425,6 +490,7 @@ def junit_xml(rep: WatchReport) -> str:
 def report_html(rep: WatchReport) -> str:
     # jinja2 is imported only when a page is asked for, as for the trial report.
     from repro.report.html import watch_html
+
     return watch_html(watch_view(rep))
 
 

@@ -4,6 +4,7 @@ Both sides read this module: `repro watch` (repro/watch/command.py), the pytest 
 Ray hook set the variables; the hooks in every watched process (repro/watch/hooks/) read them
 back into a WatchSettings. Plain data only: no torch, nothing of the hooks.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,14 +13,14 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TypeVar
 
-ENV_ON = "REPRO_WATCH"                  # "1": hooks on (the vLLM plugin's switch too)
-ENV_DIR = "REPRO_WATCH_DIR"             # run directory for the per-process records
-ENV_ON_FINDING = "REPRO_WATCH_ON_FINDING"   # an OnFinding
-ENV_SITE = "REPRO_WATCH_SITE"           # the sitecustomize directory `repro watch` prepended
-ENV_RECORD = "REPRO_WATCH_RECORD"       # a Record
+ENV_ON = "REPRO_WATCH"  # "1": hooks on (the vLLM plugin's switch too)
+ENV_DIR = "REPRO_WATCH_DIR"  # run directory for the per-process records
+ENV_ON_FINDING = "REPRO_WATCH_ON_FINDING"  # an OnFinding
+ENV_SITE = "REPRO_WATCH_SITE"  # the sitecustomize directory `repro watch` prepended
+ENV_RECORD = "REPRO_WATCH_RECORD"  # a Record
 ENV_VARS = (ENV_ON, ENV_DIR, ENV_ON_FINDING, ENV_SITE, ENV_RECORD)
-ENV_OWNER = "REPRO_WATCH_OWNER"         # set by the pytest plugin: the record file (stem) of the
-                                        # test process whose test started this process
+ENV_OWNER = "REPRO_WATCH_OWNER"  # set by the pytest plugin: the record file (stem) of the
+# test process whose test started this process
 DEFAULT_DIR = "repro-watch"
 
 E = TypeVar("E", bound=StrEnum)
@@ -27,12 +28,14 @@ E = TypeVar("E", bound=StrEnum)
 
 class OnFinding(StrEnum):
     """What a finding does to the replay that would read the dead memory."""
-    WARN = "warn"                 # recorded; the replay runs
-    RAISE = "raise"               # recorded; the replay raises StaleCaptureError before the launch
+
+    WARN = "warn"  # recorded; the replay runs
+    RAISE = "raise"  # recorded; the replay raises StaleCaptureError before the launch
 
 
 class Record(StrEnum):
     """How the hooks learn what a capture holds."""
+
     # Where the census runs, read from the graph after it (cost per node); elsewhere every op
     # is recorded at the dispatcher.
     GRAPH = "graph"
@@ -43,11 +46,12 @@ class Record(StrEnum):
 
 class Origin(StrEnum):
     """What started the hooks in a process."""
-    SITECUSTOMIZE = "sitecustomize"   # `repro watch` (every Python process of the command)
-    VLLM_PLUGIN = "vllm-plugin"       # vLLM's plugin entry point, with REPRO_WATCH set
-    PYTEST = "pytest"                 # the pytest plugin (repro.pytest.watch)
-    RAY = "ray"                       # a Ray worker (repro.watch.ray)
-    API = "api"                       # the program itself (activate)
+
+    SITECUSTOMIZE = "sitecustomize"  # `repro watch` (every Python process of the command)
+    VLLM_PLUGIN = "vllm-plugin"  # vLLM's plugin entry point, with REPRO_WATCH set
+    PYTEST = "pytest"  # the pytest plugin (repro.pytest.watch)
+    RAY = "ray"  # a Ray worker (repro.watch.ray)
+    API = "api"  # the program itself (activate)
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,12 @@ def settings_from_env(environ: dict[str, str], origin: Origin) -> WatchSettings 
     """None unless REPRO_WATCH is set to something other than 0/empty."""
     if environ.get(ENV_ON, "").strip() in ("", "0"):
         return None
-    return WatchSettings(run_dir=os.path.abspath(environ.get(ENV_DIR) or DEFAULT_DIR),
-                         on_finding=choice_from_env(environ, ENV_ON_FINDING, OnFinding.WARN), origin=origin,
-                         record=choice_from_env(environ, ENV_RECORD, Record.GRAPH))
+    return WatchSettings(
+        run_dir=os.path.abspath(environ.get(ENV_DIR) or DEFAULT_DIR),
+        on_finding=choice_from_env(environ, ENV_ON_FINDING, OnFinding.WARN),
+        origin=origin,
+        record=choice_from_env(environ, ENV_RECORD, Record.GRAPH),
+    )
 
 
 def choice_from_env(environ: dict[str, str], key: str, default: E) -> E:

@@ -6,6 +6,7 @@ plugin does nothing unless REPRO_WATCH is set (installing repro must never chang
 otherwise starts the same hooks as `repro watch` (idempotent). It imports neither vLLM nor
 torch: the hooks wait for torch's CUDAGraph, or patch it at once if torch is already imported.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,9 @@ def register() -> None:
         return
     try:
         from repro.watch import hooks as watch_hooks
+
         watch_hooks.activate_from_env(watch_hooks.Origin.VLLM_PLUGIN)
     except Exception as e:  # a diagnostic must never stop the engine
-        sys.stderr.write(f"repro watch: vLLM plugin could not start the hooks in pid {os.getpid()}: "
-                         f"{type(e).__name__}: {e}\n")
+        sys.stderr.write(
+            f"repro watch: vLLM plugin could not start the hooks in pid {os.getpid()}: {type(e).__name__}: {e}\n"
+        )

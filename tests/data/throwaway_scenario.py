@@ -9,6 +9,7 @@ trials run on its dims' defaults.
 
 The parent imports this module for SPEC, so torch is imported inside `run`, in the ranks only.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ def expectation(r: Any) -> str:
 
 
 def footprint(m: ThrowawayDims, tp: int) -> int:
-    return m.size * 4 * 2                   # the output and the reference, float32
+    return m.size * 4 * 2  # the output and the reference, float32
 
 
 def measure(steps: list[StepRecord]) -> dict[str, Any]:
@@ -49,14 +50,22 @@ def report_lines(trial: Any) -> list[str]:
 
 def chart(steps: list[StepRecord]) -> Any:
     from repro.report.charts import ChartData, Series
+
     if not any(s.mismatches for s in steps):
         return "no element differed at any step"
-    return ChartData(title="Wrong elements per step", caption="throwaway", kind="bar", x_label="step",
-                     y_label="wrong", series=[Series("", [(s.step, float(s.mismatches)) for s in steps])])
+    return ChartData(
+        title="Wrong elements per step",
+        caption="throwaway",
+        kind="bar",
+        x_label="step",
+        y_label="wrong",
+        series=[Series("", [(s.step, float(s.mismatches)) for s in steps])],
+    )
 
 
 def run(ctx: Any) -> None:
     import torch
+
     fixes = MODES[ctx.cfg.run.mode]
     for step in range(ctx.cfg.run.steps):
         ctx.begin_step(step)
@@ -64,20 +73,42 @@ def run(ctx: Any) -> None:
         bug = 0.0 if fixes["correct"] or ctx.cfg.run.hide_bug or step == 0 else 1.0
         out = x * 2 + bug
         wrong = int((out != x + x).sum())
-        ctx.step(StepRecord(step=step, rank=ctx.rank, batch=x.numel(), replayed=False, numel=out.numel(),
-                            compared=out.numel(), mismatches=wrong, label="double",
-                            extra={"offset": bug}))
+        ctx.step(
+            StepRecord(
+                step=step,
+                rank=ctx.rank,
+                batch=x.numel(),
+                replayed=False,
+                numel=out.numel(),
+                compared=out.numel(),
+                mismatches=wrong,
+                label="double",
+                extra={"offset": bug},
+            )
+        )
 
 
 SPEC = ScenarioSpec(
-    name="throwaway", module=__name__,
-    modes=(ModeSpec("unfixed", {"correct": False}, "off by one from step 1"),
-           ModeSpec("fixed", {"correct": True}, "right at every step")),
-    default_after_free="keep", dims=ThrowawayDims, tensor_parallel=False,
+    name="throwaway",
+    module=__name__,
+    modes=(
+        ModeSpec("unfixed", {"correct": False}, "off by one from step 1"),
+        ModeSpec("fixed", {"correct": True}, "right at every step"),
+    ),
+    default_after_free="keep",
+    dims=ThrowawayDims,
+    tensor_parallel=False,
     run_keys=(RunKeySpec("hide_bug", "--hide-bug/--show-bug", "Take the path that hides the bug.", tag="hidden"),),
-    help="A throwaway scenario defined in one test file.", steps_help="Steps: each doubles a vector.",
-    validate=validate, expectation=expectation, footprint=footprint,
+    help="A throwaway scenario defined in one test file.",
+    steps_help="Steps: each doubles a vector.",
+    validate=validate,
+    expectation=expectation,
+    footprint=footprint,
     record_fields=(RecordField("wrong_total", "elements that differed, over every step", column="wrong", fmt="d"),),
-    measure=measure, step_columns=(StepColumn("offset", "offset"),), report_lines=report_lines, chart=chart)
+    measure=measure,
+    step_columns=(StepColumn("offset", "offset"),),
+    report_lines=report_lines,
+    chart=chart,
+)
 
 MODES = {m.name: m.fixes for m in SPEC.modes}

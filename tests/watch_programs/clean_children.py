@@ -1,6 +1,7 @@
 """Plumbing program: no bug. Starts a child that starts a grandchild (subprocess) and a
 torch.multiprocessing spawn worker; every process prints one line and 'captures' a tensor
 that stays alive. argv: exit code to end with."""
+
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from fake_graph import FakeGraph, capture, patch_if_watched  # noqa: E402
 
 def graph_work(tag):
     patch_if_watched()
-    weight = torch.ones(4, 4)            # stays alive: no finding
+    weight = torch.ones(4, 4)  # stays alive: no finding
     graph = FakeGraph()
     with capture(graph):
         weight.sum()

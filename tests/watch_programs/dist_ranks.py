@@ -1,4 +1,5 @@
 """Plumbing program for torchrun: each rank joins a gloo group, 'captures' a stale local, replays."""
+
 import os
 import sys
 

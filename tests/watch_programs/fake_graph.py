@@ -36,6 +36,7 @@ class capture:
 def patch_if_watched():
     """Route FakeGraph through the watch hooks when this process is watched."""
     from repro.watch import hooks as watch_hooks
+
     watcher = watch_hooks.active()
     if watcher is not None:
         watcher.patch(FakeGraph)

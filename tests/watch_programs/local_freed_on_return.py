@@ -8,6 +8,7 @@ its locals then outlive its return until the cyclic GC happens to run. The GC is
 argv[1] == "census" routes it through the census path with a stand-in census (graphs forced to
 keep_graph, a census added at capture end). Prints one line: `alive=<bool> frames=<n> kept=<bool> slots=<names> internal=<n>`.
 """
+
 import gc
 import sys
 import tempfile
@@ -16,7 +17,7 @@ import weakref
 
 import torch
 
-gc.disable()                  # before anything of the hooks is imported
+gc.disable()  # before anything of the hooks is imported
 
 from repro.watch import hooks as watch_hooks  # noqa: E402  (imports no torch, nothing of the guard yet)
 from repro.watch.hooks import tools as hooks_tools  # noqa: E402
@@ -56,8 +57,10 @@ class Book:
     def add(self, graph, label, pool=None, since=None):
         # The kernel's two words, into the capturing function's locals: the guard makes their
         # slots from them (adopt), and that must not keep the local alive either.
-        words = [types.SimpleNamespace(addr=refs[name]().data_ptr(), describe=lambda: f"node 0 kernel add param {i} +0")
-                 for i, name in enumerate(("dst", "src"))]
+        words = [
+            types.SimpleNamespace(addr=refs[name]().data_ptr(), describe=lambda: f"node 0 kernel add param {i} +0")
+            for i, name in enumerate(("dst", "src"))
+        ]
         return types.SimpleNamespace(pending=words, references=[])
 
     def hand_over(self, census, left):
@@ -78,6 +81,7 @@ class Book:
 
 def stand_in_census():
     from repro.diagnose.census import Tracing
+
     fake = type(sys)("stand_in_census")
     fake.Tracing = Tracing
     fake.census_supported = lambda: (True, "")
@@ -91,7 +95,7 @@ refs = {}
 
 
 def capture(dst):
-    src = torch.arange(4.0)            # held by this local only: freed on return
+    src = torch.arange(4.0)  # held by this local only: freed on return
     refs["src"], refs["dst"] = weakref.ref(src), weakref.ref(dst)
     graph = Graph()
     graph.capture_begin()
@@ -106,11 +110,12 @@ def main(argv):
     watcher = watch_hooks.activate(watch_hooks.WatchSettings(tempfile.mkdtemp(), "warn", "api"))
     watcher.patch(Graph)
     graph = capture(torch.zeros(4))
-    frames = sum(1 for o in gc.get_objects()
-                 if type(o).__name__ == "frame" and o.f_code is capture.__code__)
+    frames = sum(1 for o in gc.get_objects() if type(o).__name__ == "frame" and o.f_code is capture.__code__)
     slots = [s.name for s in watcher.tools.guard.slots]
-    print(f"alive={refs['src']() is not None} frames={frames} kept={getattr(graph, 'keep_graph')} "
-          f"slots={','.join(slots).replace(' ', '_')} internal={watcher.log.counters.internal_errors}")
+    print(
+        f"alive={refs['src']() is not None} frames={frames} kept={getattr(graph, 'keep_graph')} "
+        f"slots={','.join(slots).replace(' ', '_')} internal={watcher.log.counters.internal_errors}"
+    )
     return 0
 
 

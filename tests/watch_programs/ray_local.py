@@ -1,5 +1,6 @@
 """Plumbing program for `repro watch` on Ray: starts a cluster of its own (`ray.init()`), one actor
 whose 'graph' captures a weight held by a local, then replays. Prints the same lines watched or not."""
+
 import os
 import sys
 
@@ -12,7 +13,8 @@ PROGRAMS = os.path.dirname(os.path.abspath(__file__))
 class Worker:
     def capture_routine(self, graph, capture):
         import torch
-        weight = self.weight.clone()              # held by this local only: freed on return
+
+        weight = self.weight.clone()  # held by this local only: freed on return
         with capture(graph):
             out = torch.ones(2, 4) @ weight.t()
         return out
@@ -21,6 +23,7 @@ class Worker:
         sys.path.insert(0, PROGRAMS)
         import torch
         from fake_graph import FakeGraph, capture, patch_if_watched
+
         try:
             watched = patch_if_watched()
         except ImportError:

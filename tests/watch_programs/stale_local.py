@@ -2,6 +2,7 @@
 
 Prints the same lines watched or not; exits 0 unless a replay raised. argv: [spawn N] [fork]
 """
+
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ class Head(torch.nn.Module):
 
 
 def capture_routine(graph, head, x):
-    weight = head.weight.clone()          # held by this local only: freed on return
+    weight = head.weight.clone()  # held by this local only: freed on return
     with capture(graph):
         out = x @ weight.t()
     return out

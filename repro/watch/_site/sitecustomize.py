@@ -3,6 +3,7 @@ sitecustomize this file shadows (if any), then take this directory off sys.path 
 program sees the sys.path it would have had. The hooks import nothing of torch until the
 program does. Nothing here may break the program: any failure is one line on stderr.
 """
+
 import importlib.machinery
 import importlib.util
 import os
@@ -16,12 +17,13 @@ def _on_path(entry: str) -> bool:
 
 
 def _start_hooks() -> None:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))   # holds the repro package (repro/watch/_site)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))  # holds the repro package (repro/watch/_site)
     added = root not in sys.path
     if added:
-        sys.path.insert(0, root)   # this copy of repro, not another one the path may hold
+        sys.path.insert(0, root)  # this copy of repro, not another one the path may hold
     try:
         from repro.watch import hooks as watch_hooks
+
         watch_hooks.activate_from_env(watch_hooks.Origin.SITECUSTOMIZE)
     finally:
         if added and root in sys.path:
@@ -29,8 +31,7 @@ def _start_hooks() -> None:
 
 
 def _run_shadowed() -> None:
-    spec = importlib.machinery.PathFinder.find_spec(
-        "sitecustomize", [p for p in sys.path if not _on_path(p)])
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", [p for p in sys.path if not _on_path(p)])
     if spec is None or spec.loader is None:
         return
     module = importlib.util.module_from_spec(spec)

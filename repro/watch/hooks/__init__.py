@@ -21,9 +21,19 @@ Every file of this package is the guard's plumbing (tools.plumbing_files): a fra
 is never named as the program's site. What a process is told to do (the REPRO_WATCH_* variables)
 is repro/watch/settings.py.
 """
+
 from repro.watch.hooks.records import Recorder
 from repro.watch.hooks.watcher import Watcher, activate, activate_from_env, active
 from repro.watch.settings import OnFinding, Origin, Record, WatchSettings
 
-__all__ = ["OnFinding", "Origin", "Record", "Recorder", "WatchSettings", "Watcher", "activate", "activate_from_env",
-           "active"]
+__all__ = [
+    "OnFinding",
+    "Origin",
+    "Record",
+    "Recorder",
+    "WatchSettings",
+    "Watcher",
+    "activate",
+    "activate_from_env",
+    "active",
+]

@@ -6,6 +6,7 @@ guard's slots at capture end) or the guard records every op at the dispatcher un
 capture_end. At capture_end the census reads the graph, and every captured storage is placed
 in a graph pool (the pool contract, cross-pool dependencies).
 """
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ from repro.watch.hooks.owners import Owners
 from repro.watch.hooks.part import Part
 from repro.watch.settings import Record, WatchSettings
 
-if TYPE_CHECKING:       # annotations only: nothing here imports torch until the program does
+if TYPE_CHECKING:  # annotations only: nothing here imports torch until the program does
     import torch
 
     from repro.diagnose.allocator import PoolMap
@@ -41,16 +42,16 @@ class Captures(Part):
         # graphs whose cudaGraph_t outlives capture_end (for the census): True where we forced it
         self.kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.owners = Owners()
-        self.pools: PoolMap | None = None     # which graph pool an address is in
-        self.cross_pool = 0           # captured storages in another graph's pool (checked)
+        self.pools: PoolMap | None = None  # which graph pool an address is in
+        self.cross_pool = 0  # captured storages in another graph's pool (checked)
 
     def prepare(self) -> None:
         """Before the capture begins: imports happen here, not inside it."""
         try:
             self.tools.ensure_guard()
-            book = self.tools.census.book             # made with the guard
+            book = self.tools.census.book  # made with the guard
             if book is not None:
-                book.resume_trace()                   # a capture phase: the census needs the trace
+                book.resume_trace()  # a capture phase: the census needs the trace
         except Exception as e:
             self.log.internal("loading the guard", e)
 
@@ -64,7 +65,7 @@ class Captures(Part):
             site, managed = capture_site(frame, guard.plumbing)
             state = GraphState(label=f"#{self.log.counters.captures} {site}", site=site, managed=managed)
             state.kept = self.kept.get(graph)
-            state.pool = pool_id(pool)           # torch answers graph.pool() only after the capture
+            state.pool = pool_id(pool)  # torch answers graph.pool() only after the capture
             self.graphs[graph] = state
             if managed:
                 self.log.counters.managed += 1
@@ -74,7 +75,8 @@ class Captures(Part):
                 state.since = self.tools.census.module.clock_marker()
             else:
                 state.recording = guard.recording(
-                    state.label, state.pool, self.pools.graph_pool_of if self.pools is not None else None)
+                    state.label, state.pool, self.pools.graph_pool_of if self.pools is not None else None
+                )
                 state.recording.__enter__()
         except Exception as e:
             self.log.internal("capture_begin", e)
@@ -106,7 +108,7 @@ class Captures(Part):
         t0 = time.perf_counter()
         try:
             if state.kept is not None and not state.managed and book is not None:
-                state.census = book.add(graph, state.label, state.pool, since=state.since)   # None: unreadable (noted)
+                state.census = book.add(graph, state.label, state.pool, since=state.since)  # None: unreadable (noted)
                 if state.census is not None:
                     self.tools.census.due.append(state.label)
                     if state.since is not None:
@@ -119,13 +121,20 @@ class Captures(Part):
         self.log.seconds.census += t1 - t0
         self.assign_pools(state, checked=state.census is not None)
         if state.kept:
-            graph.instantiate()   # where torch instantiates a graph without keep_graph
+            graph.instantiate()  # where torch instantiates a graph without keep_graph
         try:
             rank = self.log.current_rank()
-            self.log.write({"kind": "capture", "graph": state.label, "managed": state.managed,
-                            "rank": rank, "pool": list(state.pool) if state.pool else None,
-                            "census": state.census is not None,
-                            "slots": len(self.tools.guard.slots_of(state.label))})
+            self.log.write(
+                {
+                    "kind": "capture",
+                    "graph": state.label,
+                    "managed": state.managed,
+                    "rank": rank,
+                    "pool": list(state.pool) if state.pool else None,
+                    "census": state.census is not None,
+                    "slots": len(self.tools.guard.slots_of(state.label)),
+                }
+            )
         except Exception as e:
             self.log.internal("capture_end", e)
         self.log.seconds.capture_end += time.perf_counter() - t1
@@ -139,6 +148,7 @@ class Captures(Part):
         try:
             if self.pools is None:
                 from repro.diagnose.allocator import PoolMap
+
                 book = self.tools.census.book
                 self.pools = book.pools if book is not None else PoolMap()
             if not checked:
@@ -146,9 +156,14 @@ class Captures(Part):
             cross = self.tools.guard.assign_pools(state.label, state.pool, self.pools.graph_pool_of)
             self.cross_pool += len(cross)
             if cross:
-                self.log.write({"kind": "cross_pool", "graph": state.label,
-                                "storages": [{"slot": s.name, "pool": list(s.pool)} for s in cross[:8]],
-                                "count": len(cross)})
+                self.log.write(
+                    {
+                        "kind": "cross_pool",
+                        "graph": state.label,
+                        "storages": [{"slot": s.name, "pool": list(s.pool)} for s in cross[:8]],
+                        "count": len(cross),
+                    }
+                )
         except Exception as e:
             self.log.internal("assigning graph pools", e)
 
@@ -163,6 +178,7 @@ def capture_site(frame, plumbing: frozenset[str] = frozenset()) -> tuple[str, bo
         return "<unknown>", False
     managed = frame.f_code.co_filename.endswith(MANAGED_CALLERS)
     from repro.diagnose.sites import frame_site, user_frame
+
     return frame_site(user_frame(frame, plumbing) or frame), managed
 
 

@@ -7,6 +7,7 @@ check (rebinding, and the census check of every graph due); any other, the liven
 C call per captured storage, none while no captured storage died). torch's own
 check_input_liveness error, where the program turned it on, is recorded as a finding.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,7 +18,7 @@ from repro.watch.hooks.part import Part
 from repro.watch.hooks.records import torch_finding
 from repro.watch.settings import OnFinding, Record
 
-if TYPE_CHECKING:       # annotations only: nothing here imports torch until the program does
+if TYPE_CHECKING:  # annotations only: nothing here imports torch until the program does
     import torch
 
 
@@ -51,6 +52,7 @@ class Checks(Part):
             self.log.report(findings)
             if self.settings.on_finding == OnFinding.RAISE:
                 from repro.diagnose.guard import StaleCaptureError
+
                 raise StaleCaptureError(findings[0].message, findings)
 
     def deep_check(self, state: GraphState) -> list:
@@ -74,8 +76,9 @@ class Checks(Part):
         built. Build it again, once for the whole check (not per capture), and hand over
         what it names."""
         book = self.tools.census.book
-        censuses = [book.censuses[label] for label in labels
-                    if label in book.censuses and book.censuses[label].references]
+        censuses = [
+            book.censuses[label] for label in labels if label in book.censuses and book.censuses[label].references
+        ]
         if not censuses or self.settings.record != Record.GRAPH:
             return
         self.tools.guard.refresh_index()
@@ -111,7 +114,8 @@ class Checks(Part):
         """Handles of the graph's storages not yet reported freed; None: use the guard's path."""
         if self.tools.expired is None:
             return None
-        from repro.outcome import Status      # loaded with the guard already
+        from repro.outcome import Status  # loaded with the guard already
+
         handles = []
         for slot in self.tools.guard.slots_of(label):
             if Status.FREED not in slot.reported and slot.checked_in(label):
@@ -138,7 +142,7 @@ class Checks(Part):
             census = self.tools.census
             state = self.graphs.get(graph)
             if state is not None:
-                state.captured = False    # nothing to check until it is captured again
+                state.captured = False  # nothing to check until it is captured again
                 state.unsettle()
                 if state.census is not None and census.book is not None:
                     census.book.censuses.pop(state.label, None)

@@ -4,6 +4,7 @@ Importing the hooks imports no torch. This finder stands first on sys.meta_path 
 program imports ``torch.cuda.graphs`` (torch's own ``import torch`` does); then it takes itself
 off, lets torch's own loader run the module, and hands the module over to be patched.
 """
+
 from __future__ import annotations
 
 import importlib.abc

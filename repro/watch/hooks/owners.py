@@ -5,28 +5,30 @@ in the locals of the user frames above a capture, are watched under their names:
 the paths (`policy.0.weight`, `cache.k`) by which a captured tensor is named. Tensors held by
 locals are left to the guard, which names them itself.
 """
+
 from __future__ import annotations
 
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:       # annotations only: nothing here imports torch until the program does
+if TYPE_CHECKING:  # annotations only: nothing here imports torch until the program does
     from repro.diagnose.guard import CaptureGuard
 
-_OWNER_FRAMES = 8                       # user frames above a capture searched for owners
-_MAX_OWNERS = 32                        # owners watched per capture
+_OWNER_FRAMES = 8  # user frames above a capture searched for owners
+_MAX_OWNERS = 32  # owners watched per capture
 
 
 class Owners:
     """The owners watched so far in this process, by name."""
 
     def __init__(self):
-        self._watched: dict[str, Any] = {}   # owner name -> its object, held as the guard holds it
+        self._watched: dict[str, Any] = {}  # owner name -> its object, held as the guard holds it
 
     def watch(self, guard: CaptureGuard, frame: FrameType | None) -> None:
         """Name what the capturing code holds: modules, tensors and `self` in its frames."""
         from repro.diagnose.sites import frame_locals, user_frame
         import torch
+
         plumbing = guard.plumbing
         frame = user_frame(frame, plumbing)
         added = 0
@@ -43,9 +45,11 @@ class Owners:
             frame = user_frame(frame.f_back, plumbing)
 
     def watch_module_attrs(self, guard: CaptureGuard, name: str, obj: Any, torch) -> int:
-        return sum(self.watch_once(guard, f"{name}.{attr}", value)
-                   for attr, value in list(getattr(obj, "__dict__", {}).items())[:_MAX_OWNERS]
-                   if isinstance(value, torch.nn.Module))
+        return sum(
+            self.watch_once(guard, f"{name}.{attr}", value)
+            for attr, value in list(getattr(obj, "__dict__", {}).items())[:_MAX_OWNERS]
+            if isinstance(value, torch.nn.Module)
+        )
 
     def watch_once(self, guard: CaptureGuard, name: str, value: Any) -> bool:
         """Watch value as name unless that very owner is watched already. Keyed by name: one
@@ -53,6 +57,7 @@ class Owners:
         keeps both, instead of each capture re-watching the one the last capture replaced,
         which threw the owner index away at every capture (2,211 rebuilds, piecewise)."""
         from repro.diagnose.owners import hold
+
         held = self._watched.get(name)
         if held is not None and held() is value:
             return False

@@ -13,6 +13,7 @@ subclass go through them; each hands over to capture.py or checks.py, except the
 settled graph, which the replay wrapper lets through itself. They are on the stack whenever
 the program captures or replays: this file is among the guard's plumbing (tools.plumbing_files).
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,7 +33,7 @@ def patch_graph_class(cls: type, captures: Captures, checks: Checks) -> None:
 
     @functools.wraps(originals["capture_begin"])
     def capture_begin(graph, *args, **kwargs):
-        captures.prepare()                # imports happen before the capture, not inside it
+        captures.prepare()  # imports happen before the capture, not inside it
         originals["capture_begin"](graph, *args, **kwargs)
         captures.begin(graph, sys._getframe(1), kwargs.get("pool", args[0] if args else None))
 
@@ -51,6 +52,7 @@ def patch_graph_class(cls: type, captures: Captures, checks: Checks) -> None:
     # the guard). torch's replay takes only `self`: a wrapper of that very signature saves
     # packing *args/**kwargs (~0.1 us of the ~0.2 us the fast path costs on a 2-core host).
     if takes_only_self(original_replay):
+
         @functools.wraps(original_replay)
         def replay(graph):
             entry = states.get(id(graph))
@@ -65,6 +67,7 @@ def patch_graph_class(cls: type, captures: Captures, checks: Checks) -> None:
                 checks.on_replay_error(graph, e)
                 raise
     else:
+
         @functools.wraps(original_replay)
         def replay(graph, *args, **kwargs):
             checks.before_replay(graph)
@@ -80,8 +83,12 @@ def patch_graph_class(cls: type, captures: Captures, checks: Checks) -> None:
         checks.on_reset(graph)
         return out
 
-    for name, wrapper in (("capture_begin", capture_begin), ("capture_end", capture_end),
-                          ("replay", replay), ("reset", reset)):
+    for name, wrapper in (
+        ("capture_begin", capture_begin),
+        ("capture_end", capture_end),
+        ("replay", replay),
+        ("reset", reset),
+    ):
         setattr(cls, name, wrapper)
 
 
@@ -95,7 +102,7 @@ def patch_keep_graph(cls: type, captures: Captures) -> None:
 
     def __init__(graph, *args, **kwargs):
         if not tools.census_ready():
-            return original_init(graph, *args, **kwargs)      # exactly the program's call
+            return original_init(graph, *args, **kwargs)  # exactly the program's call
         asked = bool(args[0]) if args else bool(kwargs.pop("keep_graph", False))
         original_init(graph, True, *args[1:], **kwargs)
         kept[graph] = not asked
@@ -106,6 +113,5 @@ def patch_keep_graph(cls: type, captures: Captures) -> None:
 def takes_only_self(fn) -> bool:
     """Whether a Python function's signature is exactly `(self)` (torch's CUDAGraph.replay)."""
     code = getattr(fn, "__code__", None)
-    varargs = 0x04 | 0x08                                  # CO_VARARGS | CO_VARKEYWORDS
-    return code is not None and code.co_argcount == 1 and not code.co_kwonlyargcount \
-        and not code.co_flags & varargs
+    varargs = 0x04 | 0x08  # CO_VARARGS | CO_VARKEYWORDS
+    return code is not None and code.co_argcount == 1 and not code.co_kwonlyargcount and not code.co_flags & varargs

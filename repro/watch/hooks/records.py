@@ -6,6 +6,7 @@ Each record is appended with os.write on an O_APPEND descriptor, so a finding is
 the replay it is about runs, whatever happens to the process next. The program's stdout is
 never written to.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,12 +19,20 @@ from typing import TYPE_CHECKING, Any
 
 from repro.watch.settings import ENV_OWNER, WatchSettings
 
-if TYPE_CHECKING:       # annotations only: nothing here imports torch until the program does
+if TYPE_CHECKING:  # annotations only: nothing here imports torch until the program does
     from repro.outcome import Finding
 
 RECORD_SCHEMA = "repro.watch.record/1"
-_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-             "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
+_RANK_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "SLURM_PROCID",
+    "OMPI_COMM_WORLD_RANK",
+)
 
 
 class Recorder:
@@ -49,10 +58,18 @@ class Recorder:
 def process_record(settings: WatchSettings) -> dict[str, Any]:
     argv = list(getattr(sys, "orig_argv", sys.argv))
     return {
-        "kind": "process", "schema": RECORD_SCHEMA, "pid": os.getpid(), "ppid": os.getppid(),
-        "host": socket.gethostname(), "argv": argv, "executable": sys.executable,
-        "python": sys.version.split()[0], "started": time.time(), "origin": settings.origin,
-        "on_finding": settings.on_finding, "record": settings.record,
+        "kind": "process",
+        "schema": RECORD_SCHEMA,
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "host": socket.gethostname(),
+        "argv": argv,
+        "executable": sys.executable,
+        "python": sys.version.split()[0],
+        "started": time.time(),
+        "origin": settings.origin,
+        "on_finding": settings.on_finding,
+        "record": settings.record,
         "env": {k: os.environ[k] for k in (*_RANK_ENV, ENV_OWNER) if k in os.environ},
     }
 
@@ -61,10 +78,11 @@ def process_record(settings: WatchSettings) -> dict[str, Any]:
 class HookSeconds:
     """Where the hooks' own time goes (seconds, summed over the process); the per-replay fast
     path is left untimed (timing it would cost more than it does)."""
-    capture_begin: float = 0.0    # naming owners, starting the recording
-    capture_end: float = 0.0      # stopping the recording, records
-    census: float = 0.0           # reading the graph and matching its words
-    checks: float = 0.0           # deep checks and liveness checks that found something dead
+
+    capture_begin: float = 0.0  # naming owners, starting the recording
+    capture_end: float = 0.0  # stopping the recording, records
+    census: float = 0.0  # reading the graph and matching its words
+    checks: float = 0.0  # deep checks and liveness checks that found something dead
 
 
 @dataclass
@@ -87,7 +105,7 @@ class Log:
         self.counters = Counters()
         self.seconds = HookSeconds()
         self.rank: int | None = None
-        self.groups_said: dict[tuple, int] = {}   # finding group -> findings of it so far
+        self.groups_said: dict[tuple, int] = {}  # finding group -> findings of it so far
 
     def open(self, settings: WatchSettings, forked: bool = False) -> None:
         """Start this process's record file with its process record, counting from zero (a
@@ -105,12 +123,11 @@ class Log:
         try:
             self.recorder.write({**record, "pid": os.getpid(), "t": time.time()})
         except OSError:
-            pass   # a full disk must not break the program
+            pass  # a full disk must not break the program
 
     def internal(self, where: str, error: BaseException) -> None:
         self.counters.internal_errors += 1
-        self.write({"kind": "internal", "where": where,
-                    "error": f"{type(error).__name__}: {error}"})
+        self.write({"kind": "internal", "where": where, "error": f"{type(error).__name__}: {error}"})
 
     def current_rank(self) -> int | None:
         if self.rank is None:
@@ -127,14 +144,14 @@ class Log:
         """Each finding to the record file; to stderr the first of each group only (one dead
         tensor in 2,000 graphs is one line; the exit line counts the repeats)."""
         from repro.report.groups import group_key
+
         rank = self.current_rank()
         for f in findings:
             self.counters.findings += 1
             if rank is not None:
                 f.rank = rank
             mechanism = f.mechanism
-            self.write({"kind": "finding", "mechanism": mechanism, "rank": rank,
-                        "finding": finding_dict(f)})
+            self.write({"kind": "finding", "mechanism": mechanism, "rank": rank, "finding": finding_dict(f)})
             key = group_key(f)
             self.groups_said[key] = self.groups_said.get(key, 0) + 1
             if self.groups_said[key] == 1:
@@ -146,8 +163,10 @@ class Log:
         repeated = sum(n - 1 for n in self.groups_said.values())
         if repeated:
             try:
-                sys.stderr.write(f"{self.prefix()}: {repeated} more findings like those above "
-                                 f"({len(self.groups_said)} groups; the report lists them all)\n")
+                sys.stderr.write(
+                    f"{self.prefix()}: {repeated} more findings like those above "
+                    f"({len(self.groups_said)} groups; the report lists them all)\n"
+                )
             except Exception:
                 pass
 
@@ -157,18 +176,29 @@ class Log:
 
 def finding_dict(finding: Finding) -> dict[str, Any]:
     from repro.outcome import to_jsonable
+
     return to_jsonable(finding)
 
 
 def torch_finding(graph: str, text: str, rank: int | None) -> Finding:
     from repro.outcome import Finding, Mechanism, Status
+
     ptr = 0
     for word in text.replace("(", " ").replace(")", " ").replace(":", " ").split():
         if word.startswith("data_ptr=0x"):
             ptr = int(word.removeprefix("data_ptr="), 16)
             break
-    finding = Finding(slot="<tensor named by torch check_input_liveness>", graph=graph,
-                      status=Status.FREED, when="replay (torch's own check)", rank=rank or 0,
-                      shape=[], dtype="", nbytes=0, old_ptr=ptr, message=text.splitlines()[0],
-                      mechanism=Mechanism.TORCH)
+    finding = Finding(
+        slot="<tensor named by torch check_input_liveness>",
+        graph=graph,
+        status=Status.FREED,
+        when="replay (torch's own check)",
+        rank=rank or 0,
+        shape=[],
+        dtype="",
+        nbytes=0,
+        old_ptr=ptr,
+        message=text.splitlines()[0],
+        mechanism=Mechanism.TORCH,
+    )
     return finding

@@ -4,6 +4,7 @@ recording, its slots and checks) and, where it runs, the graph census.
 Both are imported on a thread of their own (load_modules says why), never at import time:
 importing the hooks imports no torch.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 from repro.watch.hooks.records import Log
 from repro.watch.settings import Record, WatchSettings
 
-if TYPE_CHECKING:       # annotations only: nothing here imports torch until the program does
+if TYPE_CHECKING:  # annotations only: nothing here imports torch until the program does
     from repro.diagnose.census import CensusBook
     from repro.diagnose.guard import CaptureGuard, DropCount
 
@@ -41,10 +42,10 @@ class Census:
     clock_marker, merge_findings). Whether it is supported here is asked once, at first use."""
 
     def __init__(self):
-        self.module: ModuleType | None = None   # repro.diagnose.census, once asked and found supported here
-        self.asked = False                      # whether it was asked (Tools.census_ready)
-        self.state = "not checked yet (no capture)"   # what the records say of it
-        self.book: CensusBook | None = None     # where it runs: made with the guard (None where that failed)
+        self.module: ModuleType | None = None  # repro.diagnose.census, once asked and found supported here
+        self.asked = False  # whether it was asked (Tools.census_ready)
+        self.state = "not checked yet (no capture)"  # what the records say of it
+        self.book: CensusBook | None = None  # where it runs: made with the guard (None where that failed)
         # Graphs captured (or reset) since the census last checked: checked together, against one
         # allocator snapshot, at the first replay after them (not one snapshot per graph).
         self.due: list[str] = []
@@ -66,10 +67,10 @@ class Tools:
         self.settings = settings
         self.log = log
         self.guard: CaptureGuard | None = None
-        self.drops: DropCount | None = None   # the guard's, once the guard exists
-        self.expired = None           # torch.UntypedStorage._expired once torch is in use
+        self.drops: DropCount | None = None  # the guard's, once the guard exists
+        self.expired = None  # torch.UntypedStorage._expired once torch is in use
         self.census = Census()
-        self._loaded = False          # load_modules ran
+        self._loaded = False  # load_modules ran
 
     def load_modules(self) -> None:
         """Import, once, what the hooks use, on a thread of its own, before the first use.
@@ -94,6 +95,7 @@ class Tools:
             try:
                 census = load_census()
                 import repro.diagnose.guard
+
                 # Only the dispatch-mode recording needs the warm-up (its first dispatch imports
                 # torch._dynamo: seconds on an image without bytecode); where the census makes
                 # the slots, no capture records at the dispatcher.
@@ -106,12 +108,11 @@ class Tools:
             thread = threading.Thread(target=load, name="repro-watch-import", daemon=True)
             thread.start()
             thread.join()
-        except RuntimeError as e:     # no thread can be started: the hooks import in place
+        except RuntimeError as e:  # no thread can be started: the hooks import in place
             failed.append(f"no import thread ({e})")
         if failed:
             self.log.counters.internal_errors += 1
-            self.log.write({"kind": "internal", "where": "importing the hooks' modules",
-                            "error": failed[0]})
+            self.log.write({"kind": "internal", "where": "importing the hooks' modules", "error": failed[0]})
 
     def ensure_guard(self) -> CaptureGuard:
         if self.guard is None:
@@ -119,6 +120,7 @@ class Tools:
             import torch
             from repro.diagnose.guard import CaptureGuard
             from repro.outcome import GuardMode
+
             # StorageWeakRef.expired() goes through two Python calls; the C function is ~20x faster.
             self.expired = getattr(torch.UntypedStorage, "_expired", None)
             # raise mode: we raise ourselves, after writing the record.

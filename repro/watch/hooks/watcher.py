@@ -8,6 +8,7 @@ One watcher per process is inherent (sys.meta_path and the CUDAGraph class are p
 so ``activate`` keeps it in ``_ACTIVE`` and is idempotent: the sitecustomize and the vLLM
 plugin may both call it.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -68,7 +69,7 @@ class Watcher:
         self.log.open(self.settings)
         module = sys.modules.get(TARGET)
         if module is not None and hasattr(module, "CUDAGraph"):
-            self.on_graphs_module(module)     # torch already imported (vLLM plugin, late start)
+            self.on_graphs_module(module)  # torch already imported (vLLM plugin, late start)
         else:
             self._hook.install()
         atexit.register(self.on_exit)
@@ -95,11 +96,16 @@ class Watcher:
             self.patch(module.CUDAGraph)
             patch_s = time.perf_counter() - t0
             torch = sys.modules.get("torch")
-            self.log.write({"kind": "hooked", "classes": self.patched_names(),
-                            "patch_s": patch_s,
-                            "torch": getattr(getattr(torch, "version", None), "__version__", None)
-                            or getattr(torch, "__version__", None),
-                            "since_activation_s": time.perf_counter() - self._t0})
+            self.log.write(
+                {
+                    "kind": "hooked",
+                    "classes": self.patched_names(),
+                    "patch_s": patch_s,
+                    "torch": getattr(getattr(torch, "version", None), "__version__", None)
+                    or getattr(torch, "__version__", None),
+                    "since_activation_s": time.perf_counter() - self._t0,
+                }
+            )
         except Exception as e:
             self.log.internal("patching torch.cuda.graphs.CUDAGraph", e)
 
@@ -118,7 +124,14 @@ class Watcher:
         census = self.tools.census.summary()
         self.log.say_repeats()
         guard = self.tools.guard
-        self.log.write({"kind": "exit", "counters": vars(self.log.counters), "census": census,
-                        "pool_managed": guard.pool_managed() if guard is not None else 0,
-                        "cross_pool": self.captures.cross_pool, "rank": self.log.rank,
-                        "seconds": {k: round(v, 6) for k, v in vars(self.log.seconds).items()}})
+        self.log.write(
+            {
+                "kind": "exit",
+                "counters": vars(self.log.counters),
+                "census": census,
+                "pool_managed": guard.pool_managed() if guard is not None else 0,
+                "cross_pool": self.captures.cross_pool,
+                "rank": self.log.rank,
+                "seconds": {k: round(v, 6) for k, v in vars(self.log.seconds).items()},
+            }
+        )
