@@ -123,7 +123,7 @@ def test_vllm_missing_is_an_environment_exit(monkeypatch):
 
 def test_watch_exit_codes_come_from_the_table():
     from repro.watch.command import CommandResult, finish
-    from repro.watch.report import WatchReport
+    from repro.watch.records import WatchReport
 
     assert finish(WatchReport([], []), ["true"], CommandResult(0, True), "warn").exit is Exit.INTERRUPTED
     assert finish(WatchReport([], []), ["true"], CommandResult(7, False), "warn").exit == 7  # CMD's own

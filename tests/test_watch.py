@@ -864,7 +864,7 @@ def test_watch_says_plainly_when_nothing_could_be_checked(tmp_path):
 
 def test_sight_notes_stay_quiet_once_a_graph_was_checked():
     from repro.watch.command import sight_notes
-    from repro.watch.report import WatchedProcess, WatchReport
+    from repro.watch.records import WatchedProcess, WatchReport
 
     seen = WatchReport(processes=[WatchedProcess(pid=1, host="h", torch_hooked=True, graphs=2)], findings=[])
     assert sight_notes(seen, gpu_count=0) == []

@@ -8,6 +8,8 @@ import xml.etree.ElementTree as ET
 
 from rich.console import Console
 
+from repro.report import watch_view as V
+from repro.watch import records as R
 from repro.watch import report as W
 from repro.outcome import Finding, to_jsonable
 
@@ -46,7 +48,7 @@ def engine_report(tmp_path):
     ]
     write_process(tmp_path, 11, repeated[:1000] + real[:1])
     write_process(tmp_path, 12, repeated[1000:] + real[1:], pool_managed=2211)
-    return W.load_report([tmp_path])
+    return R.load_report([tmp_path])
 
 
 def rendered(rep, width=100):
@@ -70,10 +72,10 @@ def test_thousands_of_repeated_findings_read_as_one_line_each_group(tmp_path):
 
 
 def test_groups_past_the_cap_are_counted_not_printed(tmp_path):
-    findings = [finding(f"w{i}", f"g{i}", freed_at=f"f.py:{i} in f") for i in range(W.MAX_GROUPS_SHOWN + 5)]
+    findings = [finding(f"w{i}", f"g{i}", freed_at=f"f.py:{i} in f") for i in range(V.MAX_GROUPS_SHOWN + 5)]
     write_process(tmp_path, 11, findings)
-    text = rendered(W.load_report([tmp_path]))
-    assert text.count("FREED") == W.MAX_GROUPS_SHOWN
+    text = rendered(R.load_report([tmp_path]))
+    assert text.count("FREED") == V.MAX_GROUPS_SHOWN
     assert "5 more groups (5 findings; all are in --json)" in text
 
 
@@ -90,7 +92,7 @@ def test_json_keeps_every_finding_and_groups_point_at_them(tmp_path):
 
 def test_junit_has_one_failure_per_group_and_survives_control_characters(tmp_path):
     write_process(tmp_path, 11, [finding("cache.k", f"g{i}") for i in range(50)], argv=("python", "x\x01y.py"))
-    root = ET.fromstring(W.junit_xml(W.load_report([tmp_path])))
+    root = ET.fromstring(W.junit_xml(R.load_report([tmp_path])))
     [case] = root.findall("testsuite/testcase")
     assert len(case.findall("failure")) == 1
     assert "in 50 graphs" in case.find("failure").get("message")
@@ -99,7 +101,7 @@ def test_junit_has_one_failure_per_group_and_survives_control_characters(tmp_pat
 def test_pool_contract_is_said_in_the_console(tmp_path):
     write_process(tmp_path, 11, [], pool_managed=64)
     assert "pool contract: 64 captured storage(s) lived in their own graph's memory pool" in rendered(
-        W.load_report([tmp_path]), 200
+        R.load_report([tmp_path]), 200
     )
 
 
@@ -114,7 +116,7 @@ def hostile_run(tmp_path):
     f = finding(f"cache.k{HOSTILE}", "g0")
     f.message = f"captured tensor freed {HOSTILE}"
     write_process(tmp_path, 11, [f], argv=("python", f"x{HOSTILE}.py", "--name=caf\udce9"))
-    return W.load_report([tmp_path])
+    return R.load_report([tmp_path])
 
 
 def test_junit_of_hostile_records_parses_and_keeps_their_text(tmp_path):
@@ -126,7 +128,7 @@ def test_junit_of_hostile_records_parses_and_keeps_their_text(tmp_path):
     assert "cache.k<script>alert(1)</script>" in failure.get("message")
     assert "captured tensor freed <script>alert(1)</script>" in failure.text
     assert case.find("system-out").text == "python x<script>alert(1)</script>.py --name=caf\ufffd"
-    assert root.find("testsuite/properties/property[@name='schema']").get("value") == W.SCHEMA
+    assert root.find("testsuite/properties/property[@name='schema']").get("value") == R.SCHEMA
 
 
 def test_html_of_hostile_records_is_escaped_by_the_shared_template(tmp_path):
@@ -143,7 +145,7 @@ def test_html_of_hostile_records_is_escaped_by_the_shared_template(tmp_path):
 
 def test_html_says_what_the_console_says(tmp_path):
     write_process(tmp_path, 11, [finding("cache.k", f"g{i}") for i in range(3)], pool_managed=64)
-    rep = W.load_report([tmp_path])
+    rep = R.load_report([tmp_path])
     rep.notes = ["Nothing checked: a note"]
     page = W.report_html(rep)
     text = rendered(rep, 300)
@@ -167,19 +169,19 @@ def test_json_goes_through_the_strict_writer(tmp_path):
     process["started"] = float("nan")  # a bare NaN token, which Python's json reads back
     path.write_text("\n".join([json.dumps(process), *rest]) + "\n")
     out = tmp_path / "out" / "w.json"
-    W.write_artifacts(W.load_report([tmp_path]), str(out), None, None)
+    W.write_artifacts(R.load_report([tmp_path]), str(out), None, None)
 
     def reject(token):
         raise AssertionError(f"non-standard JSON token {token}")
 
     doc = json.loads(out.read_text(), parse_constant=reject)
-    assert doc["processes"][0]["started"] == "NaN" and doc["schema"] == W.SCHEMA
+    assert doc["processes"][0]["started"] == "NaN" and doc["schema"] == R.SCHEMA
 
 
 def test_json_keeps_its_schema(tmp_path):
     """The watch JSON's keys, as tools read them, are unchanged by the shared writer."""
     write_process(tmp_path, 11, [finding("cache.k", "g0")], pool_managed=1)
-    doc = json.loads(W.report_json(W.load_report([tmp_path])))
+    doc = json.loads(W.report_json(R.load_report([tmp_path])))
     assert list(doc) == [
         "processes",
         "findings",
@@ -238,14 +240,14 @@ def test_nothing_captured_reads_as_nothing_checked_not_as_no_findings(tmp_path):
 
 def test_a_graph_checked_without_findings_is_no_findings(tmp_path):
     write_process(tmp_path, 11, [])
-    rep = W.load_report([tmp_path])
+    rep = R.load_report([tmp_path])
     rep.processes[0].graphs = 3
     assert rendered(rep, 80).startswith("no findings · 1 process(es) watched")
 
 
 def test_80_columns_break_between_parts_and_never_inside_a_command(tmp_path):
     cpu_process(tmp_path, argv=("python3", "examples/watch_kv_cache.py", "--steps", "4"))
-    rep = W.load_report([tmp_path])
+    rep = R.load_report([tmp_path])
     rep.command_exit = 0
     narrow = rendered(rep, 80)
     lines = narrow.splitlines()

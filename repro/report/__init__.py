@@ -1,5 +1,5 @@
 """Reports of a run and of a `repro watch` run: one view model per kind (view.py for trials,
-repro/watch/report.py for watch runs) read by every renderer.
+watch_view.py for watch runs) read by every renderer.
 
 console.py   rich panels and tables (stdout in the CLI; stderr when `--json -` holds stdout)
 junit.py     the one JUnit writer (XML-safe): a testcase per trial, or per watched process

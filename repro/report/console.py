@@ -12,7 +12,7 @@ import io
 import os
 import re
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -43,8 +43,7 @@ from repro.report.view import (
     trial_view,
 )
 
-if TYPE_CHECKING:  # repro.watch.report imports this package: the type alone is needed here
-    from repro.watch.report import ProblemView, WatchView
+from repro.report.watch_view import ProblemView, WatchView
 
 STYLES = {
     OK: "bold green",

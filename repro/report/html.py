@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jinja2
 
@@ -19,8 +19,7 @@ from repro.outcome import Report
 from repro.report.charts import layout, missing_charts, trial_charts
 from repro.report.view import run_view
 
-if TYPE_CHECKING:  # repro.watch.report imports this package: the type alone is needed here
-    from repro.watch.report import WatchView
+from repro.report.watch_view import WatchView
 
 TEMPLATE = "report.html"
 WATCH_TEMPLATE = "watch.html"

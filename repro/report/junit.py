@@ -11,15 +11,14 @@ import os
 import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from repro.files import write_text_atomic
 from repro.outcome import Outcome, Report
 from repro.report.fmt import encodable
 from repro.report.view import RunView, TrialView, config_params, run_config, run_view
 
-if TYPE_CHECKING:  # repro.watch.report imports this package: the type alone is needed here
-    from repro.watch.report import WatchView
+from repro.report.watch_view import WatchView
 
 # Characters XML 1.0 forbids even escaped; one in a stderr tail would make the whole file unreadable.
 XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")

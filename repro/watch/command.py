@@ -31,7 +31,7 @@ from pathlib import Path
 
 from repro.output import Exit
 from repro.watch.ray import node_dirs, node_notes, ray_env
-from repro.watch.report import WatchReport, load_report, record_files
+from repro.watch.records import WatchReport, load_report, record_files
 from repro.watch.settings import ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_RECORD, ENV_SITE, OnFinding, Record
 
 GRACE_S = 10.0  # after a forwarded Ctrl-C, how long CMD's group gets before SIGKILL
