@@ -9,45 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from repro.outcome import TrialRecord
 from repro.report.fmt import fmt_float
 from repro.scenarios import SCENARIOS
+from repro.scenarios.spec import ChartData, ChartKind
 
 WIDTH, HEIGHT = 640, 240
 LEFT, RIGHT, TOP, BOTTOM = 64, 16, 16, 44
-
-
-class ChartKind(StrEnum):
-    LINE = "line"  # one polyline per series, a mark per point
-    BAR = "bar"  # one bar per x value
-
-
-@dataclass
-class Series:
-    name: str
-    points: list[tuple[Any, float | None]]  # (x, y); y None: not finite
-
-
-@dataclass
-class ChartData:
-    title: str
-    caption: str
-    kind: ChartKind
-    x_label: str
-    y_label: str
-    series: list[Series]
-    threshold: float | None = None
-    threshold_label: str = ""
-
-
-def number(value: Any) -> float | None:
-    """Finite float or None (NaN/Inf, also as read back from strict JSON)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
 
 
 def chart_or_reason(trial: TrialRecord) -> ChartData | str | None:

@@ -10,7 +10,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from repro.outcome import Outcome, StepRecord, TrialRecord
-from repro.scenarios.spec import ITEMSIZE, Check, CpuCost, ModeSpec, RecordField, RunKeySpec, ScenarioSpec
+from repro.scenarios.spec import (
+    ChartData,
+    ChartKind,
+    Check,
+    CpuCost,
+    ITEMSIZE,
+    ModeSpec,
+    RecordField,
+    RunKeySpec,
+    ScenarioSpec,
+    Series,
+)
 
 # vLLM's Gemma 4 examples draft 1 token per step, which never feeds a draft back into the
 # drafter; 3 feeds it back twice per step, the path where a wrong draft poisons the rest.
@@ -165,9 +176,6 @@ def report_lines(trial: TrialRecord) -> list[str]:
 def graph_mismatch_chart(steps: list[StepRecord]) -> Any:
     """Share of draft tokens that differ from the reference, per captured batch size (a
     ChartData), or why there is no chart (a str)."""
-    # Imported here: the report layer brings rich along, and the registry (which imports this
-    # module) is read by every process, ranks included.
-    from repro.report.charts import ChartData, ChartKind, Series
 
     totals: dict[str, list[int]] = {}
     order: dict[str, int] = {}

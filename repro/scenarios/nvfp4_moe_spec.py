@@ -10,7 +10,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from repro.outcome import StepRecord
-from repro.scenarios.spec import ITEMSIZE, Check, CpuCost, ModeSpec, RunKeySpec, ScenarioSpec, StepColumn
+from repro.scenarios.spec import (
+    ChartData,
+    ChartKind,
+    Check,
+    CpuCost,
+    ITEMSIZE,
+    ModeSpec,
+    RunKeySpec,
+    ScenarioSpec,
+    Series,
+    StepColumn,
+    number,
+)
 
 NVFP4_BYTES = 0.5 + 1 / 16  # packed E2M1 codes + one E4M3 scale per 16 elements
 
@@ -62,7 +74,6 @@ def reload_error_chart(steps: list[StepRecord]) -> Any:
     table's "scaled err" column): a ChartData, or why there is no chart (a str)."""
     # Imported here: the report layer brings rich along, and the registry (which imports this
     # module) is read by every process, ranks included.
-    from repro.report.charts import ChartData, ChartKind, Series, number
     from repro.report.fmt import fmt_float
 
     if len({s.step for s in steps}) < 2:

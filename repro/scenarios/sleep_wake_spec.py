@@ -14,7 +14,7 @@ from typing import Any
 from repro.outcome import StepRecord, TrialRecord
 from repro.scenarios import gemma4_mtp_spec as gemma4
 from repro.scenarios.gemma4_mtp_spec import FP32, PAD_TO, Gemma4Dims
-from repro.scenarios.spec import Check, CpuCost, ModeSpec, RunKeySpec, ScenarioSpec
+from repro.scenarios.spec import ChartData, ChartKind, Check, CpuCost, ModeSpec, RunKeySpec, ScenarioSpec, Series
 
 SLEEP_LEVELS = {
     1: "KV-cache pool discarded, weights copied to host and back",
@@ -84,9 +84,6 @@ def report_lines(trial: TrialRecord) -> list[str]:
 def acceptance_chart(steps: list[StepRecord]) -> Any:
     """Acceptance per decode step (rank 0), before the sleep and after the wake: a ChartData, or
     why there is no chart (a str)."""
-    # Imported here: the report layer brings rich along, and the registry (which imports this
-    # module) is read by every process, ranks included.
-    from repro.report.charts import ChartData, ChartKind, Series
 
     mine = [s for s in steps if s.rank == 0 and "acceptance_rate" in s.extra]
     if len(mine) < 2:

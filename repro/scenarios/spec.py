@@ -12,7 +12,9 @@ code the ranks run, imports torch, and only inside the ranks (load_scenario).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Callable
 
 # Bytes per element of a model dtype, for footprint formulas.
@@ -142,7 +144,7 @@ class ScenarioSpec:
     step_columns: tuple[StepColumn, ...] = ()
     # report_lines(trial): sentences under the verdict, on what the trial's numbers mean.
     report_lines: Callable[[Any], list[str]] = no_lines
-    # chart(steps): the HTML report's chart (repro.report.charts.ChartData), or why there is none
+    # chart(steps): the HTML report's chart (ChartData, below), or why there is none
     # (a str); None: the scenario has no chart.
     chart: Callable[[list[Any]], Any] | None = None
 
@@ -156,3 +158,36 @@ class ScenarioSpec:
 
     def mode_help(self) -> str:
         return "; ".join(f"{m.name}: {m.help}" for m in self.modes) + "."
+
+
+# -- what a spec's chart() gives the HTML report (repro/report/charts.py lays it out as SVG) --
+
+
+class ChartKind(StrEnum):
+    LINE = "line"  # one polyline per series, a mark per point
+    BAR = "bar"  # one bar per x value
+
+
+@dataclass
+class Series:
+    name: str
+    points: list[tuple[Any, float | None]]  # (x, y); y None: not finite
+
+
+@dataclass
+class ChartData:
+    title: str
+    caption: str
+    kind: ChartKind
+    x_label: str
+    y_label: str
+    series: list[Series]
+    threshold: float | None = None
+    threshold_label: str = ""
+
+
+def number(value: Any) -> float | None:
+    """Finite float or None (NaN/Inf, also as read back from strict JSON)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None

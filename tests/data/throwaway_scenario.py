@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from repro.outcome import StepRecord
-from repro.scenarios.spec import ModeSpec, RecordField, RunKeySpec, ScenarioSpec, StepColumn
+from repro.scenarios.spec import ChartData, ModeSpec, RecordField, RunKeySpec, ScenarioSpec, Series, StepColumn
 
 
 @dataclass
@@ -49,7 +49,6 @@ def report_lines(trial: Any) -> list[str]:
 
 
 def chart(steps: list[StepRecord]) -> Any:
-    from repro.report.charts import ChartData, Series
 
     if not any(s.mismatches for s in steps):
         return "no element differed at any step"
