@@ -452,22 +452,7 @@ class CaptureGuard:
             if widen_slot(slot, t, graph):
                 self._by_graph[graph].append(slot)
             return slot
-        slot = Slot(
-            name="",
-            graphs=[graph],
-            shape=list(t.shape),
-            dtype=dtype_name(t.dtype),
-            nbytes=t.nbytes,
-            data_ptr=t.data_ptr(),
-            storage_ptr=storage.data_ptr(),
-            storage_nbytes=storage.nbytes(),
-            device=str(t.device),
-            version=version_of(t),
-            captured_at=f"{site} ({w.describe()})",
-            ref=StorageWeakRef(storage),
-            key=key,
-            named=named,
-        )
+        slot = new_slot(t, storage, key, graph, f"{site} ({w.describe()})", named=named)
         slot.name = exposed_name(named, t) if named is not None else f"<local {holder[0]} of {holder[1]}>"
         self._slots[key] = slot
         self._by_graph[graph].append(slot)
@@ -703,23 +688,7 @@ class CaptureGuard:
         frame = user_frame(sys._getframe(1), self._plumbing)
         birth = self._births.get(key)
         created_at = format_birth(birth) if birth is not None else None
-        slot = Slot(
-            name="",
-            graphs=[rec.label],
-            shape=list(t.shape),
-            dtype=dtype_name(t.dtype),
-            nbytes=t.nbytes,
-            data_ptr=t.data_ptr(),
-            storage_ptr=storage.data_ptr(),
-            storage_nbytes=storage.nbytes(),
-            device=str(t.device),
-            version=version_of(t),
-            captured_at=f"{frame_site(frame)} ({func})",
-            created_at=created_at,
-            ref=StorageWeakRef(storage),
-            key=key,
-            named=named,
-        )
+        slot = new_slot(t, storage, key, rec.label, f"{frame_site(frame)} ({func})", created_at=created_at, named=named)
         if named is not None:
             slot.name = exposed_name(named, t)
         else:
@@ -729,22 +698,8 @@ class CaptureGuard:
     def _pool_slot(self, rec: _Recording, func, t: torch.Tensor, storage: torch.UntypedStorage) -> Slot:
         """A storage in the capturing graph's own pool (an earlier piece's output, say)."""
         site = frame_site(user_frame(sys._getframe(2), self._plumbing))
-        slot = Slot(
-            name=f"<storage of graph pool {rec.pool}, read by {getattr(func, 'overloadpacket', func)} at {site}>",
-            graphs=[rec.label],
-            shape=list(t.shape),
-            dtype=dtype_name(t.dtype),
-            nbytes=t.nbytes,
-            data_ptr=t.data_ptr(),
-            storage_ptr=storage.data_ptr(),
-            storage_nbytes=storage.nbytes(),
-            device=str(t.device),
-            version=version_of(t),
-            captured_at=f"{site} ({func})",
-            ref=StorageWeakRef(storage),
-            key=storage._cdata,
-            pool=rec.pool,
-        )
+        slot = new_slot(t, storage, storage._cdata, rec.label, f"{site} ({func})", pool=rec.pool)
+        slot.name = f"<storage of graph pool {rec.pool}, read by {getattr(func, 'overloadpacket', func)} at {site}>"
         slot.managed_in.add(rec.label)
         return slot
 
@@ -927,6 +882,28 @@ def version_of(t: torch.Tensor) -> int | None:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def new_slot(
+    t: torch.Tensor, storage: torch.UntypedStorage, key: int, graph: str, captured_at: str, **more: Any
+) -> Slot:
+    """A slot for `storage`, first seen through the view `t` by `graph`; named by the caller."""
+    return Slot(
+        name="",
+        graphs=[graph],
+        shape=list(t.shape),
+        dtype=dtype_name(t.dtype),
+        nbytes=t.nbytes,
+        data_ptr=t.data_ptr(),
+        storage_ptr=storage.data_ptr(),
+        storage_nbytes=storage.nbytes(),
+        device=str(t.device),
+        version=version_of(t),
+        captured_at=captured_at,
+        ref=StorageWeakRef(storage),
+        key=key,
+        **more,
+    )
 
 
 def widen_slot(slot: Slot, t: torch.Tensor, label: str) -> bool:

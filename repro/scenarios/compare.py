@@ -3,13 +3,15 @@
 One rule for every scenario that compares numbers: an element is wrong when
 |y - y_ref| > tolerance * (|y_ref| + rms(y_ref)); the rms term keeps near-zero outputs from
 counting on rounding alone. Each scenario picks its tolerance and says why (nvfp4-reload:
-nvfp4_moe.TOLERANCE; piecewise-split: piecewise_split.TOLERANCE). Non-finite elements are
+nvfp4_moe.TOLERANCE; piecewise-split: piecewise_split.TOLERANCE; workspace-grow:
+workspace_grow.TOLERANCE). Non-finite elements are
 counted apart, never as mismatches; a non-finite reference is a harness bug and raises.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,6 +26,17 @@ class Comparison:
     max_abs_err: float | None
     rel_err: float | None  # ||y - y_ref|| / ||y_ref|| over the finite elements
     max_scaled_err: float | None  # max |y - y_ref| / (|y_ref| + rms(y_ref)): vs the tolerance
+
+    def step_fields(self) -> dict[str, Any]:
+        """What a StepRecord takes of it: StepRecord(..., **cmp.step_fields(), ...)."""
+        return {
+            "numel": self.numel,
+            "nonfinite": self.nonfinite,
+            "compared": self.compared,
+            "mismatches": self.mismatches,
+            "max_abs_err": self.max_abs_err,
+            "rel_err": self.rel_err,
+        }
 
 
 def compare(out: Tensor, ref: Tensor, tolerance: float) -> Comparison:

@@ -59,6 +59,7 @@ from torch import Tensor
 
 from repro.rank.graphs import AfterFree, Captured, capture
 from repro.outcome import StepRecord
+from repro.scenarios.compare import Comparison, compare
 from repro.units import format_bytes
 from repro.scenarios.workspace_grow_spec import (
     ALIGN,
@@ -366,39 +367,6 @@ def capture_decode_graphs(
     if fixes.lock_after_capture:  # fix (#55341)
         workspace.lock()  # fix (#55341)
     return out
-
-
-# ------------------------------------------------------------------------ comparison
-
-
-@dataclass
-class Comparison:
-    numel: int
-    nonfinite: int
-    compared: int  # finite elements compared with the reference
-    mismatches: int  # finite elements beyond the tolerance
-    max_abs_err: float | None
-    rel_err: float | None  # ||y - y_ref|| / ||y_ref|| over the finite elements
-    max_scaled_err: float | None  # max |y - y_ref| / (|y_ref| + rms(y_ref))
-
-
-def compare(out: Tensor, ref: Tensor, tolerance: float) -> Comparison:
-    """out, ref [B, Hq, D]; elementwise bound tolerance * (|ref| + rms(ref))."""
-    y, r = out.double(), ref.double()
-    finite = torch.isfinite(y)
-    compared = int(finite.sum())
-    diff = torch.where(finite, y - r, torch.zeros_like(y))
-    scaled = diff.abs() / (r.abs() + r.pow(2).mean().sqrt().clamp_min(1e-30))
-    ref_norm = float(torch.where(finite, r, torch.zeros_like(r)).norm())
-    return Comparison(
-        numel=y.numel(),
-        nonfinite=y.numel() - compared,
-        compared=compared,
-        mismatches=int(((scaled > tolerance) & finite).sum()),
-        max_abs_err=float(diff.abs().max()) if compared else None,
-        rel_err=(float(diff.norm()) / ref_norm if ref_norm > 0 else 0.0) if compared else None,
-        max_scaled_err=float(scaled.max()) if compared else None,
-    )
 
 
 # ------------------------------------------------------------------------ the other tensors
