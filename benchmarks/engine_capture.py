@@ -43,19 +43,13 @@ def env_with_repo() -> dict:
     return env
 
 
+def dims_args(args) -> list[str]:
+    """The engine's dimensions, as examples/engine_shapes.py and engine_step.py both take them."""
+    return ["--sizes", str(args.sizes), "--layers", str(args.layers), "--hidden", str(args.hidden)]
+
+
 def program_args(args, shape: str) -> list[str]:
-    return [
-        str(PROGRAM),
-        shape,
-        "--sizes",
-        str(args.sizes),
-        "--layers",
-        str(args.layers),
-        "--hidden",
-        str(args.hidden),
-        "--steps",
-        str(args.steps),
-    ]
+    return [str(PROGRAM), shape, *dims_args(args), "--steps", str(args.steps)]
 
 
 def maxrss_cmd(cmd: list[str]) -> list[str]:
@@ -124,19 +118,8 @@ def run_once(args, shape: str, watched: bool, workdir: Path, tag: str) -> dict:
 def step_once(args, shape: str, watched: bool, workdir: Path) -> dict:
     """benchmarks/engine_step.py in one process: decode rounds with and without the replay
     hook, alternating (watched), or the same replay twice (plain: the noise floor)."""
-    cmd = [
-        sys.executable,
-        str(REPO / "benchmarks" / "engine_step.py"),
-        shape,
-        "--sizes",
-        str(args.sizes),
-        "--layers",
-        str(args.layers),
-        "--hidden",
-        str(args.hidden),
-        "--rounds",
-        str(args.step_rounds),
-    ]
+    cmd = [sys.executable, str(REPO / "benchmarks" / "engine_step.py"), shape, *dims_args(args)]
+    cmd += ["--rounds", str(args.step_rounds)]
     if watched:
         cmd = [sys.executable, "-m", "repro", "watch", "--run-dir", str(workdir / f"step-{shape}"), "--"] + cmd
     proc = subprocess.run(cmd, env=env_with_repo(), capture_output=True, text=True, timeout=args.timeout)

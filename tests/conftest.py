@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,9 @@ tp = 2
 steps = 3
 expect = "CRASH"          # a clean self-test cannot meet this: the run must fail
 """
+
+
+def watch_argv(run_dir, *program, report=None, options=()) -> list[str]:
+    """`python -m repro watch --run-dir RUN_DIR [--json REPORT] [OPTIONS] -- PROGRAM...`"""
+    as_json = ["--json", str(report)] if report is not None else []
+    return [sys.executable, "-m", "repro", "watch", "--run-dir", str(run_dir), *as_json, *options, "--", *program]

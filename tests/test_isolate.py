@@ -273,26 +273,17 @@ def wait_for_pids(root, n, timeout=30, event="start"):
     raise AssertionError(f"workers did not reach {event!r}")
 
 
-def test_sigterm_is_handled_like_ctrl_c_and_exits_143(tmp_path):
+def start_hanging_selftest(tmp_path):
+    """A TP 2 selftest whose rank 1 hangs at step 1, once both ranks have recorded a step:
+    (the process, its JSON report's path, the ranks' pids)."""
     out = tmp_path / "r.json"
-    proc = cli(
-        "selftest",
-        "--tp",
-        "2",
-        "--steps",
-        "3",
-        "--device",
-        "cpu",
-        "--deadline",
-        "60",
-        "--inject-fault",
-        "hang@1:1",
-        "--artifacts",
-        str(tmp_path / "a"),
-        "--json",
-        str(out),
-    )
-    pids = wait_for_pids(tmp_path / "a", 2, event="step")
+    args = "selftest --tp 2 --steps 3 --device cpu --deadline 60 --inject-fault hang@1:1".split()
+    proc = cli(*args, "--artifacts", str(tmp_path / "a"), "--json", str(out))
+    return proc, out, wait_for_pids(tmp_path / "a", 2, event="step")
+
+
+def test_sigterm_is_handled_like_ctrl_c_and_exits_143(tmp_path):
+    proc, out, pids = start_hanging_selftest(tmp_path)
     proc.send_signal(signal.SIGTERM)  # what a CI cancel sends
     text, err = proc.communicate(timeout=30)
     assert proc.returncode == 143, err
@@ -307,25 +298,7 @@ def test_sigterm_is_handled_like_ctrl_c_and_exits_143(tmp_path):
 
 
 def test_ctrl_c_exits_130_keeps_records_no_orphans(tmp_path):
-    out = tmp_path / "r.json"
-    proc = cli(
-        "selftest",
-        "--tp",
-        "2",
-        "--steps",
-        "3",
-        "--device",
-        "cpu",
-        "--deadline",
-        "60",
-        "--inject-fault",
-        "hang@1:1",
-        "--artifacts",
-        str(tmp_path / "a"),
-        "--json",
-        str(out),
-    )
-    pids = wait_for_pids(tmp_path / "a", 2, event="step")
+    proc, out, pids = start_hanging_selftest(tmp_path)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err

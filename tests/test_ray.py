@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY_MATRIX, alive
+from conftest import REPO, TINY_MATRIX, alive, watch_argv
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
@@ -273,18 +273,7 @@ def test_watch_reaches_actors_on_every_node_and_ships_their_records(cluster, tmp
     assert plain.returncode == 0, plain.stderr
     run_dir = tmp_path / "run"
     watched = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "repro",
-            "watch",
-            "--run-dir",
-            str(run_dir),
-            "--json",
-            str(tmp_path / "w.json"),
-            "--",
-            *program,
-        ],
+        watch_argv(run_dir, *program, report=tmp_path / "w.json"),
         capture_output=True,
         text=True,
         env=env,

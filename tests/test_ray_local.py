@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, watch_argv
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
@@ -27,18 +27,7 @@ def test_watch_reaches_the_actor_of_a_cluster_the_program_starts(tmp_path):
     run_dir = tmp_path / "run"
     try:
         done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "repro",
-                "watch",
-                "--run-dir",
-                str(run_dir),
-                "--json",
-                str(tmp_path / "w.json"),
-                "--",
-                *program,
-            ],
+            watch_argv(run_dir, *program, report=tmp_path / "w.json"),
             capture_output=True,
             text=True,
             env=env,

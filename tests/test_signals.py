@@ -51,6 +51,22 @@ def selftest_args(tmp_path, *extra):
     ]
 
 
+def matrix_args(tmp_path):
+    """`repro matrix` over the smoke preset's first trial, its report in tmp_path/r.json."""
+    return [
+        sys.executable,
+        "-m",
+        "repro",
+        "matrix",
+        "--only",
+        "01-",
+        "--artifacts",
+        str(tmp_path / "a"),
+        "--json",
+        str(tmp_path / "r.json"),
+    ]
+
+
 def ranks_left(tmp_path):
     pids = []
     for f in (tmp_path / "a").rglob("rank*.jsonl"):
@@ -109,18 +125,7 @@ def test_signal_after_the_report_is_written_changes_nothing(tmp_path):
 def test_matrix_signalled_while_its_first_trial_is_collected(tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "repro",
-            "matrix",
-            "--only",
-            "01-",
-            "--artifacts",
-            str(tmp_path / "a"),
-            "--json",
-            str(out),
-        ],
+        matrix_args(tmp_path),
         env=cli_env(REPRO_SIGNAL_AT="SIGTERM@ended"),
         capture_output=True,
         text=True,
@@ -141,18 +146,7 @@ def test_matrix_signalled_at_every_point_gives_143_and_the_json(tmp_path, point)
     code path, the trial's points are the same as a scenario command's."""
     out = tmp_path / "r.json"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "repro",
-            "matrix",
-            "--only",
-            "01-",
-            "--artifacts",
-            str(tmp_path / "a"),
-            "--json",
-            str(out),
-        ],
+        matrix_args(tmp_path),
         env=cli_env(REPRO_SIGNAL_AT=f"SIGTERM@{point}"),
         capture_output=True,
         text=True,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, group_alive
+from conftest import REPO, group_alive, watch_argv
 
 PROGRAMS = REPO / "tests" / "watch_programs"
 
@@ -40,21 +40,7 @@ def run(args, cwd=None, **kwargs) -> subprocess.CompletedProcess:
 
 def watch(tmp_path, *cmd, options=()) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "report.json"
-    proc = run(
-        [
-            sys.executable,
-            "-m",
-            "repro",
-            "watch",
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--json",
-            str(out),
-            *options,
-            "--",
-            *cmd,
-        ]
-    )
+    proc = run(watch_argv(tmp_path / "run", *cmd, report=out, options=options))
     return proc, (json.loads(out.read_text()) if out.exists() else {})
 
 
@@ -93,20 +79,7 @@ def test_program_sees_its_own_sys_path_and_shadowed_sitecustomize_runs(tmp_path)
     plain = run([sys.executable, "-c", code], env=env)
     out = tmp_path / "r.json"
     watched = run(
-        [
-            sys.executable,
-            "-m",
-            "repro",
-            "watch",
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--json",
-            str(out),
-            "--",
-            sys.executable,
-            "-c",
-            code,
-        ],
+        watch_argv(tmp_path / "run", sys.executable, "-c", code, report=out),
         env=env,
     )
     assert plain.stdout == watched.stdout == b"1 []\n"
@@ -128,7 +101,7 @@ def test_usage_errors_exit_2_with_one_line(tmp_path):
     used = tmp_path / "used"
     used.mkdir()
     (used / "vm-1.jsonl").write_text("{}\n")
-    proc = run([sys.executable, "-m", "repro", "watch", "--run-dir", str(used), "--", "true"])
+    proc = run(watch_argv(used, "true"))
     assert proc.returncode == 2 and b"already holds records" in proc.stderr
 
 
@@ -183,22 +156,7 @@ def test_junit_and_html_are_written_plumbing(tmp_path):
 
 
 def test_json_to_stdout_follows_the_program_output(tmp_path):
-    proc = run(
-        [
-            sys.executable,
-            "-m",
-            "repro",
-            "watch",
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--json",
-            "-",
-            "--",
-            sys.executable,
-            "-c",
-            "print('first')",
-        ]
-    )
+    proc = run(watch_argv(tmp_path / "run", sys.executable, "-c", "print('first')", report="-"))
     head, _, rest = proc.stdout.decode().partition("\n")
     assert head == "first" and json.loads(rest)["schema"] == "repro.watch/1"
 
@@ -250,19 +208,7 @@ def test_torchrun_two_ranks_one_record_file_each_plumbing(tmp_path):
 
 def test_merge_of_two_run_directories(tmp_path):
     for node in ("a", "b"):
-        proc = run(
-            [
-                sys.executable,
-                "-m",
-                "repro",
-                "watch",
-                "--run-dir",
-                str(tmp_path / node),
-                "--",
-                sys.executable,
-                str(PROGRAMS / "stale_local.py"),
-            ]
-        )
+        proc = run(watch_argv(tmp_path / node, sys.executable, str(PROGRAMS / "stale_local.py")))
         assert proc.returncode == 1
     out = tmp_path / "merged.json"
     merged = run(
@@ -284,20 +230,7 @@ def test_ctrl_c_is_forwarded_to_the_group_and_reported(tmp_path):
     )
     out = tmp_path / "r.json"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "repro",
-            "watch",
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--json",
-            str(out),
-            "--",
-            sys.executable,
-            "-c",
-            code,
-        ],
+        watch_argv(tmp_path / "run", sys.executable, "-c", code, report=out),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env_with_repo(),
@@ -387,21 +320,7 @@ def test_vllm_plugin_under_repro_watch_is_idempotent_with_sitecustomize(tmp_path
     env["PYTHONPATH"] = str(site) + os.pathsep + env["PYTHONPATH"]
     out = tmp_path / "r.json"
     proc = run(
-        [
-            sys.executable,
-            "-m",
-            "repro",
-            "watch",
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--json",
-            str(out),
-            "--",
-            sys.executable,
-            "-c",
-            VLLM_LOADER,
-            "plugin-first",
-        ],
+        watch_argv(tmp_path / "run", sys.executable, "-c", VLLM_LOADER, "plugin-first", report=out),
         env=env,
         cwd=tmp_path,
     )
