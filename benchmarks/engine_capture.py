@@ -182,16 +182,20 @@ def table(rows: list[dict]) -> str:
         lines += [
             "",
             "| shape | step in one process: with / without the replay hook, synced us (x) | "
-            "pipelined us (x) | same process without watch, A/A (x) |",
-            "|---|---|---|---|",
+            "host part of that step us (x) | pipelined us (x) | same process without watch, A/A (x) | "
+            "resident memory grown over the rounds, watch / plain KiB |",
+            "|---|---|---|---|---|---|",
         ]
     for r in steps:
         w, aa = r["step_in_process"]["watch"], r["step_in_process"]["plain_aa"]
-        s, q = w["step_us"], w["pipelined_us"]
+        s, h, q = w["step_us"], w.get("host_us"), w["pipelined_us"]
+        host = f"{h['hooked']:.1f} / {h['bare']:.1f} ({h['ratio']:.3f}x)" if h else "-"
         lines.append(
-            f"| {r['shape']} | {s['hooked']:.0f} / {s['bare']:.0f} ({s['ratio']:.4f}x) | "
+            f"| {r['shape']} | {s['hooked']:.0f} / {s['bare']:.0f} ({s['ratio']:.4f}x) | {host} | "
             f"{q['hooked']:.0f} / {q['bare']:.0f} ({q['ratio']:.4f}x) | "
-            f"synced {aa['step_us']['ratio']:.4f}x, pipelined {aa['pipelined_us']['ratio']:.4f}x |"
+            f"synced {aa['step_us']['ratio']:.4f}x, pipelined {aa['pipelined_us']['ratio']:.4f}x | "
+            f"{w.get('rss_grown_kib', '-')} / {aa.get('rss_grown_kib', '-')} over "
+            f"{w.get('replays_per_variant', '?')} replays |"
         )
     return "\n".join(lines)
 

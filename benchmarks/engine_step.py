@@ -11,8 +11,10 @@ the process has it (under watch: the hook's wrapper) and the function it wraps (
 in a plain process there is none, so both are the same function: an A/A run that shows the
 noise floor). Same graphs, same memory, same process: the spread between processes (+-15% on
 one H200, between fresh processes of the same program) does not enter the ratio. One JSON line:
-median step with and without the hook, their ratio, and the same for pipelined rounds (one
-synchronize per round: the host's work hidden behind the GPU's where it can be). GPU only.
+the synchronized step with and without the hook (each size's median over rounds, averaged over
+sizes), their ratio; the host's part of that step (until step() returns: what the hook adds
+directly); and pipelined rounds (one synchronize per round: the host's work hidden behind the
+GPU's where it can be). GPU only.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -46,41 +49,66 @@ def parse(argv):
     return p.parse_args(argv)
 
 
-def timed_round(torch, step, sizes) -> tuple[list[float], float]:
-    """(seconds of each synchronized step, seconds of one pipelined pass over every size)."""
-    steps = []
+def timed_round(torch, step, sizes) -> tuple[list[float], list[float], float]:
+    """(seconds of each synchronized step, in the order of `sizes`; seconds until each of those
+    steps returned, before its synchronize: the host's own part; seconds of one pipelined pass
+    over every size)."""
+    steps, hosts = [], []
     for b in sizes:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         step(b)
+        t1 = time.perf_counter()
         torch.cuda.synchronize()
         steps.append(time.perf_counter() - t0)
+        hosts.append(t1 - t0)
     t0 = time.perf_counter()
     for b in sizes:
         step(b)
     torch.cuda.synchronize()
-    return steps, time.perf_counter() - t0
+    return steps, hosts, time.perf_counter() - t0
+
+
+def per_size_mean(rounds: list[list[float]]) -> float:
+    """Microseconds: the mean over sizes of each size's median over rounds. A median over every
+    step of every size mixes 67 step times that differ by size, and lands on whichever size sits
+    in the middle: it jumps between sizes by ~1% from one run to the next (the A/A runs of the
+    sixth series read 0.988-0.991x). Per size first, the rounds pair up."""
+    return 1e6 * statistics.fmean(statistics.median(per_round) for per_round in zip(*rounds))
 
 
 def measure(torch, step, sizes, rounds: int, hooked, bare) -> dict:
     """Rounds alternating the two replay functions (which goes first alternates too)."""
     graph_class = torch.cuda.CUDAGraph
-    got = {"hooked": ([], []), "bare": ([], [])}
+    got = {v: {"step_us": [], "host_us": [], "pipelined_us": []} for v in ("hooked", "bare")}
     variants = (("hooked", hooked), ("bare", bare))
     try:
         for r in range(rounds):
             for name, fn in variants if r % 2 == 0 else variants[::-1]:
                 graph_class.replay = fn
-                steps, pipelined = timed_round(torch, step, sizes)
-                got[name][0].extend(steps)
-                got[name][1].append(pipelined / len(sizes))
+                steps, hosts, pipelined = timed_round(torch, step, sizes)
+                got[name]["step_us"].append(steps)
+                got[name]["host_us"].append(hosts)
+                got[name]["pipelined_us"].append(1e6 * pipelined / len(sizes))
     finally:
         graph_class.replay = hooked
     out = {}
-    for key, index in (("step_us", 0), ("pipelined_us", 1)):
-        h, b = (1e6 * statistics.median(got[v][index]) for v in ("hooked", "bare"))
+    for key in ("step_us", "host_us", "pipelined_us"):
+        if key == "pipelined_us":
+            h, b = (statistics.median(got[v][key]) for v in ("hooked", "bare"))
+        else:
+            h, b = (per_size_mean(got[v][key]) for v in ("hooked", "bare"))
         out[key] = {"hooked": round(h, 2), "bare": round(b, 2), "ratio": round(h / b, 4)}
     return out
+
+
+def rss_kib() -> int:
+    """This process's resident memory now (Linux /proc; 0 where it cannot be read)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def main(argv=None) -> int:
@@ -108,10 +136,23 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     hooked = torch.cuda.CUDAGraph.replay
     bare = getattr(hooked, "__wrapped__", hooked)
+    rss_before = rss_kib()
     result = measure(torch, step, sizes, args.rounds, hooked, bare)
+    replays = 2 * args.rounds * engine.graphs  # per variant: every graph once a synced and once a pipelined pass
+    # The host memory the timed rounds added (resident, not peak): watch's records must not grow
+    # with replays, only with captures.
+    grown = rss_kib() - rss_before
     print(
         json.dumps(
-            {"shape": args.shape, "graphs": engine.graphs, "hook": bare is not hooked, "rounds": args.rounds, **result}
+            {
+                "shape": args.shape,
+                "graphs": engine.graphs,
+                "hook": bare is not hooked,
+                "rounds": args.rounds,
+                "replays_per_variant": replays,
+                "rss_grown_kib": grown,
+                **result,
+            }
         )
     )
     return 0

@@ -19,7 +19,7 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 has() { case " $parts " in *" $1 "*) return 0;; esac; return 1; }
 if has tests; then
-  timeout ${TESTS_S:-280} python3 -m pytest -q -m "gpu or multi_gpu" -p no:cacheprovider \
+  timeout ${TESTS_S:-280} python3 -m pytest -q -rs -m "gpu or multi_gpu" -p no:cacheprovider \
     --deselect tests/test_engine_corpus_gpu.py::test_engine_corpus_correct_twins_clean_buggy_twins_exact \
     --deselect tests/test_gpu_matrix.py > "$out/gpu_tests.log" 2>&1
   echo "gpu tests: $(tail -1 "$out/gpu_tests.log")"; grep -E "^(FAILED|ERROR)" "$out/gpu_tests.log" | head -20

@@ -49,8 +49,10 @@ def test_census_host_benchmark_runs_on_the_cpu_at_a_small_size(benchmarks_on_pat
 
 def test_engine_step_alternates_the_replay_functions_and_restores_the_hook(benchmarks_on_path, monkeypatch):
     """The in-process step measure: each variant's rounds time that variant's replay (a fake
-    clock that the hooked replay moves by 3 units and the bare one by 2 gives exactly 1.5x),
-    and the class keeps the hooked replay afterwards."""
+    clock that the hooked replay moves by 3 units a batch row and the bare one by 2 gives
+    exactly 1.5x; steps of different sizes are averaged per size, so size 4's step counts as
+    much as size 1's), the host part is what step() took before its synchronize, and the class
+    keeps the hooked replay afterwards."""
     import types
 
     spec = importlib.util.spec_from_file_location("benchmark_engine_step", BENCHMARKS / "engine_step.py")
@@ -61,21 +63,34 @@ def test_engine_step_alternates_the_replay_functions_and_restores_the_hook(bench
     calls = {"hooked": 0, "bare": 0}
 
     def make(name, cost):
-        def replay(graph):
+        def replay(b):
             calls[name] += 1
-            clock[0] += cost
+            clock[0] += cost * b
 
         return replay
 
+    def synchronize():
+        clock[0] += 1e-6  # the GPU's tail: in the step, not in its host part
+
     hooked, bare = make("hooked", 3e-6), make("bare", 2e-6)
     graph_class = type("CUDAGraph", (), {"replay": hooked})
-    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(CUDAGraph=graph_class, synchronize=lambda: None))
-    step = lambda b: torch.cuda.CUDAGraph.replay(None)  # noqa: E731
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(CUDAGraph=graph_class, synchronize=synchronize))
+    step = lambda b: torch.cuda.CUDAGraph.replay(b)  # noqa: E731
     out = module.measure(torch, step, [1, 2, 4], 4, hooked, bare)
     assert calls == {"hooked": 4 * 3 * 2, "bare": 4 * 3 * 2}  # synced steps + one pipelined pass per round
-    assert out["step_us"] == {"hooked": 3.0, "bare": 2.0, "ratio": 1.5}
-    assert out["pipelined_us"]["ratio"] == 1.5
+    assert out["host_us"] == {"hooked": 7.0, "bare": round(14 / 3, 2), "ratio": 1.5}  # 3 * mean(1, 2, 4)
+    assert out["step_us"] == {"hooked": 8.0, "bare": round(17 / 3, 2), "ratio": round(8 / (17 / 3), 4)}
+    assert out["pipelined_us"]["hooked"] == round((21 + 1) / 3, 2)
     assert graph_class.replay is hooked
+
+
+def test_engine_step_pairs_rounds_per_size_before_averaging(benchmarks_on_path):
+    """One slow round of one size moves that size's median not at all (a median of 3 rounds)."""
+    spec = importlib.util.spec_from_file_location("benchmark_engine_step", BENCHMARKS / "engine_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rounds = [[1e-6, 10e-6], [1e-6, 10e-6], [50e-6, 10e-6]]  # rounds x sizes, seconds
+    assert module.per_size_mean(rounds) == pytest.approx(5.5)
 
 
 def test_fingerprint_benchmark_runs_on_the_cpu_at_a_small_size(benchmarks_on_path, tmp_path, capsys):
@@ -109,3 +124,39 @@ def test_watch_overhead_wrapper_part_times_settled_graphs_on_the_cpu(benchmarks_
     doc = module.part_wrapper(chain=5, rounds=2, calls=50)
     assert doc["device"] == "cpu" and doc["settled_graphs"] == 5 and doc["calls_per_round"] == 50
     assert set(doc["ns_per_replay"]) == {"hooked", "bare"} and all(v > 0 for v in doc["ns_per_replay"].values())
+
+
+def test_engine_capture_table_shows_the_in_process_step_with_its_host_part_and_memory(benchmarks_on_path):
+    """The markdown table of benchmarks/engine_capture.py: the in-process row carries the
+    synced ratio, the host part, the A/A floor and the memory the rounds added."""
+    spec = importlib.util.spec_from_file_location("benchmark_engine_capture", BENCHMARKS / "engine_capture.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    one = {"plain": 1.0, "watch": 1.2, "ratio": 1.2}
+    step = {
+        "step_us": {"hooked": 101.0, "bare": 100.0, "ratio": 1.01},
+        "pipelined_us": {"hooked": 90.0, "bare": 90.0, "ratio": 1.0},
+    }
+    row = {
+        "shape": "piecewise",
+        "graphs": 66,
+        "capture_s": one,
+        "first_round_s": one,
+        "step_us": {"plain": 100.0, "watch": 101.0, "ratio": 1.01},
+        "findings": [0],
+        "watch_kib_per_graph": 17.0,
+        "step_in_process": {
+            "watch": {
+                **step,
+                "host_us": {"hooked": 12.0, "bare": 10.0, "ratio": 1.2},
+                "rss_grown_kib": 8,
+                "replays_per_variant": 1320,
+            },
+            "plain_aa": {**step, "rss_grown_kib": 4},
+        },
+    }
+    lines = module.table([row]).splitlines()
+    assert lines[-1] == (
+        "| piecewise | 101 / 100 (1.0100x) | 12.0 / 10.0 (1.200x) | 90 / 90 (1.0000x) | "
+        "synced 1.0100x, pipelined 1.0000x | 8 / 4 over 1320 replays |"
+    )
