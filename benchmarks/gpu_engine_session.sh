@@ -10,7 +10,7 @@
 #             (engine_capture.py --step-rounds), ~5 min
 #   overhead  the replay wrapper's own cost on this host (watch_overhead.py --parts wrapper,storages)
 #   matrices  gpu-1 and gpu-1-shared at --jobs N: on CUDA the trials claim GPU memory
-#             (repro/ledger.py), so workspace-grow runs beside the others without running the
+#             (repro/run/ledger.py), so workspace-grow runs beside the others without running the
 #             GPU out of memory; ~6 min each
 set -u
 out=${1:?usage: benchmarks/gpu_engine_session.sh OUTDIR [tests] [corpus] [scale] [overhead] [matrices]}; shift

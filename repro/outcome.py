@@ -138,7 +138,9 @@ class Status(StrEnum):
     FREED = "freed"  # dead: its memory is free (guard), cached but inactive (census)
     MOVED = "moved"  # guard: the same storage now lives elsewhere (resized / re-pointed)
     REBOUND = "rebound"  # guard: the owner's name points at another tensor, the old one lives
-    CONTENTS_CHANGED = "contents-changed"  # guard: same address, new bytes, no torch write (repro/fingerprint.py)
+    CONTENTS_CHANGED = (
+        "contents-changed"  # guard: same address, new bytes, no torch write (repro/diagnose/fingerprint.py)
+    )
     RELEASED = "released"  # census: the block's segment went back to the driver
     REUSED = "reused"  # census: freed, then allocated again
     # The guard's verdict for a storage none of the above happened to; counted in a Manifest,
@@ -149,7 +151,7 @@ class Status(StrEnum):
 class Mechanism(StrEnum):
     """Which mechanism saw a finding."""
 
-    GUARD = "guard"  # the dispatch-mode guard (repro/guard.py)
+    GUARD = "guard"  # the dispatch-mode guard (repro/diagnose/guard.py)
     CENSUS = "census"  # the graph's own parameters (repro/diagnose/census.py)
     BOTH = "both"
     # Findings taken from torch's own check_input_liveness (torch >= 2.13): the watch hooks

@@ -64,7 +64,7 @@ if TYPE_CHECKING:  # the guard imports this module
     from repro.diagnose.guard import Slot
     from repro.diagnose.owners import Named
 
-    Resolve = Callable[[Named], Any]  # an owner path -> what it names now (repro.owners.resolve)
+    Resolve = Callable[[Named], Any]  # an owner path -> what it names now (repro.diagnose.owners.resolve)
 
 FULL_BYTES = 1 << 20  # a region up to 1 MiB is summed whole
 SAMPLES = 4096  # words summed of a larger one (16 KiB), evenly spaced
