@@ -6,10 +6,10 @@
 
 Builds examples/engine_shapes.py's engine, captures its graphs (under watch when started so),
 then times decode rounds (every size once, synchronized around each step, as engine_shapes
-times them) alternating two replay functions round by round: `torch.cuda.CUDAGraph.replay` as
-the process has it (under watch: the hook's wrapper) and the function it wraps (`__wrapped__`;
+times them), each step back to back with three replay functions: `torch.cuda.CUDAGraph.replay`
+as the process has it (under watch: the hook's wrapper), the function it wraps (`__wrapped__`;
 in a plain process there is none, so both are the same function: an A/A run that shows the
-noise floor). Same graphs, same memory, same process: the spread between processes (+-15% on
+noise floor), and a Python wrapper that only calls it (what any Python layer costs here). Same graphs, same memory, same process: the spread between processes (+-15% on
 one H200, between fresh processes of the same program) does not enter the ratio. One JSON line:
 the synchronized step with and without the hook (each size's median over rounds, averaged over
 sizes), their ratio; the host's part of that step (until step() returns: what the hook adds
@@ -20,6 +20,8 @@ GPU's where it can be). GPU only.
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import importlib.util
 import json
 import os
@@ -46,27 +48,34 @@ def parse(argv):
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--rounds", type=int, default=20, help="rounds per variant")
+    p.add_argument("--decompose", action="store_true", help="also time each piece of the hook's path alone")
+    p.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() before the timed rounds: whether the cyclic GC's passes over what the "
+        "process holds (watch's records among it) enter the step",
+    )
     return p.parse_args(argv)
 
 
-def timed_round(torch, step, sizes) -> tuple[list[float], list[float], float]:
-    """(seconds of each synchronized step, in the order of `sizes`; seconds until each of those
-    steps returned, before its synchronize: the host's own part; seconds of one pipelined pass
-    over every size)."""
-    steps, hosts = [], []
-    for b in sizes:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step(b)
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        steps.append(time.perf_counter() - t0)
-        hosts.append(t1 - t0)
+def timed_step(torch, step, b: int) -> tuple[float, float]:
+    """(seconds of one synchronized step of size b; seconds until it returned, before its
+    synchronize: the host's own part)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step(b)
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, t1 - t0
+
+
+def pipelined_pass(torch, step, sizes) -> float:
+    """Seconds of one pass over every size with one synchronize at its end."""
     t0 = time.perf_counter()
     for b in sizes:
         step(b)
     torch.cuda.synchronize()
-    return steps, hosts, time.perf_counter() - t0
+    return time.perf_counter() - t0
 
 
 def per_size_mean(rounds: list[list[float]]) -> float:
@@ -77,29 +86,138 @@ def per_size_mean(rounds: list[list[float]]) -> float:
     return 1e6 * statistics.fmean(statistics.median(per_round) for per_round in zip(*rounds))
 
 
-def measure(torch, step, sizes, rounds: int, hooked, bare) -> dict:
-    """Rounds alternating the two replay functions (which goes first alternates too)."""
+def pass_through(bare):
+    """A Python wrapper that does nothing but call `bare`: what any Python layer on the replay
+    path costs in this step (the floor under the hook's own work)."""
+
+    def replay(graph):
+        return bare(graph)
+
+    return replay
+
+
+def measure(torch, step, sizes, rounds: int, hooked, bare, extra=()) -> dict:
+    """Every size's step timed with each replay function in turn, back to back (which goes
+    first rotates by round), then one pipelined pass each: paired step by step, the machine's
+    drift over a round (one H200 host moved ~2% between identical functions timed a round
+    apart) does not enter the ratio."""
     graph_class = torch.cuda.CUDAGraph
-    got = {v: {"step_us": [], "host_us": [], "pipelined_us": []} for v in ("hooked", "bare")}
-    variants = (("hooked", hooked), ("bare", bare))
+    variants = (("hooked", hooked), ("bare", bare), ("thin", pass_through(bare)), *extra)
+    names = [name for name, _ in variants]
+    got = {v: {"step_us": [], "host_us": [], "pipelined_us": []} for v in names}
     try:
         for r in range(rounds):
-            for name, fn in variants if r % 2 == 0 else variants[::-1]:
+            turn = r % len(variants)
+            order = variants[turn:] + variants[:turn]
+            steps, hosts = {v: [] for v in names}, {v: [] for v in names}
+            for b in sizes:
+                for name, fn in order:
+                    graph_class.replay = fn
+                    took, host = timed_step(torch, step, b)
+                    steps[name].append(took)
+                    hosts[name].append(host)
+            for name, fn in order:
                 graph_class.replay = fn
-                steps, hosts, pipelined = timed_round(torch, step, sizes)
-                got[name]["step_us"].append(steps)
-                got[name]["host_us"].append(hosts)
-                got[name]["pipelined_us"].append(1e6 * pipelined / len(sizes))
+                got[name]["pipelined_us"].append(1e6 * pipelined_pass(torch, step, sizes) / len(sizes))
+                got[name]["step_us"].append(steps[name])
+                got[name]["host_us"].append(hosts[name])
     finally:
         graph_class.replay = hooked
     out = {}
     for key in ("step_us", "host_us", "pipelined_us"):
-        if key == "pipelined_us":
-            h, b = (statistics.median(got[v][key]) for v in ("hooked", "bare"))
-        else:
-            h, b = (per_size_mean(got[v][key]) for v in ("hooked", "bare"))
-        out[key] = {"hooked": round(h, 2), "bare": round(b, 2), "ratio": round(h / b, 4)}
+        summarize = statistics.median if key == "pipelined_us" else per_size_mean
+        us = {v: summarize(got[v][key]) for v in names}
+        out[key] = {v: round(t, 2) for v, t in us.items()} | {"ratio": round(us["hooked"] / us["bare"], 4)}
     return out
+
+
+def parts_of_the_hook(bare) -> list:
+    """Under watch, replay functions that each add one piece of the hook's steady-state path
+    to a bare call (which piece costs what in this step); none in a plain process."""
+    watcher = sys.modules.get("repro.watch.hooks.watcher")
+    active = watcher.active() if watcher is not None else None
+    if active is None:
+        return []
+    gate, drops, counters = active.graphs.gate, active.tools.drops, active.log.counters
+    held = gate.held
+
+    def gated(graph):
+        if gate.at == drops.n and id(graph) not in held:
+            pass
+        return bare(graph)
+
+    def counted(graph):
+        counters.replays += 1
+        return bare(graph)
+
+    def guarded(graph):
+        try:
+            return bare(graph)
+        except RuntimeError:
+            raise
+
+    armed = False
+    replays = itertools.count()
+
+    def flagged(graph):
+        if armed:
+            return counted(graph)
+        return bare(graph)
+
+    def flag_counted(graph):
+        if armed:
+            return counted(graph)
+        next(replays)
+        return bare(graph)
+
+    def flag_added(graph):
+        if armed:
+            return counted(graph)
+        counters.replays += 1
+        return bare(graph)
+
+    return [
+        ("gated", gated),
+        ("counted", counted),
+        ("guarded", guarded),
+        ("flagged", flagged),
+        ("flag_counted", flag_counted),
+        ("flag_added", flag_added),
+    ]
+
+
+def watched_states() -> dict | None:
+    """Under watch: whether the replay wrapper's gate is open and how many graphs it holds for
+    the checks, how many graphs are settled and why the others are not; None in a plain
+    process."""
+    watcher = sys.modules.get("repro.watch.hooks.watcher")
+    active = watcher.active() if watcher is not None else None
+    if active is None:
+        return None
+    drops = active.tools.drops.n
+    counts: dict[str, int] = {}
+    for state in active.graphs.values():
+        if state.managed or not state.captured:
+            why = "managed or not captured"
+        elif state.fast_at == drops:
+            why = "settled"
+        elif state.live is None:
+            why = "no live handles (guard path)"
+        elif not active.checks.listened(state.label):
+            why = "a storage without a drop callback"
+        else:
+            why = "unsettled"
+        counts[why] = counts.get(why, 0) + 1
+    gate, book = active.graphs.gate, active.tools.census.book
+    return {
+        "trace_paused": None if book is None else book.paused,
+        "drops": drops,
+        "gate_open": gate.at == drops,
+        "aside": gate.aside,
+        "held": len(gate.held),
+        "states": counts,
+        "counters": dict(vars(active.log.counters)),
+    }
 
 
 def rss_kib() -> int:
@@ -136,8 +254,12 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     hooked = torch.cuda.CUDAGraph.replay
     bare = getattr(hooked, "__wrapped__", hooked)
-    rss_before = rss_kib()
-    result = measure(torch, step, sizes, args.rounds, hooked, bare)
+    if args.gc_freeze:
+        gc.freeze()
+    rss_before, gc_before = rss_kib(), [g["collections"] for g in gc.get_stats()]
+    extra = parts_of_the_hook(bare) if args.decompose else []
+    result = measure(torch, step, sizes, args.rounds, hooked, bare, extra)
+    collections = [g["collections"] - n for g, n in zip(gc.get_stats(), gc_before)]
     replays = 2 * args.rounds * engine.graphs  # per variant: every graph once a synced and once a pipelined pass
     # The host memory the timed rounds added (resident, not peak): watch's records must not grow
     # with replays, only with captures.
@@ -151,6 +273,8 @@ def main(argv=None) -> int:
                 "rounds": args.rounds,
                 "replays_per_variant": replays,
                 "rss_grown_kib": grown,
+                "watch": watched_states(),
+                "gc": {"frozen": args.gc_freeze, "collections": collections, "tracked": len(gc.get_objects())},
                 **result,
             }
         )

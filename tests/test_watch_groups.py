@@ -19,7 +19,7 @@ def finding(slot, graph, status="freed", freed_at="decoder.py:88 in capture (rea
         slot=slot,
         graph=graph,
         status=status,
-        when="first replay after capture (replay 1)",
+        when="first replay after capture",
         rank=0,
         shape=[8, 1024],
         dtype="bfloat16",

@@ -69,6 +69,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from repro.diagnose import fingerprint, owners, sites
+from repro.diagnose.drops import DropCount
 from repro.outcome import Finding, GuardMode, Manifest, Status
 from repro.diagnose.owners import Named, Owner, bind_owners, build_index, exposed_name, hold, resolve, storage_of
 from repro.diagnose.sites import frame_site, holder_of, storage_key, user_frame
@@ -252,6 +253,7 @@ class CaptureGuard:
         plumbing: Iterable[str] = (),
         compiles: bool = True,
         scratch: Callable[[], ContextManager] | None = None,
+        drops: DropCount | None = None,
     ):
         if mode not in tuple(GuardMode):
             raise ValueError(f"guard mode {mode!r} is not one of {', '.join(GuardMode)}")
@@ -262,8 +264,9 @@ class CaptureGuard:
         self._observer = _HiddenOpObserver if compiles else _OpObserver
         self._plumbing = sites.plumbing_set(plumbing, OWN_FILES)
         # Deaths of captured storages so far: while it has not moved, none of them died (the
-        # replay hook's fast path tests this one number, not each storage).
-        self.drops = DropCount()
+        # replay hook's fast path tests this one number, not each storage). drops: a counter
+        # made before the guard (the watch hooks test it from their first replay on).
+        self.drops = drops if drops is not None else DropCount()
         self._owners: list[Owner] = []
         self._slots: dict[int, Slot] = {}
         # Slots of storages that moved after they were recorded (resize_() in place: the same
@@ -933,13 +936,6 @@ def note_produced(rec: _Recording, tensors: list[torch.Tensor], input_keys: set[
             rec.produced.add(key)
 
 
-@dataclass
-class DropCount:
-    """How many captured storages have died (drop callbacks that fired)."""
-
-    n: int = 0
-
-
 def listen_for_drop(
     slot: Slot, storage: torch.UntypedStorage, plumbing: frozenset[str], drops: DropCount | None = None
 ) -> None:
@@ -961,11 +957,15 @@ def make_drop_callback(
     slot: Slot, plumbing: frozenset[str], drops: DropCount | None = None
 ) -> Callable[[weakref.ref], None]:
     def on_drop(ref: weakref.ref) -> None:
+        # Runs inside a deallocation, maybe at interpreter exit: never raise.
         if drops is not None:
-            drops.n += 1
+            try:
+                drops.count()
+            except Exception:
+                pass
         try:
             slot.freed_at = sites.drop_site(sys._getframe(1), plumbing)
-        except Exception:  # runs inside a deallocation, maybe at interpreter exit: never raise
+        except Exception:
             pass
 
     return on_drop

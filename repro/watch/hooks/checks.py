@@ -1,7 +1,7 @@
 """Checking at replay: is what a graph captured still there?
 
-Every replay of a settled graph is let through by the replay wrapper itself (patch.py); the
-others come here. A graph's first replay after its capture, or after any graph's reset (a
+Every replay of a settled graph is let through by the replay wrapper itself (patch.py, the
+Gate in graphs.py); the others come here. A graph's first replay after its capture, or after any graph's reset (a
 reset frees that graph's pool, which another graph may read: vllm-omni #6457), takes the deep
 check (rebinding, and the census check of every graph due); any other, the liveness check (one
 C call per captured storage, none while no captured storage died). torch's own
@@ -30,12 +30,11 @@ class Checks(Part):
         if state is None or state.managed or not state.captured:
             return
         self.log.counters.replays += 1
-        state.replays += 1
         # The per-replay path: nothing while no captured storage died, else one C call per
         # captured storage of the graph.
         if state.deep_reason is None and state.live is not None and self.all_alive(state):
             return
-        state.fast_at = -1
+        self.graphs.hold(state)
         t0 = time.perf_counter()
         try:
             if state.deep_reason is None:
@@ -56,7 +55,7 @@ class Checks(Part):
                 raise StaleCaptureError(findings[0].message, findings)
 
     def deep_check(self, state: GraphState) -> list:
-        when, state.deep_reason = f"{state.deep_reason} (replay {state.replays})", None
+        when, state.deep_reason = state.deep_reason, None
         self.log.counters.checks_deep += 1
         guard, census = self.tools.guard, self.tools.census
         findings = guard.check(when, graph=state.label, deep=True)
@@ -103,8 +102,30 @@ class Checks(Part):
         if any(map(self.tools.expired, state.live)):
             return False
         if self.listened(state.label):
-            state.fast_at = drops
+            self.graphs.settle(state)
         return True
+
+    def on_stale_gate(self) -> None:
+        """A replay took the per-graph path because a captured storage died since the gate
+        last opened. Once as many have as there are graphs the gate lets through, test those
+        graphs' storages in one pass and open it again: a death costs at most twice the
+        per-graph path, however rarely the other graphs replay (an engine replays few of its
+        sizes)."""
+        gate = self.graphs.gate
+        gate.stale_replays += 1
+        if gate.stale_replays > len(self.graphs.by_id) - len(gate.held):
+            self.reopen()
+
+    def reopen(self) -> None:
+        """Test the storages of every graph the gate lets through: graphs with one dead are
+        held (their next replay reports it), the others settle as of the drop count now."""
+        drops, gate = self.tools.drops.n, self.graphs.gate
+        for state in self.graphs.unheld():
+            # all_alive settles it where every storage tells its death; else it stays checked
+            if state.live is None or not self.all_alive(state) or state.fast_at != drops:
+                self.graphs.hold(state)
+        gate.at, gate.stale_replays = drops, 0
+        gate.stand_aside_if_idle()
 
     def listened(self, label: str) -> bool:
         """Whether every storage of the graph's slots tells its death (a drop callback)."""
@@ -143,13 +164,13 @@ class Checks(Part):
             state = self.graphs.get(graph)
             if state is not None:
                 state.captured = False  # nothing to check until it is captured again
-                state.unsettle()
+                self.graphs.hold(state)
                 if state.census is not None and census.book is not None:
                     census.book.censuses.pop(state.label, None)
                     state.census = None
             for other in self.graphs.captured():
                 if other is not state and not other.managed:
-                    other.unsettle(f"first replay after a reset of {state.label if state else 'a graph'}")
+                    self.graphs.hold(other, f"first replay after a reset of {state.label if state else 'a graph'}")
                     if other.census is not None and other.label not in census.due:
                         census.due.append(other.label)
             self.log.write({"kind": "reset", "graph": state.label if state else None})

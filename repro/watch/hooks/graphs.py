@@ -1,14 +1,19 @@
 """What the hooks know of each graph: a GraphState per CUDAGraph object, from its capture on.
 
-Capture recording fills it in, the checks at replay read and settle it (GraphState.fast_at is
-what the replay wrapper's fast path tests), a reset of it or of another graph unsettles it.
+Capture recording fills it in, the checks at replay read and settle it, a reset of it or of
+another graph unsettles it. The replay wrapper (patch.py) reads the Gate (is every graph
+outside its held set settled as of the drop count now? then, with nothing held, it stands
+aside) and, when the gate is stale, GraphState.fast_at.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from repro.diagnose.drops import DropCount
 
 if TYPE_CHECKING:  # annotations only: nothing here imports torch until the program does
     import torch
@@ -25,31 +30,78 @@ class GraphState:
     since: dict | None = None  # census clock marker at capture_begin: slots come from the census
     census: GraphCensus | None = None  # taken at capture end
     deep_reason: str | None = "first replay after capture"
-    replays: int = 0
     live: tuple[int, ...] | None = None  # storage handles the liveness fast path tests
     # The guard's drop count as of which a replay needs nothing from the hooks: the graph is
     # captured, deep-checked, not torch.compile's, and every storage of `live` was seen alive
     # and tells its death (a drop callback). While the count has not moved, no captured
     # storage died since. -1: the next replay takes the checking path (anything that asks for
-    # a check sets it back to -1: see `unsettle`).
+    # a check sets it back to -1: see GraphStates.hold).
     fast_at: int = -1
     kept: bool | None = None  # cudaGraph_t kept past capture_end (census): True = forced by us
     captured: bool = False
     pool: tuple[int, int] | None = None  # the graph pool it allocates from (graph.pool())
+    key: int = 0  # id() of its graph object
 
-    def unsettle(self, deep_reason: str | None = None) -> None:
-        """The next replay is checked (deeply, with a reason)."""
-        self.fast_at = -1
-        if deep_reason is not None:
-            self.deep_reason = deep_reason
+
+@dataclass
+class Gate:
+    """What the replay wrapper (patch.py) tests before a replay, and when it tests nothing.
+
+    Every graph whose id is not in `held` is settled (GraphState.fast_at == at) while the drop
+    count is still `at`: its replay needs nothing from the hooks. A graph is held from its
+    capture until a check settles it, and again whenever something asks for its check (a reset,
+    a storage seen dead); graphs that never settle (torch.compile's, storages without a drop
+    callback) stay held. One dead captured storage moves the drop count past `at`: the gate is
+    stale and every replay takes the per-graph test (fast_at) until Checks.reopen has tested the
+    settled graphs' storages once and moved `at` on.
+
+    While nothing is held and the gate is open, the wrappers stand aside: a replay tests one
+    flag and counts itself, nothing more. Each wrapper keeps that flag in its own closure (the
+    cheapest test Python has) and gives the gate its setter (`armers`); a death (the drop
+    count's listener), a capture or a hold arms them again. On a host-bound piecewise step
+    (33 replays between eager ops, the wrapper's code and data cold each time) the per-graph
+    lookup cost ~2.2-2.6 us a replay, the gate's test ~1.4 us, standing aside ~0.2 us
+    (docs/PERFORMANCE.md).
+    """
+
+    drops: DropCount
+    at: int = -1  # the drop count as of which every graph outside `held` is settled
+    held: set[int] = field(default_factory=set)  # ids of graphs whose replays are checked
+    stale_replays: int = 0  # replays that took the per-graph path since `at` went stale
+    aside: bool = False  # the wrappers let every replay through untested
+    armers: list[Callable[[bool], None]] = field(default_factory=list)  # each wrapper's flag setter
+
+    def hold(self, key: int) -> None:
+        self.held.add(key)
+        self.arm()
+
+    def release(self, key: int) -> None:
+        self.held.discard(key)
+        self.stand_aside_if_idle()
+
+    def arm(self) -> None:
+        """Something may need checking: every wrapper tests its replays again."""
+        if self.aside:
+            self.aside = False
+            for set_armed in self.armers:
+                set_armed(True)
+
+    def stand_aside_if_idle(self) -> None:
+        """Nothing held, no captured storage died since every graph settled: stand aside."""
+        if not self.aside and not self.held and self.at == self.drops.n:
+            self.aside = True
+            for set_armed in self.armers:
+                set_armed(False)
 
 
 class GraphStates:
     """GraphState per graph object, keyed by id and dropped when the graph dies (a weak
     reference; a graph class without them is held for the process's life)."""
 
-    def __init__(self):
+    def __init__(self, drops: DropCount):
         self.by_id: dict[int, tuple[Any, GraphState]] = {}
+        self.gate = Gate(drops)
+        drops.on_drop = self.gate.arm  # a death: the wrappers test again
 
     def get(self, graph: torch.cuda.CUDAGraph) -> GraphState | None:
         entry = self.by_id.get(id(graph))
@@ -62,12 +114,35 @@ class GraphStates:
         return state
 
     def __setitem__(self, graph: torch.cuda.CUDAGraph, state: GraphState) -> None:
-        key = id(graph)
+        key = state.key = id(graph)
         try:
-            ref = weakref.ref(graph, lambda _, key=key, by_id=self.by_id: by_id.pop(key, None))
+            ref = weakref.ref(graph, lambda _, key=key, states=self: states.forget(key))
         except TypeError:
             ref = (lambda g: lambda: g)(graph)
         self.by_id[key] = (ref, state)
+        self.gate.hold(key)  # checked until a replay settles it
+
+    def forget(self, key: int) -> None:
+        """The graph object died: its id may come back on another object."""
+        self.by_id.pop(key, None)
+        self.gate.release(key)
+
+    def hold(self, state: GraphState, deep_reason: str | None = None) -> None:
+        """Its next replay is checked (deeply, with a reason)."""
+        state.fast_at = -1
+        if deep_reason is not None:
+            state.deep_reason = deep_reason
+        self.gate.hold(state.key)
+
+    def settle(self, state: GraphState) -> None:
+        """Checked, its storages alive and each telling its death: replays pass until one dies."""
+        state.fast_at = self.gate.drops.n
+        self.gate.release(state.key)
+
+    def unheld(self) -> list[GraphState]:
+        """States of the graphs the gate lets through (while it is not stale)."""
+        held = self.gate.held
+        return [state for key, (_, state) in list(self.by_id.items()) if key not in held]
 
     def values(self) -> list[GraphState]:
         return [state for _, state in list(self.by_id.values())]

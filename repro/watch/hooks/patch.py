@@ -44,23 +44,40 @@ def patch_graph_class(cls: type, captures: Captures, checks: Checks) -> None:
         captures.end(graph, sys._getframe(1))
         return out
 
-    original_replay, states, log, tools = originals["replay"], checks.graphs.by_id, checks.log, checks.tools
+    original_replay, states, counters = originals["replay"], checks.graphs.by_id, checks.log.counters
+    gate = checks.graphs.gate
+    held, drops = gate.held, gate.drops
 
-    # The per-replay path, inline: a settled graph (GraphState.fast_at) costs one dict
-    # lookup and one compare while no captured storage died; anything else goes through
-    # before_replay. `tools.drops` is set wherever a state exists (states are made after
-    # the guard). torch's replay takes only `self`: a wrapper of that very signature saves
-    # packing *args/**kwargs (~0.1 us of the ~0.2 us the fast path costs on a 2-core host).
+    # The per-replay path, inline. Standing aside (graphs.Gate: nothing held, no captured
+    # storage died since every graph settled) a replay tests one closure flag and counts
+    # itself. Armed, a graph outside gate.held costs one compare and one set lookup more while
+    # no storage died; after a death, a settled graph (GraphState.fast_at) costs one dict
+    # lookup, until the checks open the gate again; anything else goes through before_replay.
+    # torch's replay takes only `self`: a wrapper of that very signature saves packing
+    # *args/**kwargs.
     if takes_only_self(original_replay):
+        armed = not gate.aside
+
+        def set_armed(on: bool) -> None:
+            nonlocal armed
+            armed = on
+
+        gate.armers.append(set_armed)
 
         @functools.wraps(original_replay)
         def replay(graph):
-            entry = states.get(id(graph))
-            if entry is not None and entry[1].fast_at == tools.drops.n and entry[0]() is graph:
-                entry[1].replays += 1
-                log.counters.replays += 1
+            if not armed:
+                counters.replays += 1
+            elif gate.at == drops.n and id(graph) not in held:
+                counters.replays += 1
             else:
-                checks.before_replay(graph)
+                entry = states.get(id(graph))
+                if entry is not None and entry[1].fast_at == drops.n and entry[0]() is graph:
+                    counters.replays += 1
+                else:
+                    checks.before_replay(graph)
+                if gate.at != drops.n:
+                    checks.on_stale_gate()
             try:
                 return original_replay(graph)
             except RuntimeError as e:

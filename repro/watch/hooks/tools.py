@@ -12,12 +12,13 @@ import threading
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from repro.diagnose.drops import DropCount
 from repro.watch.hooks.records import Log
 from repro.watch.settings import Record, WatchSettings
 
 if TYPE_CHECKING:  # annotations only: nothing here imports torch until the program does
     from repro.diagnose.census import CensusBook
-    from repro.diagnose.guard import CaptureGuard, DropCount
+    from repro.diagnose.guard import CaptureGuard
 
 
 def load_census() -> ModuleType | None:
@@ -67,7 +68,7 @@ class Tools:
         self.settings = settings
         self.log = log
         self.guard: CaptureGuard | None = None
-        self.drops: DropCount | None = None  # the guard's, once the guard exists
+        self.drops = DropCount()  # the guard counts its captured storages' deaths here
         self.expired = None  # torch.UntypedStorage._expired once torch is in use
         self.census = Census()
         self._loaded = False  # load_modules ran
@@ -124,8 +125,7 @@ class Tools:
             # StorageWeakRef.expired() goes through two Python calls; the C function is ~20x faster.
             self.expired = getattr(torch.UntypedStorage, "_expired", None)
             # raise mode: we raise ourselves, after writing the record.
-            self.guard = CaptureGuard(mode=GuardMode.WARN, plumbing=plumbing_files())
-            self.drops = self.guard.drops
+            self.guard = CaptureGuard(mode=GuardMode.WARN, plumbing=plumbing_files(), drops=self.drops)
             census = self.census
             if self.census_ready():
                 # Starts the allocator's alloc/free trace (no stacks), so reuse at the same

@@ -57,8 +57,8 @@ class Watcher:
         self.settings = settings
         self.origins = [settings.origin]
         self.log = Log()
-        self.graphs = GraphStates()
         self.tools = Tools(settings, self.log)
+        self.graphs = GraphStates(self.tools.drops)
         self.captures = Captures(settings, self.log, self.graphs, self.tools)
         self.checks = Checks(settings, self.log, self.graphs, self.tools)
         self.patched: list[type] = []
