@@ -31,7 +31,7 @@ from common import emit  # noqa: E402
 BLOCKS = (100, 1000, 10000)
 CONTEXTS = ("off", None, "state", "alloc")  # "off": no history at all
 DEPTHS = (1, 40)  # Python frames above the allocating line
-ALLOCS = 20000  # allocations (and frees) per timed loop
+ALLOCS = 10000  # allocations (and frees) per timed loop
 
 
 def timed(fn, repeats: int = 7) -> float:
@@ -132,7 +132,7 @@ def stack_costs(torch) -> dict:
     for context in CONTEXTS:
         record_history(torch, context)
         for depth in DEPTHS:
-            seconds = timed(lambda: at_depth(depth, lambda: allocate_and_free(torch)), 5)
+            seconds = timed(lambda: at_depth(depth, lambda: allocate_and_free(torch)), 3)
             rows.append({"context": str(context), "depth": depth, "alloc_free_us": 1e6 * seconds / ALLOCS})
             sys.stderr.write(f"{rows[-1]}\n")
     reads = {context: segment_read_ms(torch, context) for context in ("off", "alloc")}
