@@ -63,7 +63,6 @@ class Watcher:
         self.checks = Checks(settings, self.log, self.graphs, self.tools)
         self.patched: list[type] = []
         self._hook = ImportHook(self.on_graphs_module)
-        self._cuda_hook = ImportHook(self.on_cuda_module, CUDA_MODULE)
         self._t0 = time.perf_counter()
 
     def start(self) -> None:
@@ -83,7 +82,7 @@ class Watcher:
         _lazy_call queues for (or runs now, where CUDA is up already: a late start)."""
         module = sys.modules.get(CUDA_MODULE)
         if module is None:
-            self._cuda_hook.install()
+            ImportHook(self.on_cuda_module, CUDA_MODULE).install()
         elif hasattr(module, "_lazy_call"):
             self.on_cuda_module(module)
         else:  # torch.cuda half imported: this start came from inside torch's own import
