@@ -162,6 +162,8 @@ class Tools:
         (where the census starts its trace), so weights and buffers made before are covered.
         It runs inside torch's lazy init, which fails the program's CUDA call if this raises."""
         try:
+            # Imported here, under the program's frames, unlike load_modules' imports: allocator
+            # imports no torch and keeps no frame, so nothing of the caller's stack is pinned.
             from repro.diagnose.allocator import start_trace
 
             start_trace(stacks=True)
