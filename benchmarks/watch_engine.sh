@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # repro watch on engine-shaped programs, on one GPU: the corpus (every shape, correct and buggy
-# twin, under watch: findings per twin), the capture-cost benchmark at engine scale, and the
-# allocator costs the census rests on.
-#   benchmarks/watch_engine.sh OUTDIR [corpus] [costs] [scale] [profile]
+# twin, under watch: findings per twin), the capture-cost benchmark at engine scale, the
+# allocator costs the census rests on, and what --stacks adds to each allocation.
+#   benchmarks/watch_engine.sh OUTDIR [corpus] [costs] [stacks] [scale] [profile]
 set -u
-out=${1:?usage: benchmarks/watch_engine.sh OUTDIR [corpus] [costs] [scale] [profile]}; shift
-parts=${*:-corpus costs scale}
+out=${1:?usage: benchmarks/watch_engine.sh OUTDIR [corpus] [costs] [stacks] [scale] [profile]}; shift
+parts=${*:-corpus costs stacks scale}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 has() { case " $parts " in *" $1 "*) return 0;; esac; return 1; }
 if has costs; then
-  timeout ${COSTS_S:-60} python3 benchmarks/allocator_costs.py --json "$out/allocator_costs.json" > /dev/null 2> "$out/allocator_costs.log"
+  timeout ${COSTS_S:-60} python3 benchmarks/allocator_costs.py --part snapshots --json "$out/allocator_costs.json" > /dev/null 2> "$out/allocator_costs.log"
+fi
+if has stacks; then
+  timeout ${STACKS_S:-120} python3 benchmarks/allocator_costs.py --part stacks --json "$out/allocator_stacks.json" > /dev/null 2> "$out/allocator_stacks.log"
+  tail -8 "$out/allocator_stacks.log"
 fi
 if has corpus; then
   timeout ${CORPUS_S:-400} python3 benchmarks/engine_corpus.py --out "$out/corpus" --jobs ${JOBS:-4} > "$out/corpus.json" 2> "$out/corpus.log"

@@ -933,6 +933,13 @@ def watch_cmd(
             help="graph: where the graph census runs (CUDA), read what each capture holds from the graph after it, with no per-op hook (capture cost per node); ops: also record every op at the dispatcher (cost per op; names and drop sites for tensors only pointer tables in device memory reach). Without the census every op is recorded either way.",
         ),
     ] = "graph",
+    stacks: Annotated[
+        bool,
+        typer.Option(
+            "--stacks",
+            help="The allocator records every allocation's Python stack (from CUDA's initialisation on), so findings of the graph census say where the tensor was created (created at). Costs each allocation a stack walk; off by default.",
+        ),
+    ] = False,
     json_path: JsonOpt = None,
     junit: WatchJunitOpt = None,
     html: WatchHtmlOpt = None,
@@ -940,7 +947,9 @@ def watch_cmd(
     """Run CMD unchanged with the stale-capture hooks in every Python process it starts: repro watch -- CMD [ARGS...]."""
     from repro.watch import command as watch
 
-    return report_watch(lambda: watch.watch(list(ctx.args), run_dir, on_finding, record), json_path, junit, html)
+    return report_watch(
+        lambda: watch.watch(list(ctx.args), run_dir, on_finding, record, stacks), json_path, junit, html
+    )
 
 
 @app.command("watch-report", epilog=WATCH_EXIT_CODES)

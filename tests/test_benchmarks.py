@@ -162,3 +162,19 @@ def test_engine_capture_table_shows_the_in_process_step_with_its_host_part_and_m
         "| piecewise | 101 / 100 (1.0100x) | 12.0 / 10.0 (1.200x) | 90 / 90 (1.0000x) | "
         "synced 1.0100x, pipelined 1.0000x | 8 / 4 over 1320 replays |"
     )
+
+
+def test_allocator_costs_says_on_the_cpu_that_its_stack_part_needs_a_gpu(benchmarks_on_path, capsys):
+    """The --stacks cost (allocations with and without their stacks) is measured on a GPU only:
+    here the script says so in one line and exits 3."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("measures for real on a GPU")
+    spec = importlib.util.spec_from_file_location("benchmark_allocator_costs", BENCHMARKS / "allocator_costs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--part", "stacks"]) == 3
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("allocator_costs: needs a CUDA GPU") and "run it on a GPU machine" in line
+    assert module.CONTEXTS == ("off", None, "state", "alloc")  # the two watch records, and none

@@ -791,3 +791,67 @@ def test_the_sliced_search_gives_what_one_search_gives(n):
     )
     starts = torch.sort(torch.tensor([rng.randrange(MIN_ADDR, MAX_ADDR) for _ in range(50)] + [LOCAL])).values
     assert torch.equal(segment_positions(torch, starts, values), torch.searchsorted(starts, values, right=True))
+
+
+# -- allocation stacks (repro watch --stacks) ------------------------------------------------------
+
+
+def test_start_trace_records_allocation_stacks_only_when_asked(monkeypatch):
+    import torch
+
+    from repro.diagnose import allocator
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(kw))
+    allocator.start_trace()
+    allocator.start_trace(stacks=True)
+    assert [(c["enabled"], c["context"], c["stacks"]) for c in calls] == [
+        ("all", None, "python"),  # no stack gathered: the census's cheap trace
+        ("all", "alloc", "python"),  # each allocation's python stack
+    ]
+    assert {c["max_entries"] for c in calls} == {allocator.TRACE_ENTRIES}
+
+
+def test_a_stacks_book_keeps_the_stacks_and_never_pauses_the_trace(monkeypatch):
+    started = []
+    monkeypatch.setattr(C, "start_trace", lambda capacity, stacks=False: started.append((capacity, stacks)))
+    book = C.CensusBook(rank=0, trace=C.Tracing.STACKS)
+    assert started == [(C.TRACE_ENTRIES, True)] and book.traced and book.capacity == C.TRACE_ENTRIES
+    assert book.pause_trace() is False and not book.paused  # allocations between phases keep their stacks
+    book.paused = True  # as after a pause of an earlier torch: resumed with the same settings
+    book.resume_trace()
+    assert started[-1] == (C.TRACE_ENTRIES, True) and not book.paused
+    C.CensusBook(rank=0, trace=C.Tracing.START)
+    assert started[-1] == (C.TRACE_ENTRIES, False)  # without --stacks: as before
+
+
+def frames(*sites):
+    """An allocation's stack as torch's snapshot gives it: innermost first."""
+    return [{"filename": f, "line": line, "name": name} for f, line, name in sites]
+
+
+def test_allocation_stacks_give_the_frames_of_the_live_block_holding_an_address():
+    from repro.diagnose.allocator import AllocationStacks
+
+    made = frames(("/home/u/prog.py", 12, "build"))
+    snap = snapshot(
+        [
+            {
+                "address": SEG,
+                "total_size": 6 * MiB,
+                "segment_pool_id": (0, 0),
+                "blocks": [
+                    {"address": SEG, "size": 2 * MiB, "state": "active_allocated", "frames": made},
+                    {"address": SEG + 2 * MiB, "size": 2 * MiB, "state": "inactive", "frames": made},
+                    {"address": SEG + 4 * MiB, "size": 2 * MiB, "state": "active_allocated"},  # before the history
+                ],
+            }
+        ]
+    )
+    reads = []
+    stacks = AllocationStacks(lambda: reads.append(1) or (snap, 0))
+    assert stacks.frames_at(SEG + 100) == made
+    assert stacks.frames_at(SEG + 2 * MiB) == []  # freed since: its frames are another allocation's
+    assert stacks.frames_at(SEG + 4 * MiB) == [] and stacks.frames_at(SEG - 1) == []
+    assert stacks.frames_at(SEG + 6 * MiB) == []
+    assert reads == [1]  # one read of the segments, at the first question

@@ -915,3 +915,24 @@ def test_adopt_on_an_off_guard_or_without_words_records_nothing():
     assert off.adopt("g", words, None) == words and off.slots == []
     on = CaptureGuard("warn")
     assert on.adopt("g", [], None) == [] and on.index_builds == 0
+
+
+def test_adopt_asks_where_each_new_slot_was_made_once_while_it_lives():
+    guard = CaptureGuard("warn")
+    moe = MoE()
+    guard.watch("moe", moe)
+    asked = []
+
+    def made_at(addr: int) -> str | None:
+        asked.append(addr)
+        return "prog.py:7 in build" if addr == moe.w13.data_ptr() else None
+
+    assert (
+        guard.adopt("g0", [word(moe.w13), word(moe.w13, 1, 16), word(moe.moe_kernel.workspace13)], None, made_at) == []
+    )
+    assert asked == [moe.w13.data_ptr(), moe.moe_kernel.workspace13.data_ptr()]  # once per storage
+    assert guard.adopt("g1", [word(moe.w13)], None, made_at) == [] and len(asked) == 2  # known slot: not asked
+    assert [s.created_at for s in guard.slots] == ["prog.py:7 in build", None]
+    moe.w13 = torch.nn.Parameter(torch.zeros(4, 32), requires_grad=False)  # the only reference goes
+    (finding,) = guard.check("before replay", graph="g0")
+    assert finding.created_at == "prog.py:7 in build" and ", created at prog.py:7 in build)" in finding.message

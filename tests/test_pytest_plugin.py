@@ -755,3 +755,31 @@ def test_readme_github_actions_job_runs_as_written(tmp_path):
     assert list((tmp_path / "repro-watch").glob("*.jsonl"))
     junit = ET.parse(tmp_path / "junit.xml")
     assert len([p for p in junit.iter("property") if p.get("name") == "repro_watch_finding"]) == 1
+
+
+@pytest.mark.parametrize(
+    "args, env, stacks",
+    [
+        (["--repro-watch", "--repro-watch-stacks"], {}, "1"),
+        ([], {"REPRO_WATCH": "1", "REPRO_WATCH_STACKS": "1"}, "1"),
+        (["--repro-watch"], {}, "0"),
+    ],
+)
+def test_stacks_option_or_env_reaches_the_hooks_and_the_processes_tests_start(tmp_path, args, env, stacks):
+    check = f"""
+        import os
+        import subprocess
+        import sys
+
+        from repro.watch.hooks import active
+
+
+        def test_stacks_setting():
+            assert active().settings.stacks is {stacks == "1"}
+            assert os.environ["REPRO_WATCH_STACKS"] == {stacks!r}
+            code = "from repro.watch.hooks import active; print(active().settings.stacks)"
+            child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+            assert child.stdout == "{stacks == "1"}\\n"  # the child's own hooks, from the environment
+    """
+    proc = run_pytest(tmp_path, {"test_stacks.py": check}, "-q", *args, env_extra=env)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, out_of(proc)

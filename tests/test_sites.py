@@ -89,3 +89,28 @@ def test_module_frames_give_their_namespace():
     namespace: dict = {"sites": sites, "sys": sys}
     exec("frame = sys._getframe()\nfound = dict(sites.frame_locals(frame))\ndel frame", namespace)
     assert namespace["found"]["sites"] is sites
+
+
+def test_recorded_site_is_the_innermost_frame_of_the_program_itself():
+    import os
+
+    import repro
+    import torch
+
+    torch_file = os.path.join(os.path.dirname(torch.__file__), "nn", "modules", "linear.py")
+    hooks_file = os.path.join(os.path.dirname(repro.__file__), "watch", "hooks", "capture.py")
+    helper = "/srv/app/helpers.py"  # the caller's plumbing (a capture wrapper)
+    stack = [  # innermost first, as torch's memory snapshot records an allocation
+        {"filename": "??", "line": 0, "name": "native"},
+        {"filename": torch_file, "line": 106, "name": "__init__"},
+        {"filename": hooks_file, "line": 40, "name": "end"},
+        {"filename": helper, "line": 3, "name": "make"},
+        {"filename": "/srv/app/model.py", "line": 27, "name": "build"},
+        {"filename": "/srv/app/main.py", "line": 9, "name": "<module>"},
+    ]
+    assert sites.recorded_site(stack, frozenset({helper})) == "model.py:27 in build"
+    assert sites.recorded_site(stack, frozenset()) == "helpers.py:3 in make"
+    assert sites.recorded_site(stack[:3], frozenset()) is None  # torch's and repro's only
+    assert sites.recorded_site([], frozenset()) is None and sites.recorded_site(None, frozenset()) is None
+    frozen = {"filename": "<frozen runpy>", "line": 88, "name": "_run_code"}
+    assert sites.recorded_site([frozen, stack[4]], frozenset()) == "model.py:27 in build"

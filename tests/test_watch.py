@@ -839,3 +839,186 @@ def test_an_object_reached_under_two_names_is_watched_once_per_name_not_per_capt
     assert watcher.tools.guard.index_builds == 1
     assert {o.name for o in watcher.tools.guard._owners} >= {"Runner", "Runner.model", "model"}
     assert watcher.tools.guard.slots[0].name in ("Runner.model.weight", "model.weight")
+
+
+# -- --stacks: where census-mode findings' tensors were created ----------------------------------
+
+
+def test_stacks_setting_from_the_environment_and_into_every_process(tmp_path):
+    from repro.watch import command as watch_mod
+    from repro.watch import settings as watch_settings
+
+    on = {watch_settings.ENV_ON: "1"}
+    assert watch_settings.ENV_STACKS in watch_settings.ENV_VARS  # saved and restored by the pytest plugin
+    assert watch_settings.settings_from_env(on, "api").stacks is False
+    for value, stacks in (("1", True), (" 1 ", True), ("yes", True), ("0", False), ("", False)):
+        env = {**on, watch_settings.ENV_STACKS: value}
+        assert watch_settings.settings_from_env(env, "api").stacks is stacks, value
+    assert watch_mod.watch_env({}, tmp_path, "warn", stacks=True)[watch_settings.ENV_STACKS] == "1"
+    assert (
+        watch_mod.watch_env({watch_settings.ENV_STACKS: "1"}, tmp_path, "warn", stacks=False)["REPRO_WATCH_STACKS"]
+        == "0"
+    )
+    outer = {watch_settings.ENV_STACKS: "1"}  # None: the environment's own setting stays
+    assert watch_mod.watch_env(outer, tmp_path, "warn")[watch_settings.ENV_STACKS] == "1"
+    assert watch_settings.ENV_STACKS not in watch_mod.watch_env({}, tmp_path, "warn")
+
+
+def test_stacks_flag_of_the_cli_reaches_the_command_environment(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from repro.cli import app
+    from repro.watch import command as watch_mod
+
+    envs = []
+    monkeypatch.setattr(
+        watch_mod, "run_command", lambda command, env: envs.append(env) or watch_mod.CommandResult(0, False)
+    )
+    runner = CliRunner()
+    for options, expected in ((["--stacks"], "1"), ([], "0")):
+        result = runner.invoke(app, ["watch", "--run-dir", str(tmp_path / expected), *options, "--", "true"])
+        assert result.exit_code == 0, (result.stdout, result.stderr)
+        assert envs[-1]["REPRO_WATCH_STACKS"] == expected
+    assert "--stacks" in runner.invoke(app, ["watch", "--help"]).stdout
+
+
+def test_stacks_start_at_cuda_initialisation_and_never_break_it_plumbing(monkeypatch):
+    import torch
+
+    from repro.diagnose import allocator
+    from repro.watch import hooks as watch_hooks
+
+    queued, started = [], []
+    monkeypatch.setattr(torch.cuda, "_lazy_call", queued.append)
+    monkeypatch.setattr(allocator, "start_trace", lambda *a, **kw: started.append(kw))
+    plain = watch_hooks.Watcher(watch_hooks.WatchSettings("unused", "warn", "api"))
+    assert plain.settings.stacks is False and plain.tools.allocation_sites() is None  # nothing new runs
+    watcher = watch_hooks.Watcher(watch_hooks.WatchSettings("unused", "warn", "api", stacks=True))
+    watcher.wait_for_cuda()  # torch.cuda is imported here: queued at once
+    assert queued == [watcher.tools.start_stacks] and started == []
+    queued[0]()  # what torch's lazy init runs
+    assert started == [{"stacks": True}] and watcher.log.counters.internal_errors == 0
+
+    def broken(*a, **kw):
+        raise RuntimeError("no allocator")
+
+    monkeypatch.setattr(allocator, "start_trace", broken)
+    watcher.tools.start_stacks()  # inside torch's lazy init: said, never raised
+    assert watcher.log.counters.internal_errors == 1
+
+
+def test_stacks_hook_queues_the_start_when_the_program_imports_torch(tmp_path):
+    """Under `repro watch --stacks` the start is queued for CUDA's initialisation as the
+    program's own `import torch` finishes torch.cuda; without --stacks nothing is queued."""
+    code = "import torch; print([getattr(c, '__name__', '') for c, _ in torch.cuda._queued_calls])"
+    (tmp_path / "on").mkdir()
+    (tmp_path / "off").mkdir()
+    watched, rep = watch(tmp_path / "on", sys.executable, "-c", code, options=("--stacks",))
+    assert watched.returncode == 0, watched.stderr
+    assert "start_stacks" in watched.stdout.decode()
+    (record,) = (tmp_path / "on" / "run").glob("*.jsonl")
+    assert json.loads(record.read_text().splitlines()[0])["stacks"] is True
+    plain, _ = watch(tmp_path / "off", sys.executable, "-c", code)
+    assert plain.returncode == 0 and "start_stacks" not in plain.stdout.decode()
+
+
+def test_stacks_name_where_a_census_slot_was_created_plumbing(tmp_path, monkeypatch):
+    """A census-mode capture (stand-in census: its one word is in the capturing function's
+    local) makes the local's slot, and --stacks fills its created_at from the frames the
+    allocator recorded for that block (stand-in snapshot), read once, at capture end."""
+    import torch
+
+    from repro.diagnose import allocator
+    from repro.watch import hooks as watch_hooks
+    from repro.watch.hooks import tools as hooks_tools
+
+    class Graph:
+        def __new__(cls, keep_graph=False):
+            return super().__new__(cls)
+
+        def __init__(self, keep_graph=False):
+            self.keep_graph = keep_graph
+
+        def capture_begin(self, *a, **k):
+            pass
+
+        def capture_end(self):
+            pass
+
+        def instantiate(self):
+            pass
+
+        def replay(self):
+            pass
+
+        def reset(self):
+            pass
+
+    held = {}
+
+    class Book:
+        def __init__(self, rank, trace):
+            held["trace"] = trace
+            self.censuses = {}
+
+        def add(self, graph, label, pool=None, since=None):
+            ptr = held["weight"].data_ptr()
+            word = types.SimpleNamespace(addr=ptr, describe=lambda: "node 0 kernel k param 1 +0")
+            return types.SimpleNamespace(pending=[word], references=[])
+
+        def hand_over(self, census, left):
+            census.pending = left
+
+        def resume_trace(self):
+            pass
+
+        def pause_trace(self):
+            return False
+
+        def check_graphs(self, when, labels):
+            return []
+
+        def census_line(self):
+            return "graph census: stand-in"
+
+    from repro.diagnose.census import Tracing
+
+    fake = type(sys)("fake_census")
+    fake.census_supported, fake.Tracing, fake.CensusBook = (lambda: (True, "")), Tracing, Book
+    fake.clock_marker = lambda: {"time_us": 0}
+    fake.merge_findings = lambda guard, census, slots, guard_on, book: guard + census
+    monkeypatch.setattr(hooks_tools, "load_census", lambda: fake)
+    reads = []
+
+    class Stacks:  # the allocator's segments, as start_trace(stacks=True) leaves them
+        def frames_at(self, addr):
+            reads.append(addr)
+            made = {"filename": "/srv/app/engine.py", "line": 41, "name": "load_weights"}
+            torch_frame = {"filename": torch.__file__, "line": 1, "name": "randn"}
+            return [torch_frame, made] if addr == held["weight"].data_ptr() else []
+
+    monkeypatch.setattr(allocator, "AllocationStacks", Stacks)
+    watcher = watch_hooks.Watcher(watch_hooks.WatchSettings(str(tmp_path), "warn", "api", stacks=True))
+    watcher.log.recorder = watch_hooks.Recorder(str(tmp_path))
+    watcher.patch(Graph)
+
+    def capture(graph):
+        weight = torch.ones(4)  # held by this local only: freed on return
+        held["weight"] = weight
+        graph.capture_begin()
+        graph.capture_end()
+
+    graph = Graph()
+    capture(graph)
+    assert held["trace"] == Tracing.STACKS
+    (slot,) = watcher.tools.guard.slots
+    assert slot.name == "<local weight of capture>" and slot.created_at == "engine.py:41 in load_weights"
+    assert len(reads) == 1 and watcher.log.counters.internal_errors == 0
+    del held["weight"]
+    graph.replay()
+    lines = [json.loads(line) for line in Path(watcher.log.recorder.path).read_text().splitlines()]
+    (finding,) = [r["finding"] for r in lines if r["kind"] == "finding"]
+    assert finding["status"] == "freed" and finding["created_at"] == "engine.py:41 in load_weights"
+    assert finding["freed_at"].startswith("test_watch.py:")
+    assert watcher.log.counters.internal_errors == 0
+    watcher.log.recorder.close()

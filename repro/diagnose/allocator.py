@@ -3,7 +3,8 @@
 Snapshots are plain dicts in torch's documented format (``torch.cuda.memory._snapshot()``:
 segments with their blocks), so what reads one runs without torch or a GPU. What asks torch
 itself (take_snapshot, take_segments, allocator_counters, start_trace: the alloc/free trace
-trace_index.py reads) imports it when called: importing this module needs no torch.
+trace_index.py reads, with each allocation's stack where asked) imports it when called:
+importing this module needs no torch.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 from enum import StrEnum
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: importing this module needs no torch
@@ -241,17 +243,65 @@ def take_segments() -> tuple[dict[str, Any], int]:
     return {"segments": segments}, torch.cuda.current_device()
 
 
-def start_trace(max_entries: int = TRACE_ENTRIES) -> None:
-    """Record the allocator's alloc/free trace without stacks (cheap); process-wide.
+def start_trace(max_entries: int = TRACE_ENTRIES, stacks: bool = False) -> None:
+    """Record the allocator's alloc/free trace; process-wide. The one place the watch hooks and
+    the census start it (calling it again with the same settings keeps what was recorded).
+
+    stacks: each allocation also records its Python stack (context "alloc"): the live blocks of a
+    snapshot then carry their "frames" (AllocationStacks), at a stack walk per allocation.
+    Without, no entry gathers a stack (cheap).
 
     Do not call when memory history with stacks is already recording (repro --forensics): that
     recording serves the census as well, and this call would replace its settings.
     """
     import torch
 
-    # context=None: no entry gathers a stack (stacks only says what one would hold; "python" is
-    # the lighter choice). A gathered python stack holds code objects, never frames.
-    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=max_entries)
+    # stacks="python" is the lighter choice of what a gathered stack holds (context None gathers
+    # none): a python stack holds code objects, never frames.
+    torch.cuda.memory._record_memory_history(
+        enabled="all", context="alloc" if stacks else None, stacks="python", max_entries=max_entries
+    )
+
+
+class AllocationStacks:
+    """Address -> the Python stack recorded when the live block holding it was allocated
+    (start_trace(stacks=True)), from one read of the allocator's segments, taken at the first
+    question: a capture whose storages all had slots already reads nothing.
+
+    Blocks carry their allocation's frames for as long as they stay allocated, whatever the
+    bounded trace forgot since; a block allocated before the recording started has none.
+    read: () -> (snapshot, device), take_segments by default.
+    """
+
+    def __init__(self, read: Callable[[], tuple[dict[str, Any], int]] | None = None):
+        self.read = read or take_segments
+        self.starts: list[int] | None = None
+        self.blocks: list[tuple[int, int, list[dict[str, Any]]]] = []
+
+    def frames_at(self, addr: int) -> list[dict[str, Any]]:
+        """Innermost first ({"filename", "line", "name"}); [] where none was recorded."""
+        if self.starts is None:
+            self.blocks = stacked_blocks(self.read()[0])
+            self.starts = [b[0] for b in self.blocks]
+        i = bisect.bisect_right(self.starts, addr) - 1
+        if i >= 0 and addr < self.blocks[i][1]:
+            return self.blocks[i][2]
+        return []
+
+
+def stacked_blocks(snapshot: dict[str, Any]) -> list[tuple[int, int, list[dict[str, Any]]]]:
+    """(start, end, frames) of every allocated block with recorded frames, sorted by start.
+    Every device's: device addresses are unique in the process (unified addressing)."""
+    out = []
+    for seg in snapshot.get("segments", []):
+        addr = seg["address"]
+        for b in seg.get("blocks", []):
+            start = b.get("address", addr)
+            addr = start + b["size"]
+            if b.get("frames") and b.get("state") == BlockState.ACTIVE_ALLOCATED:
+                out.append((start, addr, b["frames"]))
+    out.sort(key=lambda b: b[0])
+    return out
 
 
 def pool_id(pool: Any) -> tuple[int, int] | None:

@@ -95,6 +95,9 @@ class Tracing(StrEnum):
     """Where a CensusBook's allocator trace comes from."""
 
     START = "start"  # the book starts recording it (start_trace)
+    # The same, each allocation with its Python stack (watch --stacks, which started it at CUDA's
+    # initialisation already: the book keeps those settings, and never pauses the trace).
+    STACKS = "stacks"
     EXTERNAL = "external"  # the caller already records memory history (with stacks)
     NONE = "none"  # no trace: the checks see state only
 
@@ -208,13 +211,15 @@ def check_census(
 class CensusBook:
     """The censuses of one process, checked together against one snapshot per check point.
 
-    trace: where the allocator trace comes from (Tracing: START records it here, EXTERNAL is
-    the caller's memory history, NONE checks state only).
+    trace: where the allocator trace comes from (Tracing: START records it here, STACKS with
+    each allocation's stack, EXTERNAL is the caller's memory history, NONE checks state only).
     """
 
     def __init__(self, rank: int = 0, trace: Tracing = Tracing.START, capacity: int = TRACE_ENTRIES):
         self.rank = rank
-        self.capacity = capacity if trace == Tracing.START else None
+        started = trace in (Tracing.START, Tracing.STACKS)
+        self.capacity = capacity if started else None
+        self.stacks = trace == Tracing.STACKS
         self.traced = trace != Tracing.NONE
         self.censuses: dict[str, GraphCensus] = {}
         self.checked: set[str] = set()  # labels checked at least once
@@ -225,8 +230,8 @@ class CensusBook:
         self.snapshots = 0  # allocator snapshots the book took
         self.paused = False  # trace stopped by pause_trace()
         self.waiting: collections.deque[GraphCensus] = collections.deque()  # with pending words, oldest first
-        if trace == Tracing.START:
-            start_trace(capacity)
+        if started:
+            start_trace(capacity, stacks=self.stacks)
 
     def add(
         self,
@@ -283,8 +288,9 @@ class CensusBook:
     def pause_trace(self) -> bool:
         """Stop the allocator trace while no census waits on it (watch, between capture phases):
         recording it costs every allocation the program makes. Reuse at the same address of a
-        block only the census sees is then not seen until the next capture resumes it."""
-        if self.capacity is None or self.paused or any(c.pending for c in self.censuses.values()):
+        block only the census sees is then not seen until the next capture resumes it. With
+        stacks, never: what is allocated between capture phases would have no stack."""
+        if self.capacity is None or self.stacks or self.paused or any(c.pending for c in self.censuses.values()):
             return False
         import torch
 
@@ -294,7 +300,7 @@ class CensusBook:
 
     def resume_trace(self) -> None:
         if self.paused:
-            start_trace(self.capacity)
+            start_trace(self.capacity, stacks=self.stacks)
             self.paused = False
 
     def snapshot(self) -> tuple[dict[str, Any], int | None]:

@@ -367,12 +367,20 @@ class CaptureGuard:
         if not rec.capturing:
             self.fingerprint(graph)  # a dry run ends here; a real capture after capture_end
 
-    def adopt(self, graph: str, words: Iterable[Any], frame: FrameType | None = None) -> list[Any]:
+    def adopt(
+        self,
+        graph: str,
+        words: Iterable[Any],
+        frame: FrameType | None = None,
+        created_at: Callable[[int], str | None] | None = None,
+    ) -> list[Any]:
         """Slots for a capture the graph census read, with nothing recorded at the dispatcher.
 
         words: the census's captured words outside the graph's own pool (anything with .addr
         and .describe(): census Words and References); frame: a frame of the code that ended
-        the capture, whose user frames' locals are searched (None: owners only). Each word
+        the capture, whose user frames' locals are searched (None: owners only); created_at:
+        storage address -> "file:line in func" where it was allocated, or None, asked once per
+        new slot (the watch hooks read the allocator's recorded stacks). Each word
         inside a storage that a watched owner or one of those locals holds makes (or extends)
         that storage's slot, named as a recording names it. The recording's cost is per op of
         the capture; this one's is per distinct captured address. The owner index is built
@@ -399,7 +407,7 @@ class CaptureGuard:
             addr = w.addr
             if addr in hit:
                 continue
-            if self._adopt_word(graph, w, owned, held, site, done) is None:
+            if self._adopt_word(graph, w, owned, held, site, done, created_at) is None:
                 left.append(w)
             else:
                 hit.add(addr)
@@ -423,7 +431,14 @@ class CaptureGuard:
         return self._extents[1]
 
     def _adopt_word(
-        self, graph: str, w: Any, owned: Extents, held: Extents | LazyExtents, site: str, done: set[int]
+        self,
+        graph: str,
+        w: Any,
+        owned: Extents,
+        held: Extents | LazyExtents,
+        site: str,
+        done: set[int],
+        created_at: Callable[[int], str | None] | None = None,
     ) -> Slot | None:
         """The slot of the storage holding w's address (made, or extended to this graph), or
         None when no owner or local holds it."""
@@ -455,7 +470,9 @@ class CaptureGuard:
             if widen_slot(slot, t, graph):
                 self._by_graph[graph].append(slot)
             return slot
-        slot = new_slot(t, storage, key, graph, f"{site} ({w.describe()})", named=named)
+        # Asked here, while the storage lives: its address is still its own allocation's.
+        made = created_at(storage.data_ptr()) if created_at is not None else None
+        slot = new_slot(t, storage, key, graph, f"{site} ({w.describe()})", created_at=made, named=named)
         slot.name = exposed_name(named, t) if named is not None else f"<local {holder[0]} of {holder[1]}>"
         self._slots[key] = slot
         self._by_graph[graph].append(slot)

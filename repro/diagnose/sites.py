@@ -4,6 +4,8 @@ Three questions, all answered from live Python frames while the program runs:
   * which frame is the user's (not torch's, not the guard's, not the caller's plumbing),
   * how a reference went away there (the function returned, a name was reassigned, deleted),
   * which local variable of which function holds a tensor.
+The first is also answered for a stack the allocator recorded (recorded_site): frames as
+torch's memory snapshot gives them, dicts rather than frame objects.
 
 The last one reads a frame's local variables without changing anything the program can see.
 Before Python 3.13 (PEP 667), ``frame.f_locals`` of a function frame refreshes and returns the
@@ -32,7 +34,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+import repro
+from repro.diagnose.forensics import format_frame, is_user_frame
+
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+# repro's own frames (the hooks, the census, the guard) are never the program's line.
+_REPRO_DIR = os.path.dirname(os.path.abspath(repro.__file__)) + os.sep
 _CACHE = dis.opmap.get("CACHE", -1)
 LOCAL_SCAN_FRAMES = 12  # user frames searched for a local variable holding a tensor
 _LOCALS_ARE_SNAPSHOTS = sys.version_info < (3, 13)
@@ -71,6 +78,18 @@ def frame_site(frame: types.FrameType | None) -> str:
     if frame is None:
         return "<unknown>"
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def recorded_site(frames: Iterable[dict[str, Any]] | None, plumbing: frozenset[str]) -> str | None:
+    """'file:line in func' of the innermost recorded frame that is the program's own: not
+    torch's, not repro's, not in the plumbing, not native. frames: an allocation's stack as
+    torch's memory snapshot records it ({"filename", "line", "name"}, innermost first); None
+    when no frame is the program's (or nothing was recorded)."""
+    for frame in frames or ():
+        filename = frame.get("filename") or ""
+        if is_user_frame(frame, _TORCH_DIR, plumbing) and not os.path.abspath(filename).startswith(_REPRO_DIR):
+            return format_frame(frame)
+    return None
 
 
 def drop_site(frame: types.FrameType | None, plumbing: frozenset[str]) -> str:

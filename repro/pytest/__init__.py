@@ -6,6 +6,7 @@ Registered through the ``pytest11`` entry point (``-p repro.pytest`` loads it fr
     pytest --repro-watch            # = --repro-watch=fail: a finding fails the test that replayed
     pytest --repro-watch=warn       # findings listed at the end, tests unaffected
     REPRO_WATCH=1 pytest            # the same switch as `repro watch` (REPRO_WATCH=warn: warn)
+    pytest --repro-watch --repro-watch-stacks  # and where each tensor was made (repro watch --stacks)
 
 When off, this module is all that is imported (no torch, no repro.diagnose.guard) and its hooks return
 at once. When on, repro.pytest.watch starts the watch hooks in the test process and, through
@@ -75,6 +76,15 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
         metavar="DIR",
         help="where the per-process records go (default: REPRO_WATCH_DIR, else a new "
         "temporary directory, printed in the header)",
+    )
+    group.addoption(
+        "--repro-watch-stacks",
+        action="store_true",
+        dest="repro_watch_stacks",
+        default=False,
+        help="with --repro-watch: the allocator records every allocation's Python stack, so "
+        "graph-census findings say where the tensor was created (a cost per allocation; "
+        "REPRO_WATCH_STACKS=1 does the same)",
     )
 
 

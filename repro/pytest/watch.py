@@ -37,12 +37,14 @@ from repro.watch.settings import (
     ENV_OWNER,
     ENV_RECORD,
     ENV_SITE,
+    ENV_STACKS,
     ENV_VARS,
     OnFinding,
     Origin,
     Record,
     WatchSettings,
     choice_from_env,
+    flag_from_env,
 )
 
 REPORT_ATTR = "repro_watch"  # on TestReport: list of PhaseFinding dicts
@@ -135,13 +137,16 @@ class WatchSession:
         ).resolve()
         saved = {k: os.environ.get(k) for k in (*ENV_VARS, ENV_OWNER, "PYTHONPATH")}
         record = choice_from_env(os.environ, ENV_RECORD, Record.GRAPH)
-        env = watch_env(dict(os.environ), run_dir, os.environ.get(ENV_ON_FINDING) or OnFinding.WARN, record)
+        stacks = bool(config.getoption("repro_watch_stacks", False)) or flag_from_env(os.environ, ENV_STACKS)
+        env = watch_env(dict(os.environ), run_dir, os.environ.get(ENV_ON_FINDING) or OnFinding.WARN, record, stacks)
         if saved[ENV_SITE] == env[ENV_SITE]:
             env["PYTHONPATH"] = saved["PYTHONPATH"] or ""  # started under `repro watch`: on the path already
         for key in (*ENV_VARS, "PYTHONPATH"):
             os.environ[key] = env[key]
         watcher = activate(
-            WatchSettings(run_dir=str(run_dir), on_finding=OnFinding.WARN, origin=Origin.PYTEST, record=record)
+            WatchSettings(
+                run_dir=str(run_dir), on_finding=OnFinding.WARN, origin=Origin.PYTEST, record=record, stacks=stacks
+            )
         )
         run_dir = Path(watcher.settings.run_dir)  # an earlier start (repro watch) decides
         me = Path(watcher.log.recorder.path).stem

@@ -10,6 +10,8 @@ environment). What the command sees added to its environment, and nothing else:
   REPRO_WATCH_DIR          the run directory: one <host>-<pid>.jsonl per process
   REPRO_WATCH_ON_FINDING   warn | raise (repro.watch.settings.OnFinding)
   REPRO_WATCH_SITE         the directory prepended to PYTHONPATH
+  REPRO_WATCH_RECORD       graph | ops (repro.watch.settings.Record)
+  REPRO_WATCH_STACKS       1 | 0: record each allocation's Python stack (--stacks)
   RAY_RUNTIME_ENV_HOOK     repro.watch.ray.runtime_env_hook: a `ray.init()` in any of them gets the
                            hooks into every Ray worker on every node (repro/watch/ray.py); a hook
                            already set is kept in REPRO_WATCH_RAY_CHAIN and runs first
@@ -32,7 +34,7 @@ from pathlib import Path
 from repro.output import Exit
 from repro.watch.ray import node_dirs, node_notes, ray_env
 from repro.watch.records import WatchReport, load_report, record_files
-from repro.watch.settings import ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_RECORD, ENV_SITE, OnFinding, Record
+from repro.watch.settings import ENV_DIR, ENV_ON, ENV_ON_FINDING, ENV_RECORD, ENV_SITE, ENV_STACKS, OnFinding, Record
 
 GRACE_S = 10.0  # after a forwarded Ctrl-C, how long CMD's group gets before SIGKILL
 
@@ -51,9 +53,11 @@ def site_dir() -> str:
     return str(Path(__file__).resolve().parent / "_site")
 
 
-def watch_env(environ: dict[str, str], run_dir: Path, on_finding: str, record: str | None = None) -> dict[str, str]:
-    """on_finding, record: an OnFinding and a Record for every process (record None: the
-    environment's, else graph)."""
+def watch_env(
+    environ: dict[str, str], run_dir: Path, on_finding: str, record: str | None = None, stacks: bool | None = None
+) -> dict[str, str]:
+    """on_finding, record, stacks: an OnFinding, a Record and whether allocations record their
+    stacks, for every process (None: the environment's, else graph / off)."""
     env = dict(environ)
     site = site_dir()
     old = env.get("PYTHONPATH", "")
@@ -64,6 +68,8 @@ def watch_env(environ: dict[str, str], run_dir: Path, on_finding: str, record: s
     env[ENV_SITE] = site
     if record is not None:
         env[ENV_RECORD] = record
+    if stacks is not None:
+        env[ENV_STACKS] = "1" if stacks else "0"
     env.update(ray_env(env))  # Ray workers on every node (repro/watch/ray.py)
     return env
 
@@ -188,13 +194,15 @@ def sight_notes(rep: WatchReport, gpu_count: int | None = None) -> list[str]:
     return notes
 
 
-def watch(command: list[str], run_dir: Path | None, on_finding: str, record: str = Record.GRAPH) -> WatchReport:
+def watch(
+    command: list[str], run_dir: Path | None, on_finding: str, record: str = Record.GRAPH, stacks: bool = False
+) -> WatchReport:
     """run_dir None: a new folder of its own under the cache (default_run_dir)."""
     check_args(command, on_finding, run_dir, record)
     if run_dir is None:
         run_dir = default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
-    result = run_command(command, watch_env(dict(os.environ), run_dir, on_finding, record))
+    result = run_command(command, watch_env(dict(os.environ), run_dir, on_finding, record, stacks))
     return finish(with_ray_nodes(run_dir, load_report([run_dir, *node_dirs(run_dir)])), command, result, on_finding)
 
 

@@ -44,10 +44,12 @@ from repro.watch.settings import (
     ENV_ON,
     ENV_ON_FINDING,
     ENV_SITE,
+    ENV_STACKS,
     OnFinding,
     Origin,
     WatchSettings,
     choice_from_env,
+    flag_from_env,
     settings_from_env,
 )
 
@@ -104,6 +106,7 @@ def runtime_env_hook(runtime_env: Any) -> Any:
         ENV_ON: "0",
         ENV_NODE_ROOT: node_root(settings.run_dir),
         ENV_ON_FINDING: settings.on_finding,
+        ENV_STACKS: "1" if settings.stacks else "0",
     }
     modules = list(env.get("py_modules") or [])
     if str(PACKAGE_DIR) not in map(str, modules):
@@ -146,7 +149,10 @@ def setup_worker() -> None:
     )
     activate(
         WatchSettings(
-            run_dir=run_dir, on_finding=choice_from_env(os.environ, ENV_ON_FINDING, OnFinding.WARN), origin=Origin.RAY
+            run_dir=run_dir,
+            on_finding=choice_from_env(os.environ, ENV_ON_FINDING, OnFinding.WARN),
+            origin=Origin.RAY,
+            stacks=flag_from_env(os.environ, ENV_STACKS),
         )
     )
 

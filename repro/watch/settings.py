@@ -18,7 +18,8 @@ ENV_DIR = "REPRO_WATCH_DIR"  # run directory for the per-process records
 ENV_ON_FINDING = "REPRO_WATCH_ON_FINDING"  # an OnFinding
 ENV_SITE = "REPRO_WATCH_SITE"  # the sitecustomize directory `repro watch` prepended
 ENV_RECORD = "REPRO_WATCH_RECORD"  # a Record
-ENV_VARS = (ENV_ON, ENV_DIR, ENV_ON_FINDING, ENV_SITE, ENV_RECORD)
+ENV_STACKS = "REPRO_WATCH_STACKS"  # "1": the allocator records each allocation's Python stack
+ENV_VARS = (ENV_ON, ENV_DIR, ENV_ON_FINDING, ENV_SITE, ENV_RECORD, ENV_STACKS)
 ENV_OWNER = "REPRO_WATCH_OWNER"  # set by the pytest plugin: the record file (stem) of the
 # test process whose test started this process
 DEFAULT_DIR = "repro-watch"
@@ -60,6 +61,9 @@ class WatchSettings:
     on_finding: OnFinding
     origin: Origin
     record: Record = Record.GRAPH
+    # The allocator records each allocation's Python stack from CUDA's initialisation on, so a
+    # storage the census hands to the guard gets its "created at" (a cost per allocation).
+    stacks: bool = False
 
 
 def settings_from_env(environ: dict[str, str], origin: Origin) -> WatchSettings | None:
@@ -71,7 +75,13 @@ def settings_from_env(environ: dict[str, str], origin: Origin) -> WatchSettings 
         on_finding=choice_from_env(environ, ENV_ON_FINDING, OnFinding.WARN),
         origin=origin,
         record=choice_from_env(environ, ENV_RECORD, Record.GRAPH),
+        stacks=flag_from_env(environ, ENV_STACKS),
     )
+
+
+def flag_from_env(environ: dict[str, str], key: str) -> bool:
+    """On when set to anything but 0 or empty (as REPRO_WATCH itself)."""
+    return environ.get(key, "").strip() not in ("", "0")
 
 
 def choice_from_env(environ: dict[str, str], key: str, default: E) -> E:

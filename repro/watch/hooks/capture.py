@@ -113,7 +113,9 @@ class Captures(Part):
                     self.tools.census.due.append(state.label)
                     if state.since is not None:
                         census = state.census
-                        left = self.tools.guard.adopt(state.label, [*census.pending, *census.references], frame)
+                        words = [*census.pending, *census.references]
+                        sites = self.tools.allocation_sites()
+                        left = self.tools.guard.adopt(state.label, words, frame, sites)
                         book.hand_over(census, left)
         except Exception as e:
             self.log.internal("census at capture end", e)

@@ -81,8 +81,9 @@ class Checks(Part):
         if not censuses or self.settings.record != Record.GRAPH:
             return
         self.tools.guard.refresh_index()
+        sites = self.tools.allocation_sites()
         for census in censuses:
-            book.hand_over(census, self.tools.guard.adopt(census.label, census.references, None))
+            book.hand_over(census, self.tools.guard.adopt(census.label, census.references, None, sites))
 
     def pause_trace(self) -> None:
         """Every graph matched: the trace can rest until the next capture (its own errors

@@ -1,8 +1,10 @@
-"""Waiting for the program's own torch import: a meta-path hook on ``torch.cuda.graphs``.
+"""Waiting for the program's own torch import: a meta-path hook on one of torch's modules.
 
-Importing the hooks imports no torch. This finder stands first on sys.meta_path until the
-program imports ``torch.cuda.graphs`` (torch's own ``import torch`` does); then it takes itself
-off, lets torch's own loader run the module, and hands the module over to be patched.
+Importing the hooks imports no torch. A finder stands first on sys.meta_path until the program
+imports its module (torch's own ``import torch`` imports both): ``torch.cuda.graphs``, whose
+CUDAGraph gets patched, and, with --stacks, ``torch.cuda``, whose lazy initialisation starts
+the allocation stacks. Then it takes itself off, lets torch's own loader run the module, and
+hands the module over.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import importlib.machinery
 import sys
 
 TARGET = "torch.cuda.graphs"
+CUDA_MODULE = "torch.cuda"
 
 
 class _PatchAfterExec(importlib.abc.Loader):
@@ -32,14 +35,15 @@ class _PatchAfterExec(importlib.abc.Loader):
         self._on_loaded(module)
 
 
-class GraphsImportHook(importlib.abc.MetaPathFinder):
-    """Waits for ``torch.cuda.graphs`` to be imported, then removes itself from sys.meta_path."""
+class ImportHook(importlib.abc.MetaPathFinder):
+    """Waits for the module `name` to be imported, then removes itself from sys.meta_path."""
 
-    def __init__(self, on_loaded):
+    def __init__(self, on_loaded, name: str = TARGET):
         self._on_loaded = on_loaded
+        self._name = name
 
     def find_spec(self, name, path, target=None):
-        if name != TARGET:
+        if name != self._name:
             return None
         self.uninstall()
         spec = importlib.machinery.PathFinder.find_spec(name, path)

@@ -70,6 +70,7 @@ def process_record(settings: WatchSettings) -> dict[str, Any]:
         "origin": settings.origin,
         "on_finding": settings.on_finding,
         "record": settings.record,
+        "stacks": settings.stacks,
         "env": {k: os.environ[k] for k in (*_RANK_ENV, ENV_OWNER) if k in os.environ},
     }
 

@@ -17,6 +17,7 @@ from repro.watch.hooks.records import Log
 from repro.watch.settings import Record, WatchSettings
 
 if TYPE_CHECKING:  # annotations only: nothing here imports torch until the program does
+    from repro.diagnose.allocator import AllocationStacks
     from repro.diagnose.census import CensusBook
     from repro.diagnose.guard import CaptureGuard
 
@@ -128,10 +129,12 @@ class Tools:
             self.guard = CaptureGuard(mode=GuardMode.WARN, plumbing=plumbing_files(), drops=self.drops)
             census = self.census
             if self.census_ready():
-                # Starts the allocator's alloc/free trace (no stacks), so reuse at the same
-                # address is seen; before the first capture, never inside one.
+                # Starts the allocator's alloc/free trace, so reuse at the same address is seen;
+                # before the first capture, never inside one. With --stacks it records each
+                # allocation's stack, as start_stacks began it at CUDA's initialisation.
+                tracing = census.module.Tracing.STACKS if self.settings.stacks else census.module.Tracing.START
                 try:
-                    census.book = census.module.CensusBook(rank=0, trace=census.module.Tracing.START)
+                    census.book = census.module.CensusBook(rank=0, trace=tracing)
                 except Exception as e:
                     census.state = f"unavailable: {type(e).__name__}: {e}"
             self.log.write({"kind": "census", "state": census.state})
@@ -152,3 +155,51 @@ class Tools:
                 census.module = module if ok else None
             census.asked = True
         return census.module is not None
+
+    def start_stacks(self) -> None:
+        """With --stacks, at CUDA's initialisation (torch.cuda._lazy_call): the allocator records
+        each allocation's stack from the program's first tensor on, not from its first capture
+        (where the census starts its trace), so weights and buffers made before are covered.
+        It runs inside torch's lazy init, which fails the program's CUDA call if this raises."""
+        try:
+            # Imported here, under the program's frames, unlike load_modules' imports: allocator
+            # imports no torch and keeps no frame, so nothing of the caller's stack is pinned.
+            from repro.diagnose.allocator import start_trace
+
+            start_trace(stacks=True)
+            self.log.write({"kind": "stacks", "state": "recording from CUDA's initialisation"})
+        except Exception as e:
+            self.log.internal("starting the allocation stacks (--stacks)", e)
+
+    def allocation_sites(self) -> AllocationSites | None:
+        """With --stacks, where each new slot's storage was allocated, for one adoption (a read
+        of the allocator's segments, taken at the first slot that asks); None without."""
+        if not self.settings.stacks or self.guard is None:
+            return None
+        from repro.diagnose.allocator import AllocationStacks
+
+        return AllocationSites(AllocationStacks(), self.guard.plumbing, self.log)
+
+
+class AllocationSites:
+    """address -> "file:line in func" of the program's line that allocated the live block there,
+    from the stacks the allocator recorded (--stacks); None where none is known. A failed read
+    is said once, as the hooks' own error, and never costs the adoption that asked."""
+
+    def __init__(self, stacks: AllocationStacks, plumbing: frozenset[str], log: Log):
+        self.stacks = stacks
+        self.plumbing = plumbing
+        self.log = log
+        self.failed = False
+
+    def __call__(self, addr: int) -> str | None:
+        if self.failed:
+            return None
+        try:
+            from repro.diagnose.sites import recorded_site
+
+            return recorded_site(self.stacks.frames_at(addr), self.plumbing)
+        except Exception as e:
+            self.failed = True
+            self.log.internal("reading the allocation stacks (--stacks)", e)
+            return None

@@ -19,7 +19,7 @@ import time
 from repro.watch.hooks.capture import Captures
 from repro.watch.hooks.checks import Checks
 from repro.watch.hooks.graphs import GraphStates
-from repro.watch.hooks.install import TARGET, GraphsImportHook
+from repro.watch.hooks.install import CUDA_MODULE, TARGET, ImportHook
 from repro.watch.hooks.patch import patch_graph_class, patch_keep_graph
 from repro.watch.hooks.records import Log
 from repro.watch.hooks.tools import Tools
@@ -62,7 +62,7 @@ class Watcher:
         self.captures = Captures(settings, self.log, self.graphs, self.tools)
         self.checks = Checks(settings, self.log, self.graphs, self.tools)
         self.patched: list[type] = []
-        self._hook = GraphsImportHook(self.on_graphs_module)
+        self._hook = ImportHook(self.on_graphs_module)
         self._t0 = time.perf_counter()
 
     def start(self) -> None:
@@ -72,8 +72,27 @@ class Watcher:
             self.on_graphs_module(module)  # torch already imported (vLLM plugin, late start)
         else:
             self._hook.install()
+        if self.settings.stacks:
+            self.wait_for_cuda()
         atexit.register(self.on_exit)
         os.register_at_fork(after_in_child=self.on_fork_child)
+
+    def wait_for_cuda(self) -> None:
+        """--stacks: the allocation stacks start at CUDA's initialisation, which torch.cuda's
+        _lazy_call queues for (or runs now, where CUDA is up already: a late start)."""
+        module = sys.modules.get(CUDA_MODULE)
+        if module is None:
+            ImportHook(self.on_cuda_module, CUDA_MODULE).install()
+        elif hasattr(module, "_lazy_call"):
+            self.on_cuda_module(module)
+        else:  # torch.cuda half imported: this start came from inside torch's own import
+            self.log.write({"kind": "stacks", "state": "not started: torch.cuda was being imported"})
+
+    def on_cuda_module(self, module) -> None:
+        try:
+            module._lazy_call(self.tools.start_stacks)
+        except Exception as e:
+            self.log.internal("queueing the allocation stacks for CUDA's initialisation", e)
 
     def note_origin(self, origin: Origin) -> None:
         if origin not in self.origins:
