@@ -176,7 +176,17 @@ def parts_of_the_hook(bare) -> list:
         counters.replays += 1
         return bare(graph)
 
+    mode = 1
+
+    def held_mode(graph):
+        if not mode:
+            counters.replays += 1
+        elif mode == 1 and id(graph) not in held:
+            counters.replays += 1
+        return bare(graph)
+
     return [
+        ("held_mode", held_mode),
         ("gated", gated),
         ("counted", counted),
         ("guarded", guarded),
@@ -213,7 +223,7 @@ def watched_states() -> dict | None:
         "trace_paused": None if book is None else book.paused,
         "drops": drops,
         "gate_open": gate.at == drops,
-        "aside": gate.aside,
+        "mode": gate.mode.name,
         "held": len(gate.held),
         "states": counts,
         "counters": dict(vars(active.log.counters)),

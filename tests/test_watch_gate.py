@@ -12,6 +12,8 @@ from pathlib import Path
 
 from conftest import REPO
 
+from repro.watch.hooks.graphs import Mode
+
 PROGRAMS = REPO / "tests" / "watch_programs"
 
 
@@ -64,6 +66,7 @@ def test_settled_graphs_replay_without_a_per_graph_lookup_and_a_new_one_keeps_it
     assert watcher.log.counters.checks_deep == 2
     assert gate.at == watcher.tools.drops.n and id(a) not in gate.held and id(b) not in gate.held
     assert id(c) in gate.held  # captured, never replayed: an engine replays few of its sizes
+    assert gate.mode == Mode.HELD  # only held graphs are checked
     CountingDict.gets = 0
     for _ in range(10):
         a.replay(), b.replay()
@@ -119,7 +122,7 @@ def test_with_every_graph_settled_the_wrappers_stand_aside_until_a_death_or_a_ca
     gate = watcher.graphs.gate
     for _ in range(3):
         a.replay(), b.replay()
-    assert gate.aside  # nothing held, nothing died: replays test one flag
+    assert gate.mode == Mode.ASIDE  # nothing held, nothing died: replays test one flag
     entered = []
     real = watcher.checks.before_replay
     watcher.checks.before_replay = lambda g: entered.append(g) or real(g)
@@ -129,12 +132,12 @@ def test_with_every_graph_settled_the_wrappers_stand_aside_until_a_death_or_a_ca
         a.replay(), saved()
     assert CountingDict.gets == 0 and entered == [] and watcher.log.counters.replays == 16
     engine.cache_1 = torch.zeros(4, 4)  # frees what b captured: armed at once, by the drop
-    assert not gate.aside
+    assert gate.mode == Mode.STALE
     saved()
     assert entered == [b] and watcher.log.counters.findings == 1
     for _ in range(4):
         a.replay()  # the gate reopens; b stays held (its storage is dead)
-    assert not gate.aside and id(b) in gate.held
+    assert gate.mode == Mode.HELD and id(b) in gate.held
     watcher.log.recorder.close()
 
 
@@ -143,15 +146,15 @@ def test_a_capture_arms_the_wrappers_and_the_new_graph_gets_its_deep_check_plumb
     gate = watcher.graphs.gate
     for _ in range(3):
         a.replay()
-    assert gate.aside
+    assert gate.mode == Mode.ASIDE
     new = type(a)()
     new.capture_begin()
     engine.cache_0.add_(1)
     new.capture_end()
-    assert not gate.aside and id(new) in gate.held
+    assert gate.mode == Mode.HELD and id(new) in gate.held
     new.replay()
     assert watcher.log.counters.checks_deep == 2
     for _ in range(2):
         new.replay(), a.replay()
-    assert gate.aside
+    assert gate.mode == Mode.ASIDE
     watcher.log.recorder.close()

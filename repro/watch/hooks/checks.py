@@ -126,7 +126,7 @@ class Checks(Part):
             if state.live is None or not self.all_alive(state) or state.fast_at != drops:
                 self.graphs.hold(state)
         gate.at, gate.stale_replays = drops, 0
-        gate.stand_aside_if_idle()
+        gate.update()
 
     def listened(self, label: str) -> bool:
         """Whether every storage of the graph's slots tells its death (a drop callback)."""

@@ -2,8 +2,8 @@
 
 Capture recording fills it in, the checks at replay read and settle it, a reset of it or of
 another graph unsettles it. The replay wrapper (patch.py) reads the Gate (is every graph
-outside its held set settled as of the drop count now? then, with nothing held, it stands
-aside) and, when the gate is stale, GraphState.fast_at.
+outside its held set settled as of the drop count now? with nothing held, it stands aside)
+and, when the gate is stale, GraphState.fast_at.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 from repro.diagnose.drops import DropCount
@@ -43,9 +44,18 @@ class GraphState:
     key: int = 0  # id() of its graph object
 
 
+class Mode(IntEnum):
+    """How much the replay wrappers test (each keeps it in its own closure: the cheapest test
+    Python has; compared there as plain ints)."""
+
+    ASIDE = 0  # nothing held, no captured storage died since every graph settled: no test
+    HELD = 1  # no death since every graph outside `held` settled: only held graphs are checked
+    STALE = 2  # a captured storage died since: every graph takes the per-graph test
+
+
 @dataclass
 class Gate:
-    """What the replay wrapper (patch.py) tests before a replay, and when it tests nothing.
+    """What the replay wrappers (patch.py) test before a replay, and when they test nothing.
 
     Every graph whose id is not in `held` is settled (GraphState.fast_at == at) while the drop
     count is still `at`: its replay needs nothing from the hooks. A graph is held from its
@@ -55,43 +65,36 @@ class Gate:
     stale and every replay takes the per-graph test (fast_at) until Checks.reopen has tested the
     settled graphs' storages once and moved `at` on.
 
-    While nothing is held and the gate is open, the wrappers stand aside: a replay tests one
-    flag and counts itself, nothing more. Each wrapper keeps that flag in its own closure (the
-    cheapest test Python has) and gives the gate its setter (`armers`); a death (the drop
-    count's listener), a capture or a hold arms them again. On a host-bound piecewise step
-    (33 replays between eager ops, the wrapper's code and data cold each time) the per-graph
-    lookup cost ~2.2-2.6 us a replay, the gate's test ~1.4 us, standing aside ~0.2 us
-    (docs/PERFORMANCE.md).
+    The wrappers learn the Mode through their setters (`armers`) whenever it changes: at a
+    death (the drop count's listener, inside the deallocation, so the next replay of the graph
+    that lost the storage is checked), a capture, a hold, a settle, a reopen. On a host-bound
+    piecewise step (33 replays between eager ops, the wrapper's code and data cold each time)
+    the per-graph lookup cost ~2.2-2.6 us a replay, the gate's full test ~1.1-1.4 us, standing
+    aside ~0.2 us (docs/PERFORMANCE.md).
     """
 
     drops: DropCount
     at: int = -1  # the drop count as of which every graph outside `held` is settled
     held: set[int] = field(default_factory=set)  # ids of graphs whose replays are checked
     stale_replays: int = 0  # replays that took the per-graph path since `at` went stale
-    aside: bool = False  # the wrappers let every replay through untested
-    armers: list[Callable[[bool], None]] = field(default_factory=list)  # each wrapper's flag setter
+    mode: Mode = Mode.STALE
+    armers: list[Callable[[int], None]] = field(default_factory=list)  # each wrapper's mode setter
 
     def hold(self, key: int) -> None:
         self.held.add(key)
-        self.arm()
+        self.update()
 
     def release(self, key: int) -> None:
         self.held.discard(key)
-        self.stand_aside_if_idle()
+        self.update()
 
-    def arm(self) -> None:
-        """Something may need checking: every wrapper tests its replays again."""
-        if self.aside:
-            self.aside = False
-            for set_armed in self.armers:
-                set_armed(True)
-
-    def stand_aside_if_idle(self) -> None:
-        """Nothing held, no captured storage died since every graph settled: stand aside."""
-        if not self.aside and not self.held and self.at == self.drops.n:
-            self.aside = True
-            for set_armed in self.armers:
-                set_armed(False)
+    def update(self) -> None:
+        """Tell the wrappers what to test, where that changed."""
+        mode = Mode.STALE if self.at != self.drops.n else Mode.HELD if self.held else Mode.ASIDE
+        if mode != self.mode:
+            self.mode = mode
+            for set_mode in self.armers:
+                set_mode(int(mode))
 
 
 class GraphStates:
@@ -101,7 +104,7 @@ class GraphStates:
     def __init__(self, drops: DropCount):
         self.by_id: dict[int, tuple[Any, GraphState]] = {}
         self.gate = Gate(drops)
-        drops.on_drop = self.gate.arm  # a death: the wrappers test again
+        drops.on_drop = self.gate.update  # a death: the wrappers test every graph again
 
     def get(self, graph: torch.cuda.CUDAGraph) -> GraphState | None:
         entry = self.by_id.get(id(graph))

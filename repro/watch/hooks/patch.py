@@ -48,27 +48,27 @@ def patch_graph_class(cls: type, captures: Captures, checks: Checks) -> None:
     gate = checks.graphs.gate
     held, drops = gate.held, gate.drops
 
-    # The per-replay path, inline. Standing aside (graphs.Gate: nothing held, no captured
-    # storage died since every graph settled) a replay tests one closure flag and counts
-    # itself. Armed, a graph outside gate.held costs one compare and one set lookup more while
-    # no storage died; after a death, a settled graph (GraphState.fast_at) costs one dict
-    # lookup, until the checks open the gate again; anything else goes through before_replay.
+    # The per-replay path, inline, by the gate's Mode (graphs.Gate), kept in this closure and
+    # compared as a plain int: 0, standing aside (nothing held, no captured storage died since
+    # every graph settled): one test and a count; 1, only held graphs are checked: one set
+    # lookup more; 2, a storage died since: a settled graph (GraphState.fast_at) costs one dict
+    # lookup until the checks open the gate again. Anything else goes through before_replay.
     # torch's replay takes only `self`: a wrapper of that very signature saves packing
     # *args/**kwargs.
     if takes_only_self(original_replay):
-        armed = not gate.aside
+        mode = int(gate.mode)
 
-        def set_armed(on: bool) -> None:
-            nonlocal armed
-            armed = on
+        def set_mode(now: int) -> None:
+            nonlocal mode
+            mode = now
 
-        gate.armers.append(set_armed)
+        gate.armers.append(set_mode)
 
         @functools.wraps(original_replay)
         def replay(graph):
-            if not armed:
+            if not mode:
                 counters.replays += 1
-            elif gate.at == drops.n and id(graph) not in held:
+            elif mode == 1 and id(graph) not in held:
                 counters.replays += 1
             else:
                 entry = states.get(id(graph))
