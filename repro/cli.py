@@ -26,7 +26,7 @@ from typer.core import TyperGroup
 import repro
 from repro import noise, report
 from repro.run import runs
-from repro.env import doctor, gpus
+from repro.env import doctor, gpus, inventory
 from repro.config import AFTER_FREE, DEVICES, ConfigError, load_preset, override_sources, preset_names
 from repro.run.footprint import needed_bytes
 from repro.run.interrupts import Interrupts, Terminated, checkpoint
@@ -839,7 +839,7 @@ def doctor_cmd(
         check_outputs(out.json_file, None, None, None)
     except ConfigError as e:
         return out.error(e)
-    env = doctor.collect(include_vllm=vllm)
+    env = inventory.collect(include_vllm=vllm)
     doctor.render(env, out.results())
     if out.json_path:
         out.write_json(json.dumps(to_jsonable(env), indent=2) + "\n")

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from repro.run.runs import cache_root
+
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent  # holds repro/ (repro/run/launch.py)
 
 # Children inherit these; NVLink multicast must stay off on shared hosts. This module is the
@@ -49,10 +51,6 @@ REPLY_TIMEOUT_S = 30.0
 CLOSE_WAIT_S = 10.0
 # Exit status given to the ranks of a server that died: they died with it (PR_SET_PDEATHSIG).
 LOST = -signal.SIGKILL
-
-
-def cache_root(env: dict[str, str]) -> Path:
-    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "repro"
 
 
 def with_bytecode_cache(env: dict[str, str], torch_origin: str | None) -> dict[str, str]:

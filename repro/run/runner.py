@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from repro.env import doctor, gpus
+from repro.env import gpus, inventory
 from repro.config import SCENARIOS, TrialConfig, apply_overrides, bare_config, load_preset, validate
 from repro.run.footprint import expected_peak_bytes, fit_reason, gib
 from repro.run.interrupts import Interrupts, Terminated, checkpoint
@@ -89,7 +89,7 @@ def plan(
 
 def environment() -> dict[str, Any]:
     """Host, GPUs (NVML), vLLM, variables; torch's facts are added once a rank reported them."""
-    return doctor.collect(include_torch=False)
+    return inventory.collect(include_torch=False)
 
 
 def with_runtime(env: dict[str, Any], trials: list[TrialRecord]) -> dict[str, Any]:
@@ -97,7 +97,7 @@ def with_runtime(env: dict[str, Any], trials: list[TrialRecord]) -> dict[str, An
     them; when none did, torch's installed version from package metadata (no import)."""
     reported = next((t.runtime for t in trials if t.runtime), None)
     env = {**env, "torch": reported or installed_torch()}
-    env["summary"] = doctor.inventory_line(env)
+    env["summary"] = inventory.inventory_line(env)
     return env
 
 
