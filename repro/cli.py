@@ -27,11 +27,11 @@ import repro
 from repro import noise, report
 from repro.run import runs
 from repro.env import doctor, gpus, inventory
-from repro.config import AFTER_FREE, DEVICES, ConfigError, load_preset, override_sources, preset_names
+from repro.config import ConfigError, load_preset, override_sources, preset_names
 from repro.run.footprint import needed_bytes
 from repro.run.interrupts import Interrupts, Terminated, checkpoint
 from repro.run.launch import RankServer, runs_trials
-from repro.outcome import GuardMode, Outcome, Report, to_jsonable
+from repro.outcome import AfterFreeKnob, Device, GuardMode, Outcome, Report, to_jsonable
 from repro.output import MATRIX_EXITS, TRIAL_EXITS, WATCH_EXITS, Exit, Output, exit_codes_help
 from repro.run.preflight import check_outputs, refuse_ignored
 from repro.run.protocol import FAULTS
@@ -175,7 +175,7 @@ def root(
 
 def cpu_warnings(planned: list[Planned]) -> list[str]:
     """Options that cannot act on CPU, said before the run rather than silently ignored."""
-    on_cpu = [p for p in planned if p.device == "cpu"]
+    on_cpu = [p for p in planned if p.device == Device.CPU]
     found = []
     if any(p.cfg.run.guard == GuardMode.OFF for p in on_cpu):
         found.append(
@@ -289,7 +289,7 @@ GuardOpt = Annotated[
     ),
 ]
 DeviceOpt = Annotated[
-    Optional[choices(DEVICES)],
+    Optional[choices(Device)],
     typer.Option(
         "--device", help=with_default("auto: GPU if NVML sees one; cuda; cpu: gloo, no graphs, guard verdicts.", "auto")
     ),
@@ -382,7 +382,7 @@ def steps_opt(spec: ScenarioSpec) -> Any:
 
 def after_free_opt(spec: ScenarioSpec) -> Any:
     return Annotated[
-        Optional[choices(AFTER_FREE)],
+        Optional[choices(AfterFreeKnob)],
         typer.Option(
             "--after-free",
             help=with_default(

@@ -20,7 +20,18 @@ from typing import Any, Callable
 from urllib.parse import quote
 
 from repro.scenarios import SCENARIO_RUN_KEYS, SCENARIOS, RecordField, StepColumn, record_fields, step_columns
-from repro.outcome import Finding, FirstFailure, GuardMode, Outcome, RankExit, Report, Status, StepRecord, TrialRecord
+from repro.outcome import (
+    Device,
+    Finding,
+    FirstFailure,
+    GuardMode,
+    Outcome,
+    RankExit,
+    Report,
+    Status,
+    StepRecord,
+    TrialRecord,
+)
 from repro.report.groups import FindingGroup, group_findings
 from repro.report.fmt import (
     fmt_bytes,
@@ -151,7 +162,7 @@ def trial_device(trial: TrialRecord) -> str:
     if trial.device:
         return trial.device
     forced = run_config(trial).get("device")  # reports written before the field existed
-    return forced if forced in ("cpu", "cuda") else ""
+    return forced if forced in (Device.CPU, Device.CUDA) else ""
 
 
 def after_free(trial: TrialRecord) -> str:
@@ -226,7 +237,7 @@ def verdict_basis(trial: TrialRecord) -> list[str]:
     Only for verdicts the run itself produced: a HANG, CRASH or UNSUPPORTED (or a CUDA error
     from an injected fault) says nothing about the guard or the comparison.
     """
-    if trial_device(trial) != "cpu" or trial.graph_replayed:
+    if trial_device(trial) != Device.CPU or trial.graph_replayed:
         return []
     captured = "capture" in trial.timings  # a dry-run capture ran (selftest has none)
     guard_on = run_config(trial).get("guard", GuardMode.WARN) != GuardMode.OFF
@@ -247,7 +258,7 @@ def scenario_lines(trial: TrialRecord) -> list[str]:
 
 def option_notes(trial: TrialRecord) -> list[str]:
     """Options the trial asked for that could not act where it ran."""
-    if trial_device(trial) == "cpu" and run_config(trial).get("forensics"):
+    if trial_device(trial) == Device.CPU and run_config(trial).get("forensics"):
         return [CPU_FORENSICS_NOTE]
     return []
 
@@ -465,7 +476,7 @@ def stack_facts(label: str, stack: list[str]) -> list[Fact]:
 class FindingView:
     """One problem: a group of findings (every graph, rank and layer that shows it)."""
 
-    status: str
+    status: Status | str  # a Status; a record of another version may hold one this one lacks
     slot: str  # the name, or its pattern when the members' names differ
     rank: int  # the first member's
     tone: str
@@ -845,7 +856,7 @@ def summary_line(report: Report) -> str:
     if unsupported:
         text += f"; {unsupported} UNSUPPORTED (not run, not a pass)"
     ran = [t for t in trials if t.outcome is not Outcome.UNSUPPORTED]
-    on_cpu = sum(1 for t in ran if trial_device(t) == "cpu")
+    on_cpu = sum(1 for t in ran if trial_device(t) == Device.CPU)
     if on_cpu and on_cpu == len(ran):
         text += "; CPU run: no CUDA graph was replayed"
     elif on_cpu:
