@@ -160,7 +160,8 @@ class AfterFree:
     note: str = ""
     holders: list[torch.Tensor] = field(default_factory=list, repr=False)
 
-    def summary(self) -> dict[str, Any]:
+    def as_record(self) -> dict[str, Any]:
+        """The trial record's after_free detail: what the knob wrote and where (no tensors)."""
         return {
             "knob": self.knob,
             "blocks": self.blocks,

@@ -147,7 +147,7 @@ class WorkerContext:
         findings, regions, note = [], [], ""
         if self.census is not None:
             findings, regions = self.census.dead_blocks(when)
-            self.detail(census=self.census.summary(), census_errors=self.census.errors)
+            self.detail(census=self.census.graph_counts(), census_errors=self.census.errors)
             self.note(self.census.census_line())
         elif self.on_gpu:
             note = "no graph census here, so no freed captured block to target"
