@@ -32,7 +32,7 @@ from repro.outcome import (
     StepRecord,
     TrialRecord,
 )
-from repro.report.groups import FindingGroup, group_findings
+from repro.report.groups import FindingGroup, group_findings, unique
 from repro.report.fmt import (
     fmt_bytes,
     fmt_expected,
@@ -41,9 +41,8 @@ from repro.report.fmt import (
     fmt_ranges,
     fmt_seconds,
     fmt_value,
+    last_lines,
     plain,
-    tail,
-    unique,
 )
 
 CPU_NOTE = "No CUDA graph was replayed (CPU run): the verdict comes from the stale-capture guard."
@@ -408,9 +407,9 @@ def group_address(g: FindingGroup) -> str:
 
 
 def seen_text(group: list[Finding]) -> str:
-    graphs = unique(x.graph for x in group)
+    graphs = unique(x.graph for x in group if x.graph)
     where = f" in {len(graphs)} graphs: " if len(graphs) > 1 else " in graph "
-    return " | ".join(unique(x.when for x in group)) + where + ", ".join(graphs)
+    return " | ".join(unique(x.when for x in group if x.when)) + where + ", ".join(graphs)
 
 
 def names_text(g: FindingGroup) -> str | None:
@@ -813,7 +812,7 @@ def trial_view(index: int, trial: TrialRecord, link_base: Path | None = None) ->
         artifacts=[Artifact(k, str(v), artifact_href(str(v), link_base)) for k, v in trial.artifacts.items()],
         ranks=TableView("Rank exits", list(RANK_COLUMNS), table_rows(RANK_COLUMNS, trial.ranks, abnormal)),
         show_ranks=trial.outcome in EXIT_OUTCOMES and bool(trial.ranks),
-        stderr_tails=[(r.rank, tail(r.stderr_tail)) for r in trial.ranks if tail(r.stderr_tail)],
+        stderr_tails=[(r.rank, last_lines(r.stderr_tail)) for r in trial.ranks if last_lines(r.stderr_tail)],
         record=trial,
     )
 
