@@ -31,6 +31,7 @@ from repro.config import ConfigError, load_preset, override_sources, preset_name
 from repro.run.footprint import needed_bytes
 from repro.run.interrupts import Interrupts, Terminated, checkpoint
 from repro.run.launch import RankServer, runs_trials
+from repro.report.jsonfile import json_text
 from repro.outcome import AfterFreeKnob, Device, GuardMode, Outcome, Report, to_jsonable
 from repro.output import MATRIX_EXITS, TRIAL_EXITS, WATCH_EXITS, Exit, Output, exit_codes_help
 from repro.run.preflight import check_outputs, refuse_ignored
@@ -842,7 +843,7 @@ def doctor_cmd(
     env = inventory.collect(include_vllm=vllm)
     doctor.render(env, out.results())
     if out.json_path:
-        out.write_json(json.dumps(to_jsonable(env), indent=2) + "\n")
+        out.write_json(json_text(to_jsonable(env)))
     return Exit.OK
 
 
@@ -880,7 +881,7 @@ def vllm_audit(
         return out.error(e)
     audit.render(result, out.results())
     if out.json_path:
-        out.write_json(json.dumps(result.to_dict(), indent=2) + "\n")
+        out.write_json(json_text(result.to_dict()))
     missing = audit.missing_required(result, require or [])
     if missing:
         out.note(f"required fixes not present: {', '.join(missing)}")
