@@ -976,7 +976,7 @@ def report_watch(make_report, json_path, junit, html) -> int:
     watch_report.render(rep, out.progress())
     if out.json_path:
         out.write_json(watch_report.report_json(rep))
-    watch_report.write_artifacts(rep, None, junit and str(junit), html and str(html))
+    watch_report.write_artifacts(rep, junit and str(junit), html and str(html))
     return rep.exit
 
 
