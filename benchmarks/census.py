@@ -62,7 +62,7 @@ def region_row(name: str, book: CensusBook, first_ms: float, graph: str, rounds:
         "check_one_graph_ms": one,
         "check_all_graphs_ms": every,
         "findings": [f.message for f in findings],
-        "censuses": [c.summary() for c in censuses],
+        "censuses": [c.counts() for c in censuses],
         "unreadable_samples": [u for c in censuses for u in c.unreadable][:5],
         "errors": book.errors,
     }

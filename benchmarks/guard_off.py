@@ -18,7 +18,7 @@ from pathlib import Path
 
 from common import emit
 from repro.env import gpus
-from repro.config import AFTER_FREE
+from repro.outcome import AfterFreeKnob
 from repro.run.runner import plan, run_planned
 
 GUARDS = ("warn", "off")
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int)
     ap.add_argument("--steps", type=int)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--after-free", nargs="*", default=list(AFTER_FREE))
+    ap.add_argument("--after-free", nargs="*", default=[k.value for k in AfterFreeKnob])
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--json")
     args = ap.parse_args()

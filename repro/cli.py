@@ -26,12 +26,13 @@ from typer.core import TyperGroup
 import repro
 from repro import noise, report
 from repro.run import runs
-from repro.env import doctor, gpus
-from repro.config import AFTER_FREE, DEVICES, ConfigError, load_preset, override_sources, preset_names
+from repro.env import doctor, gpus, inventory
+from repro.config import ConfigError, load_preset, override_sources, preset_names
 from repro.run.footprint import needed_bytes
 from repro.run.interrupts import Interrupts, Terminated, checkpoint
 from repro.run.launch import RankServer, runs_trials
-from repro.outcome import GuardMode, Outcome, Report, to_jsonable
+from repro.report.jsonfile import json_text
+from repro.outcome import AfterFreeKnob, Device, GuardMode, Outcome, Report, to_jsonable
 from repro.output import MATRIX_EXITS, TRIAL_EXITS, WATCH_EXITS, Exit, Output, exit_codes_help
 from repro.run.preflight import check_outputs, refuse_ignored
 from repro.run.protocol import FAULTS
@@ -175,7 +176,7 @@ def root(
 
 def cpu_warnings(planned: list[Planned]) -> list[str]:
     """Options that cannot act on CPU, said before the run rather than silently ignored."""
-    on_cpu = [p for p in planned if p.device == "cpu"]
+    on_cpu = [p for p in planned if p.device == Device.CPU]
     found = []
     if any(p.cfg.run.guard == GuardMode.OFF for p in on_cpu):
         found.append(
@@ -289,7 +290,7 @@ GuardOpt = Annotated[
     ),
 ]
 DeviceOpt = Annotated[
-    Optional[choices(DEVICES)],
+    Optional[choices(Device)],
     typer.Option(
         "--device", help=with_default("auto: GPU if NVML sees one; cuda; cpu: gloo, no graphs, guard verdicts.", "auto")
     ),
@@ -382,7 +383,7 @@ def steps_opt(spec: ScenarioSpec) -> Any:
 
 def after_free_opt(spec: ScenarioSpec) -> Any:
     return Annotated[
-        Optional[choices(AFTER_FREE)],
+        Optional[choices(AfterFreeKnob)],
         typer.Option(
             "--after-free",
             help=with_default(
@@ -839,10 +840,10 @@ def doctor_cmd(
         check_outputs(out.json_file, None, None, None)
     except ConfigError as e:
         return out.error(e)
-    env = doctor.collect(include_vllm=vllm)
+    env = inventory.collect(include_vllm=vllm)
     doctor.render(env, out.results())
     if out.json_path:
-        out.write_json(json.dumps(to_jsonable(env), indent=2) + "\n")
+        out.write_json(json_text(to_jsonable(env)))
     return Exit.OK
 
 
@@ -880,7 +881,7 @@ def vllm_audit(
         return out.error(e)
     audit.render(result, out.results())
     if out.json_path:
-        out.write_json(json.dumps(result.to_dict(), indent=2) + "\n")
+        out.write_json(json_text(result.to_dict()))
     missing = audit.missing_required(result, require or [])
     if missing:
         out.note(f"required fixes not present: {', '.join(missing)}")
@@ -984,7 +985,7 @@ def report_watch(make_report, json_path, junit, html) -> int:
     watch_report.render(rep, out.progress())
     if out.json_path:
         out.write_json(watch_report.report_json(rep))
-    watch_report.write_artifacts(rep, None, junit and str(junit), html and str(html))
+    watch_report.write_artifacts(rep, junit and str(junit), html and str(html))
     return rep.exit
 
 

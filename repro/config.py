@@ -18,15 +18,13 @@ from pathlib import Path
 from typing import Any
 
 # The scenario facts live in the registry; re-exported here for config's readers.
-from repro.outcome import GuardMode, parse_expectation
+from repro.outcome import AfterFreeKnob, Device, GuardMode, parse_expectation
 from repro.scenarios import SCENARIO_RUN_KEYS, SCENARIOS, ScenarioSpec  # noqa: F401
 
 # The presets ship inside the package (a wheel install has them too); they are plain TOML files
 # on disk, so `repro presets NAME` can show them and users can copy one and pass --config FILE.
 CONFIG_DIR = Path(os.environ.get("REPRO_CONFIGS") or str(importlib.resources.files("repro") / "configs"))
 
-AFTER_FREE = ("keep", "release", "reuse", "poison")
-DEVICES = ("auto", "cuda", "cpu")
 # Collective timeouts are set past the deadline (a timedelta, in int milliseconds inside torch);
 # a week is far beyond any trial and far inside what those can hold.
 MAX_DEADLINE_S = 7 * 24 * 3600.0
@@ -44,9 +42,11 @@ class CommonRun:
     tp: int = 1
     steps: int = 8
     seed: int = 0
-    after_free: str = ""  # "" -> the scenario's default
-    guard: str = "warn"  # a GuardMode's string (a plain str: coerce types values by the default's)
-    device: str = "auto"
+    # The closed sets below hold plain strings, their enum's values: coerce types a value by its
+    # default's type, and the records keep the same JSON.
+    after_free: str = ""  # an AfterFreeKnob; "" -> the scenario's default
+    guard: str = GuardMode.WARN.value  # a GuardMode
+    device: str = Device.AUTO.value  # a Device
     deadline_s: float = 180.0  # the whole trial's budget: past it, DEADLINE (or HANG if stuck)
     stall_s: float = 60.0  # no record from any rank this long: HANG (the progress watchdog)
     forensics: bool = False
@@ -308,9 +308,9 @@ def validate(cfg: TrialConfig, sources: dict[str, str] | None = None) -> TrialCo
         f"stall_s = {r.stall_s} must be > 0 and at most {MAX_DEADLINE_S:g} seconds (one week)",
     )
     check(r.guard in tuple(GuardMode), at("guard"), f"guard = {r.guard!r} is not one of {', '.join(GuardMode)}")
-    check(r.device in DEVICES, at("device"), f"device = {r.device!r} is not one of {', '.join(DEVICES)}")
+    check(r.device in tuple(Device), at("device"), f"device = {r.device!r} is not one of {', '.join(Device)}")
     check(
-        not (r.share_gpu and r.device == "cpu"),
+        not (r.share_gpu and r.device == Device.CPU),
         at("share_gpu"),
         "share_gpu = true with device = cpu: CPU ranks always share the host over gloo; drop --share-gpu "
         "or use --device cuda",
@@ -318,9 +318,9 @@ def validate(cfg: TrialConfig, sources: dict[str, str] | None = None) -> TrialCo
     if r.after_free == "":
         r.after_free = spec.default_after_free
     check(
-        r.after_free in AFTER_FREE,
+        r.after_free in tuple(AfterFreeKnob),
         at("after_free"),
-        f"after_free = {r.after_free!r} is not one of {', '.join(AFTER_FREE)}",
+        f"after_free = {r.after_free!r} is not one of {', '.join(AfterFreeKnob)}",
     )
     for key in sorted(SCENARIO_RUN_KEYS - set(spec.run_key_names)):
         check(

@@ -129,6 +129,24 @@ class GuardMode(StrEnum):
     RAISE = "raise"  # check() raises StaleCaptureError at the first finding
 
 
+class AfterFreeKnob(StrEnum):
+    """[run] after_free, --after-free: what the freed captured blocks hold before the next replay
+    (repro/rank/graphs.py writes it). Here, beside GuardMode, so the config and the rank share it."""
+
+    KEEP = "keep"  # left cached and untouched
+    RELEASE = "release"  # gc.collect() + empty_cache() return empty segments to the driver
+    REUSE = "reuse"  # plausible values written over them, as another tensor would leave
+    POISON = "poison"  # 0xFF bytes written over them
+
+
+class Device(StrEnum):
+    """[run] device, --device: where a trial's ranks run. A planned trial's device is CUDA or CPU."""
+
+    AUTO = "auto"  # CUDA where NVML sees a GPU, else CPU
+    CUDA = "cuda"
+    CPU = "cpu"  # gloo, no graphs: the guard's verdicts
+
+
 class Status(StrEnum):
     """What became of a captured storage (guard) or block (census): a Finding's status.
 

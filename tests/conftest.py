@@ -22,6 +22,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in listed:
             item.add_marker(pytest.mark.slow)
+    skip_without_gpus(items)
+
+
+def skip_without_gpus(items) -> None:
+    """`gpu` and `multi_gpu` tests skip where CUDA has too few GPUs, so a -m of one's own that
+    does not exclude them (`-m "not slow"`) still passes on a CPU machine."""
+    wanted = {m for item in items for m in ("gpu", "multi_gpu") if item.get_closest_marker(m)}
+    if not wanted:
+        return
+    import torch  # only when a GPU test was collected
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        if item.get_closest_marker("multi_gpu") and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs two or more CUDA GPUs ({gpus} here)"))
+        elif item.get_closest_marker("gpu") and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 
 
 @pytest.fixture

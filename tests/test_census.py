@@ -566,7 +566,7 @@ def test_census_line_counts_what_is_not_a_finding():
     a = GraphCensus(label="A", pool=GRAPH_POOL, kernels=3, own_pool=4, outside=1, free_at_capture=2)
     a.references.append(Reference(0, "kernel", "k", "param 0 +0", 0, LOCAL, BlockIndex.of(AT_CAPTURE).find(LOCAL)))
     a.foreign_pools["graph 'B'"] = 1
-    line = C.census_line([a.summary()], ["graph 'C': no raw CUDA graph"])
+    line = C.census_line([a.counts()], ["graph 'C': no raw CUDA graph"])
     assert "1 graphs, 3 kernels, 1 captured addresses" in line
     assert "4 in the own pool, 1 outside the allocator, 2 into blocks already free at capture" in line
     assert "other pools (graph 'B')" in line and "not read: graph 'C'" in line
@@ -767,7 +767,7 @@ def test_words_handed_to_the_guard_leave_the_census_and_are_counted_held():
     taken, left = census.pending
     book.hand_over(census, [left])
     assert census.pending == [left] and census.held == [taken.addr]
-    assert census.summary()["held"] == 1 and book.held_in(LOCAL, LOCAL + 65) and not book.held_in(LOCAL, LOCAL + 64)
+    assert census.counts()["held"] == 1 and book.held_in(LOCAL, LOCAL + 65) and not book.held_in(LOCAL, LOCAL + 64)
     assert "(and 1 in storages the guard names, checked through it)" in book.census_line()
     # A guard finding in a storage the census handed over is one mechanism's, with no
     # disagreement; one the census never saw still says so.

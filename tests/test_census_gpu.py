@@ -79,7 +79,7 @@ def test_raw_triton_kernel_reading_a_freed_buffer_is_seen_only_by_the_census():
     ptr = src.data_ptr()
     book.resolve()  # words are matched at the first check
     census: GraphCensus = book.censuses["triton twice"]
-    assert any(r.addr == ptr and "twice_kernel" in r.kernel for r in census.references), census.summary()
+    assert any(r.addr == ptr and "twice_kernel" in r.kernel for r in census.references), census.counts()
     del src  # freed after capture
     [f] = [f for f in only_census_sees(book, guard, ptr) if holds(f, ptr)]
     assert "twice_kernel" in f.census["kernel"] and f.census["where"].startswith("param ")
@@ -154,7 +154,7 @@ def test_cublas_workspace_in_an_earlier_graphs_pool_is_seen_only_by_the_census()
     graph_b = capture(lambda x: x @ b, (a,), "B", guard, census=book)
     book.resolve()  # words are matched at the first check
     census_b = book.censuses["B"]
-    assert census_b.foreign_pools.get("graph 'A'", 0) > 0, census_b.summary()
+    assert census_b.foreign_pools.get("graph 'A'", 0) > 0, census_b.counts()
     workspace = next(r for r in census_b.references if r.block.pool == book.censuses["A"].pool)
     assert book.check("after capture") == [] and guard.check("after capture") == []
     torch._C._cuda_clearCublasWorkspaces()  # what retiring graphs may do

@@ -166,6 +166,24 @@ def test_doctor_without_gpu_exits_0(monkeypatch):
     assert "torch" in env and "gpus" in env
 
 
+def test_doctor_json_goes_through_the_strict_writer(monkeypatch):
+    """What NVML or the host says may hold what plain json.dumps would write as bare NaN or as a
+    lone surrogate; the doctor's JSON is strict like every report's."""
+    import repro.env.inventory
+
+    monkeypatch.setattr(
+        repro.env.inventory, "collect", lambda **k: {"host": {"hostname": "h\udcff"}, "x": float("nan")}
+    )
+    monkeypatch.setattr("repro.env.doctor.render", lambda env, console: None)
+    result = invoke("doctor", "--json", "-")
+    assert result.exit_code == 0, result.stderr
+
+    def reject(token):
+        raise AssertionError(f"non-standard JSON token {token}")
+
+    assert json.loads(result.stdout, parse_constant=reject) == {"host": {"hostname": "h\ufffd"}, "x": "NaN"}
+
+
 def test_selftest_json_stdout_is_only_json(tmp_path, no_gpu):
     result = invoke("selftest", "--tp", "2", "--steps", "2", "--artifacts", str(tmp_path), "--json", "-")
     assert result.exit_code == 0, result.stderr

@@ -14,7 +14,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from repro.env import doctor, gpus
+from repro.env import doctor, gpus, inventory
 
 H200_MIB = 143771
 UUID0 = "GPU-11111111-aaaa-bbbb-cccc-000000000000"
@@ -183,7 +183,7 @@ def two_bridged_gpus(**kwargs) -> FakeNvml:
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    for name in doctor.ENV_VARS:
+    for name in inventory.ENV_VARS:
         monkeypatch.delenv(name, raising=False)
 
 
@@ -198,7 +198,7 @@ def text_of(env: dict) -> str:
 
 def test_two_gpus_with_nvlink_bridge():
     nvml = two_bridged_gpus()
-    env = doctor.collect(nvml=nvml)
+    env = inventory.collect(nvml=nvml)
     assert env["nvml_error"] is None
     assert env["driver"] == {"version": "580.159.04", "cuda": "13.0", "nvml": "13.580.159.04"}
     assert [gpu["index"] for gpu in env["gpus"]] == [0, 1]
@@ -233,7 +233,7 @@ def test_two_gpus_on_nvswitch_fabric():
     nvml = FakeNvml(
         [fake_gpu(UUID0, 0x18, switched()), fake_gpu(UUID1, 0x2A, switched())], topology=pynvml.NVML_TOPOLOGY_SYSTEM
     )
-    pair = doctor.collect(nvml=nvml)["gpu_pairs"][0]
+    pair = inventory.collect(nvml=nvml)["gpu_pairs"][0]
     assert (pair["nvlinks"], pair["nvlink_via"], pair["link"]) == (18, "nvswitch", "NV18")
     assert pair["topology"] == "SYS"
 
@@ -245,7 +245,7 @@ def test_pcie_only_pair_reports_pcie_path():
         topology=pynvml.NVML_TOPOLOGY_HOSTBRIDGE,
         p2p=pynvml.NVML_P2P_STATUS_CHIPSET_NOT_SUPPORTED,
     )
-    env = doctor.collect(nvml=nvml)
+    env = inventory.collect(nvml=nvml)
     assert env["gpus"][0]["nvlink"] == {"active": 0, "to_switch": 0, "peers": {}}
     pair = env["gpu_pairs"][0]
     assert (pair["nvlinks"], pair["link"], pair["p2p_read"]) == (0, "PHB", "chipset not supported")
@@ -253,12 +253,12 @@ def test_pcie_only_pair_reports_pcie_path():
 
 def test_links_past_max_links_constant_are_not_queried():
     nvml = two_bridged_gpus(max_links=4)
-    assert doctor.collect(nvml=nvml)["gpus"][0]["nvlink"]["active"] == 4
+    assert inventory.collect(nvml=nvml)["gpus"][0]["nvlink"]["active"] == 4
 
 
 def test_inventory_line_two_gpus():
-    env = doctor.collect(nvml=two_bridged_gpus())
-    line = doctor.inventory_line(env)
+    env = inventory.collect(nvml=two_bridged_gpus())
+    line = inventory.inventory_line(env)
     assert line.startswith(f"2x NVIDIA H200 ({H200_MIB} MiB), driver 580.159.04, CUDA 13.0 | torch {torch.__version__}")
     assert line.endswith(f" | python {env['host']['python']}")
 
@@ -272,7 +272,7 @@ def test_inventory_line_fixed_inventory():
         "vllm": {"installed": False},
         "env": {},
     }
-    assert doctor.inventory_line(env) == (
+    assert inventory.inventory_line(env) == (
         "2x NVIDIA H200 (143771 MiB), driver 580.159.04, CUDA 13.0 | torch 2.11.0+cu130, NCCL 2.27.7 | python 3.12.3"
     )
 
@@ -285,7 +285,7 @@ def test_inventory_line_no_gpu():
         "torch": {"version": "2.13.0+cpu", "nccl": None},
         "vllm": {"installed": False},
     }
-    assert doctor.inventory_line(env) == ("no GPU (NVML: Driver Not Loaded) | torch 2.13.0+cpu | python 3.11.7")
+    assert inventory.inventory_line(env) == ("no GPU (NVML: Driver Not Loaded) | torch 2.13.0+cpu | python 3.11.7")
 
 
 UNSUPPORTED = {
@@ -307,7 +307,7 @@ UNSUPPORTED = {
 )
 def test_unsupported_queries_give_none(error):
     nvml = two_bridged_gpus(unsupported=UNSUPPORTED, error=error)
-    env = doctor.collect(nvml=nvml)
+    env = inventory.collect(nvml=nvml)
     assert env["nvml_error"] is None
     assert len(env["gpus"]) == 2
     for gpu in env["gpus"]:
@@ -344,14 +344,14 @@ def test_function_missing_from_old_binding_gives_none():
     class OldBinding(FakeNvml):
         nvmlDeviceGetRemappedRows = None  # an nvidia-ml-py that predates the call
 
-    env = doctor.collect(nvml=OldBinding([fake_gpu(UUID0, 0x18, [])]))
+    env = inventory.collect(nvml=OldBinding([fake_gpu(UUID0, 0x18, [])]))
     assert env["gpus"][0]["remapped_rows"] is None
     assert env["gpus"][0]["ecc_enabled"] is True
 
 
 def test_lost_gpu_is_listed_with_its_error():
     nvml = two_bridged_gpus(lost={1})
-    env = doctor.collect(nvml=nvml)
+    env = inventory.collect(nvml=nvml)
     assert env["gpus"][0]["health"] == "ok"
     lost = env["gpus"][1]
     assert lost["error"] == "GPU is lost" and lost["name"] is None
@@ -370,17 +370,17 @@ def test_lost_gpu_is_listed_with_its_error():
 )
 def test_nvml_init_failure(error, reason):
     nvml = FakeNvml([], init_error=error)
-    env = doctor.collect(nvml=nvml)
+    env = inventory.collect(nvml=nvml)
     assert env["gpus"] == [] and env["gpu_pairs"] == []
     assert env["nvml_error"] == reason
     assert env["driver"] is None
-    assert doctor.inventory_line(env).startswith(f"no GPU (NVML: {reason}) | torch ")
+    assert inventory.inventory_line(env).startswith(f"no GPU (NVML: {reason}) | torch ")
     assert gpus.gpu_count(nvml) == 0
     json.dumps(env)
 
 
 def test_real_nvml_never_raises():
-    env = doctor.collect()
+    env = inventory.collect()
     assert set(env) == {"host", "nvml_error", "driver", "gpus", "gpu_pairs", "torch", "vllm", "env"}
     if env["nvml_error"] is not None:
         assert env["gpus"] == [] and env["gpu_pairs"] == []
@@ -394,16 +394,16 @@ def test_health_reports_problems():
         "ecc_uncorrected_aggregate": 5,
         "remapped_rows": {"corrected": 0, "uncorrected": 1, "pending": True, "failure": False},
     }
-    health = doctor.gpu_health(gpu)
+    health = inventory.gpu_health(gpu)
     assert "2 uncorrectable ECC since boot" in health
     assert "5 uncorrectable ECC lifetime" in health
     assert "pending" in health
-    assert doctor.gpu_health({"ecc_enabled": False}) == "ECC off"
+    assert inventory.gpu_health({"ecc_enabled": False}) == "ECC off"
 
 
 @pytest.mark.parametrize("version, text", [(13000, "13.0"), (12080, "12.8"), (12020, "12.2"), (None, None), (0, None)])
 def test_cuda_version_text(version, text):
-    assert doctor.cuda_version_text(version) == text
+    assert inventory.cuda_version_text(version) == text
 
 
 # --------------------------------------------------------------------------- gpu_count
@@ -456,17 +456,17 @@ def test_gpu_count_without_nvml():
 
 def test_cuda_visible_devices_maps_cuda_indices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    env = doctor.collect(nvml=two_bridged_gpus())
+    env = inventory.collect(nvml=two_bridged_gpus())
     assert [gpu["cuda_index"] for gpu in env["gpus"]] == [None, 0]
     assert env["env"] == {"CUDA_VISIBLE_DEVICES": "1"}
-    assert "2x NVIDIA H200 (143771 MiB) [1 visible]" in doctor.inventory_line(env)
+    assert "2x NVIDIA H200 (143771 MiB) [1 visible]" in inventory.inventory_line(env)
 
 
 def test_env_lists_only_set_variables(monkeypatch):
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     monkeypatch.setenv("UNRELATED_VARIABLE", "x")
-    env = doctor.collect(nvml=two_bridged_gpus())
+    env = inventory.collect(nvml=two_bridged_gpus())
     assert env["env"] == {"NCCL_NVLS_ENABLE": "0", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
@@ -474,7 +474,7 @@ def test_env_lists_only_set_variables(monkeypatch):
 
 
 def test_render_two_gpus():
-    env = doctor.collect(nvml=two_bridged_gpus())
+    env = inventory.collect(nvml=two_bridged_gpus())
     out = text_of(env)
     assert out.count("NVIDIA H200") >= 2
     assert "NV18" in out and "P2P OK" in out
@@ -485,7 +485,7 @@ def test_render_two_gpus():
 
 
 def test_render_no_gpu():
-    env = doctor.collect(nvml=FakeNvml([], init_error=pynvml.NVMLError_DriverNotLoaded))
+    env = inventory.collect(nvml=FakeNvml([], init_error=pynvml.NVMLError_DriverNotLoaded))
     out = text_of(env)
     assert "no GPU found" in out and "Driver Not Loaded" in out
     assert torch.__version__ in out
@@ -493,14 +493,14 @@ def test_render_no_gpu():
 
 def test_render_does_not_read_markup_from_values(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "[bold]x[/bold]")
-    assert "[bold]x[/bold]" in text_of(doctor.collect(nvml=two_bridged_gpus()))
+    assert "[bold]x[/bold]" in text_of(inventory.collect(nvml=two_bridged_gpus()))
 
 
 # --------------------------------------------------------------------------- software side
 
 
 def test_torch_facts_read_without_cuda():
-    facts = doctor.collect(nvml=two_bridged_gpus())["torch"]
+    facts = inventory.collect(nvml=two_bridged_gpus())["torch"]
     assert facts["version"] == torch.__version__
     assert facts["cuda"] == torch.version.cuda
     assert facts["graph_check_input_liveness"] == (
@@ -510,8 +510,8 @@ def test_torch_facts_read_without_cuda():
 
 
 def test_collect_never_initializes_cuda():
-    doctor.collect(include_vllm=True)
-    doctor.collect(include_vllm=True, nvml=two_bridged_gpus())
+    inventory.collect(include_vllm=True)
+    inventory.collect(include_vllm=True, nvml=two_bridged_gpus())
     gpus.gpu_count()
     assert torch.cuda.is_initialized() is False
 
@@ -527,7 +527,7 @@ def test_vllm_absent_is_not_imported(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "distribution", distribution)
     monkeypatch.delitem(sys.modules, "vllm", raising=False)
     for include in (False, True):
-        assert doctor.collect(include_vllm=include, nvml=two_bridged_gpus())["vllm"] == {
+        assert inventory.collect(include_vllm=include, nvml=two_bridged_gpus())["vllm"] == {
             "installed": False,
             "version": None,
         }
@@ -547,11 +547,11 @@ def test_vllm_present_is_read_from_metadata_only(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "vllm", raising=False)
 
-    assert doctor.collect(nvml=two_bridged_gpus())["vllm"] == {"installed": True, "version": "0.11.0"}
-    env = doctor.collect(include_vllm=True, nvml=two_bridged_gpus())
+    assert inventory.collect(nvml=two_bridged_gpus())["vllm"] == {"installed": True, "version": "0.11.0"}
+    env = inventory.collect(include_vllm=True, nvml=two_bridged_gpus())
     assert env["vllm"]["version"] == "0.11.0"
     assert env["vllm"]["location"] == str(tmp_path / "vllm")
     assert env["vllm"]["requires_torch"] == ["torch==2.9.0"]
     assert "vllm" not in sys.modules
-    assert doctor.inventory_line(env).split(" | ")[1].endswith(", vllm 0.11.0")
+    assert inventory.inventory_line(env).split(" | ")[1].endswith(", vllm 0.11.0")
     assert "0.11.0" in text_of(env)

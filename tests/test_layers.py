@@ -307,3 +307,33 @@ def test_the_public_paths_re_export_everything_public():
     assert {"CaptureGuard", "StaleCaptureError"} <= set(dir(importlib.import_module("repro.guard")))
     assert {"CensusBook", "PoolMap"} <= set(dir(importlib.import_module("repro.census")))
     assert repro.expect_stable is importlib.import_module("repro.stability").expect_stable
+
+
+# -- imports that would point the wrong way ------------------------------------------------------
+# The trial parent's runner needs the inventory, not the doctor's tables (rich at import); where
+# run folders go needs nothing of the launcher; torch's facts need nothing of the guard. Checked in
+# the source, at any depth: a lazy import inside a function points the same way.
+WRONG_WAY = {
+    "repro/run/runner.py": {"rich", "repro.env.doctor"},
+    "repro/env/inventory.py": {"rich", "torch"},
+    "repro/run/runs.py": {"repro.run.launch"},
+    "repro/env/runtime.py": {"repro.diagnose.guard"},
+}
+
+
+def imported_modules(path) -> set[str]:
+    """Every module a file imports, and each of its parents (a.b.c: a, a.b, a.b.c), at any depth."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 2)}
+
+
+def test_no_import_points_the_wrong_way():
+    bad = {path: sorted(unwanted & imported_modules(REPO / path)) for path, unwanted in WRONG_WAY.items()}
+    assert not any(bad.values()), bad

@@ -20,7 +20,7 @@ from conftest import alive
 from repro.run.isolate import run_trial
 from repro.run.launch import RankServer, ServerUnavailable, child_env, runs_trials
 from repro.outcome import Outcome
-from repro.run.protocol import records_path
+from repro.run.protocol import ServerOp, records_path
 from repro.run.runner import plan
 
 
@@ -34,6 +34,12 @@ def start_record(trial_dir, rank):
         for line in records_path(trial_dir, rank).read_text().splitlines()
         if json.loads(line)["event"] == "start"
     )
+
+
+def test_the_server_ops_are_their_plain_strings_on_the_wire():
+    assert [op.value for op in ServerOp] == ["ready", "unavailable", "started", "failed", "exit"]
+    assert json.dumps({"op": ServerOp.EXIT, "pid": 7}) == '{"op": "exit", "pid": 7}'
+    assert json.loads('{"op": "started"}')["op"] == ServerOp.STARTED
 
 
 def test_preload_imports_what_a_rank_needs_and_never_initialises_cuda():

@@ -174,3 +174,21 @@ def test_test_extra_holds_every_module_the_suite_imports_or_skips():
         for module in re.findall(r'importorskip\("([^"]+)"\)', path.read_text()):
             if module not in gpu_only:
                 assert distribution.get(module, module) in names, (path.name, module)
+
+
+def test_the_layout_names_every_module():
+    """README's Layout tree names each module of the package (a new one goes in the tree too); a
+    scenario's NAME.py and NAME_spec.py are the tree's NAME."""
+    import re
+
+    layout = README[README.index("## Layout") :]
+    layout = layout[: layout.index("```", layout.index("```") + 3)]
+    scenarios = REPO / "repro" / "scenarios"
+    modules = {
+        p.stem
+        for p in (REPO / "repro").rglob("*.py")
+        if p.stem != "__init__" and "_site" not in p.parts and "__pycache__" not in p.parts
+        if not (scenarios / f"{p.stem.removesuffix('_spec')}_spec.py").exists()
+    }
+    missing = sorted(m for m in modules if not re.search(rf"(?<![\w.]){re.escape(m)}(?!\w)", layout))
+    assert not missing, f"README's Layout does not name {missing}"

@@ -452,13 +452,6 @@ def test_json_holds_text_that_was_not_utf8(tmp_path):
     assert json.loads(path.read_text(encoding="utf-8"))["trials"][0]["notes"] == ["argv x\ufffdy.py"]
 
 
-def test_json_dash_writes_only_json_to_stdout(capsys):
-    rp.write_json(full_report(), "-")
-    out, err = capsys.readouterr()
-    assert json.loads(out)["schema"] == "repro.report/1"
-    assert err == ""
-
-
 def junit_root(tmp_path, report: Report) -> ET.Element:
     path = tmp_path / "junit.xml"
     rp.write_junit(report, path)

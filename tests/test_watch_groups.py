@@ -121,7 +121,7 @@ def hostile_run(tmp_path):
 
 def test_junit_of_hostile_records_parses_and_keeps_their_text(tmp_path):
     path = tmp_path / "out" / "w.xml"
-    W.write_artifacts(hostile_run(tmp_path), None, str(path), None)
+    W.write_artifacts(hostile_run(tmp_path), str(path), None)
     root = ET.parse(path).getroot()
     [case] = root.iter("testcase")
     failure = case.find("failure")
@@ -133,7 +133,7 @@ def test_junit_of_hostile_records_parses_and_keeps_their_text(tmp_path):
 
 def test_html_of_hostile_records_is_escaped_by_the_shared_template(tmp_path):
     path = tmp_path / "out" / "w.html"
-    W.write_artifacts(hostile_run(tmp_path), None, None, str(path))
+    W.write_artifacts(hostile_run(tmp_path), None, str(path))
     page = path.read_text(encoding="utf-8")
     assert "<script" not in page and "\x01" not in page
     assert "cache.k&lt;script&gt;alert(1)&lt;/script&gt;" in page
@@ -168,13 +168,11 @@ def test_json_goes_through_the_strict_writer(tmp_path):
     process = json.loads(head)
     process["started"] = float("nan")  # a bare NaN token, which Python's json reads back
     path.write_text("\n".join([json.dumps(process), *rest]) + "\n")
-    out = tmp_path / "out" / "w.json"
-    W.write_artifacts(R.load_report([tmp_path]), str(out), None, None)
 
     def reject(token):
         raise AssertionError(f"non-standard JSON token {token}")
 
-    doc = json.loads(out.read_text(), parse_constant=reject)
+    doc = json.loads(W.report_json(R.load_report([tmp_path])), parse_constant=reject)
     assert doc["processes"][0]["started"] == "NaN" and doc["schema"] == R.SCHEMA
 
 

@@ -21,14 +21,21 @@ import re
 import textwrap
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Literal
 
-State = Literal["present", "absent", "not-applicable", "unknown"]
 
-PRESENT: State = "present"
-ABSENT: State = "absent"
-NOT_APPLICABLE: State = "not-applicable"
-UNKNOWN: State = "unknown"  # a shape the rule cannot judge; the evidence says what it lacks
+class State(StrEnum):
+    """What the audit found of one fix (its JSON "state" is the value)."""
+
+    PRESENT = "present"
+    ABSENT = "absent"
+    NOT_APPLICABLE = "not-applicable"
+    UNKNOWN = "unknown"  # a shape the rule cannot judge; the evidence says what it lacks
+
+
+# The rules below say these often; the short names are the members themselves.
+PRESENT, ABSENT, NOT_APPLICABLE, UNKNOWN = State.PRESENT, State.ABSENT, State.NOT_APPLICABLE, State.UNKNOWN
 
 PWAL = "process_weights_after_loading"
 

@@ -109,7 +109,7 @@ class GraphCensus:
             self._grouped = (len(self.references), grouped)
         return self._grouped[1]
 
-    def summary(self) -> dict[str, Any]:
+    def counts(self) -> dict[str, Any]:
         """Counts for the trial record (no addresses of every word)."""
         return {
             "graph": self.label,

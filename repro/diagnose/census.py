@@ -335,11 +335,12 @@ class CensusBook:
             first = first_touches(census.pending, trace.entries, points, starts[census.label])
             match_pending(census, now, first, self.pool_names)
 
-    def summary(self) -> list[dict[str, Any]]:
-        return [c.summary() for c in self.censuses.values()]
+    def graph_counts(self) -> list[dict[str, Any]]:
+        """Each graph's counts (GraphCensus.counts), for the trial record."""
+        return [c.counts() for c in self.censuses.values()]
 
     def census_line(self) -> str:
-        return census_line(self.summary(), self.errors)
+        return census_line(self.graph_counts(), self.errors)
 
     def check(self, when: str, graph: str | None = None) -> list[Finding]:
         """One finding per captured block and status, listing every graph that holds it."""
@@ -443,20 +444,20 @@ class CensusBook:
         census._grouped = None
 
 
-def census_line(summary: list[dict[str, Any]], errors: list[str]) -> str:
+def census_line(graph_counts: list[dict[str, Any]], errors: list[str]) -> str:
     """One line: what the census read and what it set aside (those are not findings)."""
     total = {
-        k: sum(c.get(k, 0) for c in summary)
+        k: sum(c.get(k, 0) for c in graph_counts)
         for k in ("kernels", "references", "held", "own_pool", "outside_allocator", "free_at_capture", "unreadable")
     }
     held = f" (and {total['held']} in storages the guard names, checked through it)" if total["held"] else ""
     text = (
-        f"graph census: {len(summary)} graphs, {total['kernels']} kernels, {total['references']} captured "
+        f"graph census: {len(graph_counts)} graphs, {total['kernels']} kernels, {total['references']} captured "
         f"addresses outside their graph's pool checked{held}; not findings: {total['own_pool']} in the own "
         f"pool, {total['outside_allocator']} outside the allocator, {total['free_at_capture']} into "
         f"blocks already free at capture; {total['unreadable']} nodes unreadable"
     )
-    pools = sorted({p for c in summary for p in c["foreign_pools"]})
+    pools = sorted({p for c in graph_counts for p in c["foreign_pools"]})
     if pools:
         text += f"; addresses in other pools ({', '.join(pools)}): a dependency on them"
     if errors:

@@ -55,7 +55,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
-import inspect
 import os
 import sys
 import weakref
@@ -73,6 +72,7 @@ from repro.diagnose.drops import DropCount
 from repro.outcome import Finding, GuardMode, Manifest, Status
 from repro.diagnose.owners import Named, Owner, bind_owners, build_index, exposed_name, hold, resolve, storage_of
 from repro.diagnose.sites import frame_site, holder_of, storage_key, user_frame
+from repro.env.runtime import torch_supports_liveness
 from repro.units import format_bytes
 
 MECHANISM = "repro dispatch-mode guard"
@@ -845,14 +845,6 @@ def warm_up() -> None:
     probe = torch.zeros(1)
     with _HiddenOpObserver(lambda *args: None):
         probe.add_(0)
-
-
-def torch_supports_liveness() -> bool:
-    """Whether this torch's torch.cuda.graph accepts check_input_liveness (torch >= 2.13)."""
-    try:
-        return "check_input_liveness" in inspect.signature(torch.cuda.graph).parameters
-    except (AttributeError, TypeError, ValueError):
-        return False
 
 
 def cuda_capturing() -> bool:

@@ -41,7 +41,7 @@ VIEW_FIELDS = ("data_ptr", "shape", "stride", "dtype", "storage_offset")
 
 
 class Change(StrEnum):
-    """What became of one tensor slot across the block, in the order a summary counts them.
+    """What became of one tensor slot across the block, in the order changes_headline counts them.
     freed, rebound and moved mean what they mean for a finding (repro.outcome.Status)."""
 
     FREED = "freed"  # the old storage is dead
@@ -209,7 +209,8 @@ def change_message(c: SlotChange) -> str:
     return f"{head}: the same storage seen through a different view ({fields})"
 
 
-def summary(changes: list[SlotChange], census: ReloadCensus) -> str:
+def changes_headline(changes: list[SlotChange], census: ReloadCensus) -> str:
+    """'3 of 120 tensor slots under model changed across the reload (2 moved, 1 freed)'"""
     counts = {s: sum(1 for c in changes if c.status == s) for s in Change}
     parts = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     return f"{len(changes)} of {len(census.slots)} tensor slots under {census.root} changed across the reload ({parts})"
@@ -232,7 +233,7 @@ class Stability:
 
     def report(self) -> str:
         census = self.after or self.before
-        lines = [summary(self.changes, census) + ":"] + [f"  {c.message}" for c in self.changes]
+        lines = [changes_headline(self.changes, census) + ":"] + [f"  {c.message}" for c in self.changes]
         if census.truncated:
             lines.append(f"  (census incomplete: {census.truncated})")
         return "\n".join(lines)

@@ -1,8 +1,8 @@
 """Which GPUs a process started now would see, through NVML: no CUDA context, no torch.
 
 The trial parent decides with these whether a scenario can run (how many GPUs, how much
-memory each) and how concurrent trials share the GPUs; `repro doctor` builds its inventory on
-the same NVML plumbing. Every function that touches NVML takes an ``nvml`` argument (default:
+memory each) and how concurrent trials share the GPUs; `repro doctor`'s inventory loads and
+queries NVML through the same helpers. Every function that touches NVML takes an ``nvml`` argument (default:
 the real ``pynvml`` module) so tests can pass a fake implementing the calls used.
 """
 
@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 
-# --------------------------------------------------------------------------- NVML plumbing
+# --------------------------------------------------------------------------- NVML: load, query, shut down
 
 
 def load_nvml() -> Any:

@@ -7,6 +7,7 @@ could create a CUDA context.
 
 from __future__ import annotations
 
+import inspect
 from types import ModuleType
 
 
@@ -29,12 +30,23 @@ def nccl_version(torch: ModuleType) -> str | None:
     return numbers + (f"-{version[3]}" if len(version) > 3 else "")
 
 
+def torch_supports_liveness() -> bool:
+    """Whether this torch's torch.cuda.graph accepts check_input_liveness (torch >= 2.13).
+
+    Here, not in the guard that uses it, so that `repro doctor` can ask without importing the guard.
+    """
+    import torch
+
+    try:
+        return "check_input_liveness" in inspect.signature(torch.cuda.graph).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
 def describe_torch() -> dict:
     """torch's build facts. Reads attributes only: no torch.cuda call that could init CUDA."""
     try:
         import torch
-
-        from repro.diagnose.guard import torch_supports_liveness
     except Exception as error:  # a broken torch install is itself a finding
         return {
             "version": None,

@@ -1,4 +1,4 @@
-"""Tensor-parallel plumbing in the workers: process group (NCCL on GPU, gloo on CPU), gathers.
+"""Tensor parallelism in the workers: the process group (NCCL on GPU, gloo on CPU) and its gathers.
 
 At world size 1 there is no process group and the helpers are identities, so scenario code
 reads the same at every TP size.

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
+from repro.outcome import AfterFreeKnob
+
 if TYPE_CHECKING:  # the guard and the census are the caller's; this module needs neither to run
     from repro.diagnose.census import CensusBook
     from repro.diagnose.guard import CaptureGuard
@@ -158,7 +160,8 @@ class AfterFree:
     note: str = ""
     holders: list[torch.Tensor] = field(default_factory=list, repr=False)
 
-    def summary(self) -> dict[str, Any]:
+    def as_record(self) -> dict[str, Any]:
+        """The trial record's after_free detail: what the knob wrote and where (no tensors)."""
         return {
             "knob": self.knob,
             "blocks": self.blocks,
@@ -171,10 +174,11 @@ class AfterFree:
 
 
 KNOB_WRITES = {
-    "keep": "nothing: freed captured blocks stay cached and untouched",
-    "release": "nothing: gc.collect() + torch.cuda.empty_cache() return empty segments to the driver",
-    "reuse": "N(0, 0.05) bf16 values over each freed captured block (index tensors read them as huge integers)",
-    "poison": "0xFF bytes over each freed captured block (NaN in float formats, -1 in integers)",
+    AfterFreeKnob.KEEP: "nothing: freed captured blocks stay cached and untouched",
+    AfterFreeKnob.RELEASE: "nothing: gc.collect() + torch.cuda.empty_cache() return empty segments to the driver",
+    AfterFreeKnob.REUSE: "N(0, 0.05) bf16 values over each freed captured block (index tensors read them as huge "
+    "integers)",
+    AfterFreeKnob.POISON: "0xFF bytes over each freed captured block (NaN in float formats, -1 in integers)",
 }
 
 
@@ -191,9 +195,9 @@ def apply_after_free(
     if device.type != "cuda":
         result.note = "CPU run: host memory is not replayed; the knob has no effect"
         return result
-    if knob == "keep":
+    if knob == AfterFreeKnob.KEEP:
         result.note = "freed captured blocks left cached and untouched"
-    elif knob == "release":
+    elif knob == AfterFreeKnob.RELEASE:
         before = torch.cuda.memory_reserved(device)
         gc.collect()
         torch.cuda.empty_cache()
@@ -258,7 +262,7 @@ def land_on(addr: int, nbytes: int, device: torch.device) -> torch.Tensor | None
 
 def fill(holder: torch.Tensor, knob: str, gen: torch.Generator) -> None:
     """What another tensor would leave behind; dtype-blind, since the census sees bytes."""
-    if knob == "poison":
+    if knob == AfterFreeKnob.POISON:
         holder.fill_(0xFF)
         return
     # Plausible activations: finite, small, wrong; an odd byte count keeps its last byte.

@@ -17,7 +17,7 @@ milliseconds. The guarantees of a fresh interpreter are kept:
 
 Wire format: one JSON object per line. Parent -> server:
   {"id", "spec", "rank", "env", "log", "pgid", "cwd"}      start one rank (pgid 0: lead a group)
-Server -> parent:
+Server -> parent (ServerOp in repro/run/protocol.py names each op and its fields):
   {"op": "ready", "pid", "preload_s", "threads"} | {"op": "unavailable", "reason"}   once, after the preload
   {"op": "started", "id", "pid", "pgid"} | {"op": "failed", "id", "reason"}
   {"op": "exit", "pid", "code"}             a rank was reaped (code as Popen.returncode)
@@ -38,6 +38,7 @@ from typing import Any
 
 from repro.noise import silence_known_warnings
 from repro.rank.worker import die_with_parent
+from repro.run.protocol import ServerOp
 
 REAP_EVERY_S = 0.01
 CUDA_ERROR_NOT_INITIALIZED = 3
@@ -124,7 +125,7 @@ class Server:
     def start(self, req: dict[str, Any]) -> None:
         reason = unfit_reason()
         if reason:
-            self.reply(op="failed", id=req["id"], reason=reason)
+            self.reply(op=ServerOp.FAILED, id=req["id"], reason=reason)
             return
         server_pid = os.getpid()
         with warnings.catch_warnings():
@@ -136,7 +137,7 @@ class Server:
             become_rank(req, server_pid, (self.req_fd, self.rep.fileno()), self.rank_sigint)
         pgid = join_group(pid, req["pgid"])
         self.pgids[pid] = pgid
-        self.reply(op="started", id=req["id"], pid=pid, pgid=pgid)
+        self.reply(op=ServerOp.STARTED, id=req["id"], pid=pid, pgid=pgid)
 
     def reap(self) -> None:
         while self.pgids:
@@ -147,7 +148,7 @@ class Server:
             if pid == 0:
                 return
             self.pgids.pop(pid, None)
-            self.reply(op="exit", pid=pid, code=os.waitstatus_to_exitcode(status))
+            self.reply(op=ServerOp.EXIT, pid=pid, code=os.waitstatus_to_exitcode(status))
 
     def kill_all(self) -> None:
         """The parent is gone or done: no rank may outlive it."""
@@ -226,9 +227,9 @@ def main(argv: list[str]) -> None:
     except Exception as e:  # noqa: BLE001 - the parent then starts ranks the old way
         reason = f"preload failed: {type(e).__name__}: {e}"
     if reason:
-        server.reply(op="unavailable", reason=reason)
+        server.reply(op=ServerOp.UNAVAILABLE, reason=reason)
         return
-    server.reply(op="ready", pid=os.getpid(), preload_s=time.perf_counter() - start, threads=thread_count())
+    server.reply(op=ServerOp.READY, pid=os.getpid(), preload_s=time.perf_counter() - start, threads=thread_count())
     try:
         server.serve()
     finally:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from repro.config import TrialConfig
 from repro.noise import silence_known_warnings
-from repro.outcome import Finding, GuardMode, StepRecord
+from repro.outcome import Device, Finding, GuardMode, StepRecord
 from repro.run.protocol import STACKS_SIGNAL, Event, RecordSink, TrialSpec, records_path, rendezvous_path, stacks_path
 
 if TYPE_CHECKING:  # annotations only: torch is imported in run_rank, where its import is timed
@@ -147,7 +147,7 @@ class WorkerContext:
         findings, regions, note = [], [], ""
         if self.census is not None:
             findings, regions = self.census.dead_blocks(when)
-            self.detail(census=self.census.summary(), census_errors=self.census.errors)
+            self.detail(census=self.census.graph_counts(), census_errors=self.census.errors)
             self.note(self.census.census_line())
         elif self.on_gpu:
             note = "no graph census here, so no freed captured block to target"
@@ -182,7 +182,7 @@ def pick_device(spec: TrialSpec, rank: int) -> torch.device:
     """One GPU per rank; every rank on GPU 0 when the ranks share it (run.share_gpu)."""
     import torch
 
-    if spec.device == "cuda":
+    if spec.device == Device.CUDA:
         index = 0 if spec.config["run"].get("share_gpu") else rank
         torch.cuda.set_device(index)
         return torch.device("cuda", index)

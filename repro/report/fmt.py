@@ -91,10 +91,7 @@ def plain(text: str) -> str:
     return encodable("".join(c for c in text if c in "\n\t" or ord(c) >= 32))
 
 
-def tail(text: str, lines: int = TAIL_LINES) -> str:
+def last_lines(text: str, lines: int = TAIL_LINES) -> str:
+    """The last `lines` lines of captured output, made printable."""
     kept = plain(text).rstrip("\n").splitlines()
     return "\n".join(kept[-lines:])
-
-
-def unique(values: Iterable[str]) -> list[str]:
-    return list(dict.fromkeys(v for v in values if v))

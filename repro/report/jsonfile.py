@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from typing import Any
 
 from repro.files import write_text_atomic
@@ -36,20 +35,10 @@ def json_text(doc: Any) -> str:
     return json.dumps(strict_json(doc), indent=2, ensure_ascii=False, allow_nan=False) + "\n"
 
 
-def write_document(doc: Any, path: str | os.PathLike) -> None:
-    """`path` "-" writes the JSON alone to stdout, after whatever the command printed there
-    (the human report then goes to stderr)."""
-    text = json_text(doc)
-    if str(path) == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
-        return
-    write_text_atomic(path, text)
-
-
 def report_json(report: Report) -> str:
     return json_text(to_jsonable(report))
 
 
 def write_json(report: Report, path: str | os.PathLike) -> None:
-    write_document(to_jsonable(report), path)
+    """The report to a file. `--json -` (stdout) is the CLI's: output.Output.write_json."""
+    write_text_atomic(path, report_json(report))

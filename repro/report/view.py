@@ -20,8 +20,19 @@ from typing import Any, Callable
 from urllib.parse import quote
 
 from repro.scenarios import SCENARIO_RUN_KEYS, SCENARIOS, RecordField, StepColumn, record_fields, step_columns
-from repro.outcome import Finding, FirstFailure, GuardMode, Outcome, RankExit, Report, Status, StepRecord, TrialRecord
-from repro.report.groups import FindingGroup, group_findings
+from repro.outcome import (
+    Device,
+    Finding,
+    FirstFailure,
+    GuardMode,
+    Outcome,
+    RankExit,
+    Report,
+    Status,
+    StepRecord,
+    TrialRecord,
+)
+from repro.report.groups import FindingGroup, group_findings, unique
 from repro.report.fmt import (
     fmt_bytes,
     fmt_expected,
@@ -30,9 +41,8 @@ from repro.report.fmt import (
     fmt_ranges,
     fmt_seconds,
     fmt_value,
+    last_lines,
     plain,
-    tail,
-    unique,
 )
 
 CPU_NOTE = "No CUDA graph was replayed (CPU run): the verdict comes from the stale-capture guard."
@@ -151,7 +161,7 @@ def trial_device(trial: TrialRecord) -> str:
     if trial.device:
         return trial.device
     forced = run_config(trial).get("device")  # reports written before the field existed
-    return forced if forced in ("cpu", "cuda") else ""
+    return forced if forced in (Device.CPU, Device.CUDA) else ""
 
 
 def after_free(trial: TrialRecord) -> str:
@@ -226,7 +236,7 @@ def verdict_basis(trial: TrialRecord) -> list[str]:
     Only for verdicts the run itself produced: a HANG, CRASH or UNSUPPORTED (or a CUDA error
     from an injected fault) says nothing about the guard or the comparison.
     """
-    if trial_device(trial) != "cpu" or trial.graph_replayed:
+    if trial_device(trial) != Device.CPU or trial.graph_replayed:
         return []
     captured = "capture" in trial.timings  # a dry-run capture ran (selftest has none)
     guard_on = run_config(trial).get("guard", GuardMode.WARN) != GuardMode.OFF
@@ -247,7 +257,7 @@ def scenario_lines(trial: TrialRecord) -> list[str]:
 
 def option_notes(trial: TrialRecord) -> list[str]:
     """Options the trial asked for that could not act where it ran."""
-    if trial_device(trial) == "cpu" and run_config(trial).get("forensics"):
+    if trial_device(trial) == Device.CPU and run_config(trial).get("forensics"):
         return [CPU_FORENSICS_NOTE]
     return []
 
@@ -397,9 +407,9 @@ def group_address(g: FindingGroup) -> str:
 
 
 def seen_text(group: list[Finding]) -> str:
-    graphs = unique(x.graph for x in group)
+    graphs = unique(x.graph for x in group if x.graph)
     where = f" in {len(graphs)} graphs: " if len(graphs) > 1 else " in graph "
-    return " | ".join(unique(x.when for x in group)) + where + ", ".join(graphs)
+    return " | ".join(unique(x.when for x in group if x.when)) + where + ", ".join(graphs)
 
 
 def names_text(g: FindingGroup) -> str | None:
@@ -465,7 +475,7 @@ def stack_facts(label: str, stack: list[str]) -> list[Fact]:
 class FindingView:
     """One problem: a group of findings (every graph, rank and layer that shows it)."""
 
-    status: str
+    status: Status | str  # a Status; a record of another version may hold one this one lacks
     slot: str  # the name, or its pattern when the members' names differ
     rank: int  # the first member's
     tone: str
@@ -802,7 +812,7 @@ def trial_view(index: int, trial: TrialRecord, link_base: Path | None = None) ->
         artifacts=[Artifact(k, str(v), artifact_href(str(v), link_base)) for k, v in trial.artifacts.items()],
         ranks=TableView("Rank exits", list(RANK_COLUMNS), table_rows(RANK_COLUMNS, trial.ranks, abnormal)),
         show_ranks=trial.outcome in EXIT_OUTCOMES and bool(trial.ranks),
-        stderr_tails=[(r.rank, tail(r.stderr_tail)) for r in trial.ranks if tail(r.stderr_tail)],
+        stderr_tails=[(r.rank, last_lines(r.stderr_tail)) for r in trial.ranks if last_lines(r.stderr_tail)],
         record=trial,
     )
 
@@ -845,7 +855,7 @@ def summary_line(report: Report) -> str:
     if unsupported:
         text += f"; {unsupported} UNSUPPORTED (not run, not a pass)"
     ran = [t for t in trials if t.outcome is not Outcome.UNSUPPORTED]
-    on_cpu = sum(1 for t in ran if trial_device(t) == "cpu")
+    on_cpu = sum(1 for t in ran if trial_device(t) == Device.CPU)
     if on_cpu and on_cpu == len(ran):
         text += "; CPU run: no CUDA graph was replayed"
     elif on_cpu:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from repro.outcome import Status, to_jsonable
+from repro.outcome import Status, as_member, to_jsonable
 from repro.report.fmt import fmt_bytes, fmt_ptr, fmt_ranges, plain
 from repro.report.groups import FindingGroup, group_findings
 from repro.report.view import BAD, OK, WARN, Cell, Column, Fact, TableView, table_rows
@@ -123,7 +123,7 @@ def group_facts(g: FindingGroup) -> list[tuple[str, str]]:
 class ProblemView:
     """One group of findings as every renderer shows it; record text made printable."""
 
-    status: str
+    status: Status | str  # a Status; a record of another version may hold one this one lacks
     pattern: str
     headline: str  # 'in 67 graphs of 2 processes, ranks 0, 1'
     tone: str
@@ -132,7 +132,7 @@ class ProblemView:
 
 def problem_view(g: FindingGroup) -> ProblemView:
     return ProblemView(
-        status=plain(g.status),
+        status=as_member(Status, plain(g.status)),
         pattern=plain(g.pattern),
         headline=plain(group_headline(g)),
         tone=BAD if g.status == Status.FREED else WARN,

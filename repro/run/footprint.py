@@ -14,6 +14,7 @@ from pathlib import Path
 
 from repro.env import gpus
 from repro.config import SCENARIOS, TrialConfig
+from repro.outcome import Device
 
 
 def needed_bytes(cfg: TrialConfig) -> int:
@@ -52,7 +53,7 @@ def fit_reason(cfg: TrialConfig, device: str) -> str:
     if per_rank == 0:
         return ""
     tp = cfg.run.tp
-    if device == "cuda":
+    if device == Device.CUDA:
         totals = gpus.visible_memory()[:tp]
         if cfg.run.share_gpu:  # every rank on the first GPU
             totals, per_rank = totals[:1], per_rank * tp

@@ -342,7 +342,8 @@ def wait_group(
     return waited
 
 
-def tail(path: Path, chars: int = TAIL_CHARS) -> str:
+def read_tail(path: Path, chars: int = TAIL_CHARS) -> str:
+    """The last `chars` bytes of a file as text; '' for a file never written."""
     if not path.exists():
         return ""
     data = path.read_bytes()[-chars:]
@@ -377,7 +378,7 @@ def rank_exit(r: Rank, recs: RankRecords, out_dir: str, dump: str = "") -> RankE
         exitcode=None if r.killed else code,
         signal=None if r.killed else signal_name(code),
         killed_by_harness=r.killed,
-        stderr_tail=tail(log_path(out_dir, r.rank)),
+        stderr_tail=read_tail(log_path(out_dir, r.rank)),
         error=error,
         stack=stacks.top_frames(dump),
         peak_reserved_bytes=last[0].get("peak_reserved_bytes") if last else None,
@@ -562,10 +563,6 @@ def phase_timings(recs: list[RankRecords], waited: Waited) -> dict[str, float]:
     return timings
 
 
-def unique(items: list[str]) -> list[str]:
-    return list(dict.fromkeys(items))
-
-
 def replayed_graphs(steps: list, recs: list[RankRecords]) -> bool:
     """A replay ran: a step says its output came from one, or a rank marked one it started
     (the replay that crashes never gets its step record). Never inferred from the device."""
@@ -607,7 +604,7 @@ def build_record(
     artifacts = {e["name"]: e["path"] for r in recs for e in r.of(Event.ARTIFACT)}
     artifacts.update({f"rank {i} records": str(records_path(out_dir, i)) for i in range(len(recs))})
     artifacts.update({f"rank {k} stacks": str(stacks_path(out_dir, k)) for k in sorted(waited.stacks)})
-    notes = unique([e["text"] for r in recs for e in r.of(Event.NOTE)])
+    notes = list(dict.fromkeys(e["text"] for r in recs for e in r.of(Event.NOTE)))  # each once, in order
     # A symptom the harness injected is not the bug's: it can never meet a "reproduced" expectation.
     met = outcome in expected and not waited.interrupted and not (fault and outcome in REPRODUCED)
     return TrialRecord(

@@ -28,6 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from repro.run.protocol import ServerOp
+from repro.run.runs import cache_root
+
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent  # holds repro/ (repro/run/launch.py)
 
 # Children inherit these; NVLink multicast must stay off on shared hosts. This module is the
@@ -49,10 +52,6 @@ REPLY_TIMEOUT_S = 30.0
 CLOSE_WAIT_S = 10.0
 # Exit status given to the ranks of a server that died: they died with it (PR_SET_PDEATHSIG).
 LOST = -signal.SIGKILL
-
-
-def cache_root(env: dict[str, str]) -> Path:
-    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "repro"
 
 
 def with_bytecode_cache(env: dict[str, str], torch_origin: str | None) -> dict[str, str]:
@@ -217,7 +216,7 @@ class RankServer:
             # parent is about to spawn instead: end it first (its ranks die with it).
             self.proc.kill()
             raise ServerUnavailable(f"the rank server did not answer within {REPLY_TIMEOUT_S:g} s")
-        if answer.get("op") != "started":
+        if answer.get("op") != ServerOp.STARTED:
             raise ServerUnavailable(answer.get("reason", "the rank server did not start the rank"))
         return answer["rank"], answer["pgid"]
 
@@ -265,7 +264,7 @@ class RankServer:
         with self._state:
             while rid not in self._answers:
                 if self.ready is False:
-                    return {"op": "failed", "reason": self.reason}
+                    return {"op": ServerOp.FAILED, "reason": self.reason}
                 if not self._state.wait(max(0.0, end - time.monotonic())):
                     return self._answers.pop(rid, None)
             return self._answers.pop(rid)
@@ -285,17 +284,17 @@ class RankServer:
 
     def _handle(self, msg: dict[str, Any]) -> None:
         op = msg.get("op")
-        if op == "ready":
+        if op == ServerOp.READY:
             self.ready, self.preload_s = True, msg.get("preload_s")
-        elif op == "unavailable":
+        elif op == ServerOp.UNAVAILABLE:
             self.ready, self.reason = False, msg.get("reason", "")
-        elif op == "started":
+        elif op == ServerOp.STARTED:
             rank = self._ranks[msg["pid"]] = RemoteRank(pid=msg["pid"])
             self.started.append(msg["pid"])
             self._answers[msg["id"]] = {**msg, "rank": rank}
-        elif op == "failed":
+        elif op == ServerOp.FAILED:
             self._answers[msg["id"]] = msg
-        elif op == "exit":
+        elif op == ServerOp.EXIT:
             rank = self._ranks.pop(msg["pid"], None)
             if rank is not None:
                 rank.set_exit(msg["code"])

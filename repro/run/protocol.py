@@ -3,8 +3,10 @@
 The parent writes the trial's TrialSpec to spec.json and starts one rank process per rank
 (`repro.rank.worker.main`, forked by the rank server or spawned as `python -m repro.rank.worker`); each rank appends one JSON object per line to rank<R>.jsonl, flushed as soon as it
 has it, so a crash loses nothing already produced. Every line carries "event" (an Event), the
-rank and a wall-clock "t"; the other fields depend on the event. Neither side imports the
-other: both import this module (plain data, no torch).
+rank and a wall-clock "t"; the other fields depend on the event. The rank server
+(repro/rank/server.py, which forks the ranks) answers the parent (repro/run/launch.py) in lines
+whose "op" is a ServerOp. Neither side imports the other: both import this module (plain data,
+no torch).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 import signal
 import time
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,17 @@ class Event(str, Enum):
     UNSUPPORTED = "unsupported"  # reason: this rank cannot run the scenario here
     ERROR = "error"  # type, message, traceback, peak_reserved_bytes: recorded before the rank exits
     DONE = "done"  # timings, peak_reserved_bytes (None off CUDA): the rank finished cleanly
+
+
+class ServerOp(StrEnum):
+    """The "op" of each JSON line the rank server writes to the parent; the other fields by op.
+    A StrEnum: it is its value on the wire and equals the plain string read back."""
+
+    READY = "ready"  # pid, preload_s, threads: once, after the preload; ranks can be forked
+    UNAVAILABLE = "unavailable"  # reason: once, instead of READY; the parent spawns ranks itself
+    STARTED = "started"  # id, pid, pgid: the rank of request id is forked
+    FAILED = "failed"  # id, reason: the rank of request id was not forked
+    EXIT = "exit"  # pid, code: a rank was reaped (code as Popen.returncode)
 
 
 # Test hook: the ways a rank can be made to fail as real failures look from the outside.

@@ -41,6 +41,7 @@ from repro.config import TrialConfig, default_expectation
 from repro.run.isolate import Interrupted, run_trial, unsupported_record
 from repro.run.launch import MULTICAST_OFF
 from repro.outcome import (
+    Device,
     FirstFailure,
     Outcome,
     TrialRecord,
@@ -118,7 +119,7 @@ def alive_nodes(ray: Any) -> list[Node]:
 def needs(p: Planned) -> tuple[int, int]:
     """(CPUs, GPUs) of a trial's bundle: a CPU per rank; a GPU per rank on CUDA, one when shared."""
     r = p.cfg.run
-    if p.device != "cuda":
+    if p.device != Device.CUDA:
         return r.tp, 0
     return r.tp, 1 if r.share_gpu else r.tp
 
@@ -200,7 +201,7 @@ class Cluster:
             tid = trial_id(p.index or 0, p.cfg)
             if (
                 p.device is None
-                and p.cfg.run.device != "cpu"
+                and p.cfg.run.device != Device.CPU
                 and not p.cfg.run.share_gpu
                 and p.cfg.run.tp > self.largest_gpus()
             ):
@@ -241,7 +242,7 @@ class TrialHost:
                 trial, interrupted = run_trial(cfg, device, root, tid, fault=fault, stop=self.stop), False
             except Interrupted as e:
                 trial, interrupted = e.trial, True
-            if device == "cuda":
+            if device == Device.CUDA:
                 import ray
 
                 trial.notes.append(f"Ray gave this trial GPU(s) {', '.join(map(str, ray.get_gpu_ids()))} of its node")

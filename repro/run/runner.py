@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from repro.env import doctor, gpus
+from repro.env import gpus, inventory
 from repro.config import SCENARIOS, TrialConfig, apply_overrides, bare_config, load_preset, validate
 from repro.run.footprint import expected_peak_bytes, fit_reason, gib
 from repro.run.interrupts import Interrupts, Terminated, checkpoint
 from repro.run.isolate import POLL_S, Interrupted, run_trial, unsupported_record
 from repro.run.launch import RankServer, child_env
 from repro.run.ledger import MemoryLedger, need_on, trial_gpus
-from repro.outcome import Report, TrialRecord
+from repro.outcome import Device, Report, TrialRecord
 
 
 @dataclass
@@ -49,8 +49,8 @@ def resolve_device(requested: str, tp: int, gpus: int, share_gpu: bool = False) 
 
     share_gpu: the ranks may share one GPU (over gloo), so tp > gpus is allowed on CUDA.
     """
-    if requested == "cpu" or (requested == "auto" and gpus == 0):
-        return "cpu", ""
+    if requested == Device.CPU or (requested == Device.AUTO and gpus == 0):
+        return Device.CPU, ""
     if gpus == 0:
         return None, "device = cuda but no CUDA GPU is visible (NVML found none)"
     if tp > gpus and not share_gpu:
@@ -58,7 +58,7 @@ def resolve_device(requested: str, tp: int, gpus: int, share_gpu: bool = False) 
             f"tp = {tp} needs {tp} GPUs, {gpus} visible; run on a machine with {tp} GPUs, "
             "use --share-gpu (ranks share one GPU over gloo, not NCCL) or --device cpu"
         )
-    return "cuda", ""
+    return Device.CUDA, ""
 
 
 def plan(
@@ -73,11 +73,11 @@ def plan(
     scenario's bare defaults when it has no such preset).
     sources: which [run] keys the command line set (config.override_sources), for errors."""
     spec = SCENARIOS[scenario]
-    requested = run.get("device") or "auto"
+    requested = run.get("device") or Device.AUTO
     tp = run.get("tp") or 1
     if preset is None:
         device, _ = resolve_device(requested, tp, gpus, bool(run.get("share_gpu")))
-        preset = (spec.cpu_preset if device == "cpu" else spec.default_preset) or None
+        preset = (spec.cpu_preset if device == Device.CPU else spec.default_preset) or None
     base = load_preset(preset, scenario) if preset is not None else bare_config(spec)
     cfg = validate(apply_overrides(base, run, sets), sources)
     device, reason = resolve_device(cfg.run.device, cfg.run.tp, gpus, cfg.run.share_gpu)
@@ -89,7 +89,7 @@ def plan(
 
 def environment() -> dict[str, Any]:
     """Host, GPUs (NVML), vLLM, variables; torch's facts are added once a rank reported them."""
-    return doctor.collect(include_torch=False)
+    return inventory.collect(include_torch=False)
 
 
 def with_runtime(env: dict[str, Any], trials: list[TrialRecord]) -> dict[str, Any]:
@@ -97,7 +97,7 @@ def with_runtime(env: dict[str, Any], trials: list[TrialRecord]) -> dict[str, An
     them; when none did, torch's installed version from package metadata (no import)."""
     reported = next((t.runtime for t in trials if t.runtime), None)
     env = {**env, "torch": reported or installed_torch()}
-    env["summary"] = doctor.inventory_line(env)
+    env["summary"] = inventory.inventory_line(env)
     return env
 
 
@@ -193,7 +193,7 @@ def run_planned(
 def gpu_ledger(planned: list[Planned], lanes: list[str]) -> MemoryLedger | None:
     """Where concurrent CUDA trials share GPUs whose size NVML tells: the ledger they claim
     memory from (repro/run/ledger.py); None otherwise (one job, no CUDA trial, no NVML)."""
-    if not lanes or not any(p.device == "cuda" for p in planned):
+    if not lanes or not any(p.device == Device.CUDA for p in planned):
         return None
     totals = gpus.visible_memory()[: len(lanes)]
     return MemoryLedger(totals) if len(totals) == len(lanes) and all(totals) else None
@@ -204,7 +204,7 @@ def claim_memory(
 ) -> tuple[Any, str, bool]:
     """(the claim or None, a note for the trial when it had to wait, whether it was stopped
     while waiting); no claim without a ledger or off CUDA."""
-    if ledger is None or p.device != "cuda":
+    if ledger is None or p.device != Device.CUDA:
         return None, "", False
     per_rank = expected_peak_bytes(p.cfg)
     claim = ledger.claim(need_on(trial_gpus(slot, len(lanes), p.cfg.run.tp, p.cfg.run.share_gpu), per_rank), stop)

@@ -9,9 +9,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from repro.run.launch import cache_root
-
 LATEST = "latest"
+
+
+def cache_root(env: dict[str, str]) -> Path:
+    """The user's cache for repro: run folders and the workers' bytecode cache live under it."""
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "repro"
 
 
 def default_root(env: dict[str, str]) -> Path:

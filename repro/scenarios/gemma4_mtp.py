@@ -468,7 +468,7 @@ def run(ctx: WorkerContext) -> None:
         )
     shared = ctx.on_gpu and ctx.tp.active and run_cfg.share_gpu
     ctx.detail(
-        after_free=after_free.summary(),
+        after_free=after_free.as_record(),
         guard_mechanism=ctx.guard.mechanism,
         harness_pool_isolated=ctx.memory.isolated,
         vocab_padded=drafter.vocab_padded,

@@ -536,7 +536,7 @@ def apply_after_free_once(ctx: WorkerContext, trial: Trial) -> None:
     if trial.after_free is not None:
         return
     trial.after_free = ctx.after_free(f"after reload {len(trial.reloads) - 1}")
-    ctx.detail(after_free=trial.after_free.summary())
+    ctx.detail(after_free=trial.after_free.as_record())
 
 
 def replay(ctx: WorkerContext, trial: Trial, k: int) -> tuple[Tensor, bool, float]:

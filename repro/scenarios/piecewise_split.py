@@ -403,7 +403,7 @@ def run(ctx: WorkerContext) -> None:
         dims=dims_detail(dims),
         mode_fixes=dataclasses.asdict(MODES[r.mode]),
         tolerance=TOLERANCE,
-        after_free=after_free.summary(),
+        after_free=after_free.as_record(),
         guard_mechanism=ctx.guard.mechanism,
         harness_pool_isolated=ctx.memory.isolated,
     )

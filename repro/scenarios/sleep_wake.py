@@ -423,7 +423,7 @@ def run(ctx: WorkerContext) -> None:
     for step in range(run_cfg.steps):
         if step == sleep_at:
             after_free = sleep_and_wake(ctx, engine, checkpoint, level, step)
-            ctx.detail(after_free=after_free.summary())
+            ctx.detail(after_free=after_free.as_record())
         ctx.begin_step(step)
         b = schedule[step % len(schedule)]
         size = bucket(b, dims.batch_sizes)

@@ -448,7 +448,7 @@ def build_and_capture(ctx: WorkerContext) -> Trial:
         tolerance=TOLERANCE,
         tolerance_rule="elementwise |y - y_ref| > tolerance * (|y_ref| + rms(y_ref)); mismatches "
         "counts such elements; the fills record counts overwritten bytes",
-        after_free=after_free.summary(),
+        after_free=after_free.as_record(),
         harness_pool_isolated=ctx.memory.isolated,
         workspace={
             "resize_in_place": r.resize_in_place,

@@ -8,7 +8,7 @@ from rich.console import Console
 
 from repro.files import write_text_atomic
 from repro.report.console import render_watch
-from repro.report.jsonfile import json_text, write_document
+from repro.report.jsonfile import json_text
 from repro.report.junit import junit_document, watch_suite
 from repro.report.watch_view import watch_document, watch_view
 from repro.watch.records import WatchReport
@@ -33,10 +33,9 @@ def report_html(rep: WatchReport) -> str:
     return watch_html(watch_view(rep))
 
 
-def write_artifacts(rep: WatchReport, json_path: str | None, junit: str | None, html_path: str | None) -> None:
-    """json_path '-' writes to stdout, after everything the command itself printed there."""
-    if json_path:
-        write_document(watch_document(rep), json_path)
+def write_artifacts(rep: WatchReport, junit: str | None, html_path: str | None) -> None:
+    """The JUnit and HTML files asked for; the JSON is the CLI's (output.Output.write_json of
+    report_json), which writes it to a file or, after everything else, to stdout."""
     if junit:
         write_text_atomic(junit, junit_xml(rep))
     if html_path:
