@@ -52,7 +52,7 @@ class Census:
         # allocator snapshot, at the first replay after them (not one snapshot per graph).
         self.due: list[str] = []
 
-    def summary(self) -> str:
+    def exit_line(self) -> str:
         """The exit record's census line."""
         if self.book is not None:
             try:

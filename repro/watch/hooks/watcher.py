@@ -140,7 +140,7 @@ class Watcher:
         return [c.__qualname__ for c in self.patched]
 
     def on_exit(self) -> None:
-        census = self.tools.census.summary()
+        census = self.tools.census.exit_line()
         self.log.say_repeats()
         guard = self.tools.guard
         self.log.write(
