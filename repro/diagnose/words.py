@@ -136,7 +136,7 @@ class Matcher:
 # 16,384-word slices 0.9 ms), so the census's arrays go through in slices below those sizes,
 # on the calling thread.
 SERIAL_ELEMENTS = 16384
-SERIAL_SEARCHES = 128
+SERIAL_SEARCHES = 192  # below SEARCHSORTED_GRAIN_SIZE (200)
 # Indexing a tensor by positions goes to the thread pool past 3,000 of them
 # (index_parallel_grain_size in ATen/native/cpu/IndexKernelUtils.h): a slice of a full decoder
 # graph holds ~3,800 plausible words, and on a busy 2-core machine each such gather waited
@@ -311,6 +311,10 @@ class Deferred:
 
         own_at = positions(own)
         segs, which = torch.unique(take(torch, seg, own_at), return_inverse=True)
+        each = segs.tolist()
+        segments, noted = self.pools.segments, census.own_segments
+        if all(segments[s][0] in noted for s in each):
+            return  # past a graph's first slice, the usual case: no first words to find
         # The first own word of each segment: the least position among the words in it.
         first = torch.full(segs.shape, len(own_at), dtype=torch.int64).scatter_reduce_(
             0, which, torch.arange(len(own_at)), reduce="amin"
@@ -318,15 +322,13 @@ class Deferred:
         # Indexing a tensor from Python costs microseconds: pick the rows with tensors, then read
         # them as lists (a piecewise engine makes thousands of small graphs).
         rows = take(torch, own_at, first)
-        for s, word, value in zip(segs.tolist(), take(torch, at, rows).tolist(), take(torch, v, rows).tolist()):
-            start, end, pool = self.pools.segments[s]
-            if start in census.own_segments:
+        for s, word, value in zip(each, take(torch, at, rows).tolist(), take(torch, v, rows).tolist()):
+            start = segments[s][0]
+            if start in noted:
                 continue
             node, kernel, offset, where_of = chunks.locate(word)
-            block = self.pools.segment_block(self.pools.segments[s])
-            census.own_segments[start] = Reference(
-                node, NodeKind.KERNEL, kernel, where_of(offset), offset, value, block
-            )
+            block = self.pools.segment_block(segments[s])
+            noted[start] = Reference(node, NodeKind.KERNEL, kernel, where_of(offset), offset, value, block)
 
 
 def match_pending(
