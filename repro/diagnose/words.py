@@ -263,8 +263,8 @@ class Deferred:
         rest = positions(inside & ~own)
         pool_of_seg = self.pools.segments
         pending = census.pending
-        words, values, segs = (take(torch, t, rest).tolist() for t in (at, v, seg_c))
-        for word, value, s in zip(words, values, segs):
+        words, kept, segs = (take(torch, t, rest).tolist() for t in (at, v, seg_c))
+        for word, value, s in zip(words, kept, segs):
             node, kernel, offset, where_of = chunks.locate(word)
             pending.append(Word(node, NodeKind.KERNEL, kernel, where_of(offset), offset, value, pool_of_seg[s][2]))
 
