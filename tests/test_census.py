@@ -34,6 +34,7 @@ from repro.diagnose.words import (
     MAX_ADDR,
     MIN_ADDR,
     SERIAL_ELEMENTS,
+    SERIAL_GATHERS,
     SERIAL_SEARCHES,
     SMALL_GRAPH_WORDS,
     Chunks,
@@ -41,7 +42,9 @@ from repro.diagnose.words import (
     Matcher,
     plausible_address,
     plausible_words,
+    positions,
     segment_positions,
+    take,
 )
 from repro.outcome import Finding, Status, finding_from_dict
 
@@ -704,17 +707,25 @@ def test_chunks_keep_words_aligned_to_the_parameter_buffer_and_locate_them():
 
 
 @pytest.mark.parametrize(
-    "small,serial",
-    [(0, SERIAL_ELEMENTS), (0, 50), (SMALL_GRAPH_WORDS, SERIAL_ELEMENTS)],
-    ids=["arrays", "arrays-in-slices", "word-by-word"],
+    "small,serial,gathers",
+    [
+        (0, SERIAL_ELEMENTS, SERIAL_GATHERS),
+        (0, 50, SERIAL_GATHERS),
+        (0, SERIAL_ELEMENTS, 7),
+        (SMALL_GRAPH_WORDS, SERIAL_ELEMENTS, SERIAL_GATHERS),
+        (SMALL_GRAPH_WORDS, SERIAL_ELEMENTS, 7),
+    ],
+    ids=["arrays", "arrays-in-slices", "arrays-gathers-in-slices", "word-by-word", "word-by-word-gathers-in-slices"],
 )
-def test_deferred_sorts_a_graphs_words_at_once_as_one_by_one(small, serial, monkeypatch):
+def test_deferred_sorts_a_graphs_words_at_once_as_one_by_one(small, serial, gathers, monkeypatch):
     """Every path of add_chunks (a large graph's words in one search, or in slices of `serial`
-    words; a small graph's one by one) against add(), word by word: the same own-pool and
-    outside counts, own segments and pending words, on random words."""
+    words, its gathers whole or in slices of `gathers` positions; a small graph's one by one)
+    against add(), word by word: the same own-pool and outside counts, own segments and
+    pending words, on random words."""
     import random
 
     monkeypatch.setattr("repro.diagnose.words.SERIAL_ELEMENTS", serial)  # the global Deferred reads
+    monkeypatch.setattr("repro.diagnose.words.SERIAL_GATHERS", gathers)
     rng = random.Random(7)
     pools = pools_of(AT_CAPTURE)
     outside = 0x7E00_0000_0000
@@ -742,6 +753,7 @@ def test_deferred_sorts_a_graphs_words_at_once_as_one_by_one(small, serial, monk
     assert {k: v.describe() for k, v in many.own_segments.items()} == {
         k: v.describe() for k, v in one.own_segments.items()
     }
+    assert many.own_segments == one.own_segments and list(many.own_segments) == list(one.own_segments)
     assert many.own_segments
 
 
@@ -749,6 +761,66 @@ def test_param_layout_names_the_parameter_of_an_offset():
     layout = param_layout([(0, 4), (8, 24), (32, 8)])
     assert (layout.first, layout.end, layout.rel) == (0, 40, (0, 8, 32))
     assert [layout.where(o) for o in (0, 16, 32)] == ["param 0 +0", "param 1 +8", "param 2 +0"]
+    # Asked again (every node launching the function): the same name, made once.
+    assert layout.where(16) is layout.where(16) and set(layout.names) == {0, 16, 32}
+    assert param_layout([(0, 4)]).names == {}  # each layout its own names
+
+
+def edge_addresses(pools, rng):
+    """Around every segment: below it, its start, inside, its last byte, its end (the next
+    segment's start or a gap), and random words; some twice."""
+    out = []
+    for start, end, _ in pools.segments:
+        out += [start - 8, start - 1, start, start + 8, rng.randrange(start, end), end - 8, end - 1, end, end + 8]
+    out += [0, 5, MIN_ADDR, MAX_ADDR - 8, pools.segments[-1][1] + MiB] + [rng.randrange(1 << 48) for _ in range(50)]
+    return out + rng.sample(out, 20)
+
+
+def random_pools(rng):
+    """40 segments of random sizes in three pools, some adjacent, some with gaps between."""
+    segs, addr = [], SEG
+    for _ in range(40):
+        size = rng.choice([2 * MiB, 20 * MiB, rng.randrange(1, 64) * 4096])
+        segs.append(segment(addr, [(size, "active_allocated")], pool=rng.choice([(0, 0), GRAPH_POOL, (2, 3)])))
+        addr += size + rng.choice([0, 0, 4096, 64 * MiB])
+    return pools_of(snapshot(segs))
+
+
+def test_find_all_and_the_array_search_answer_as_find_does_at_segment_edges():
+    """PoolMap.find_all (remembered addresses in one pass, the rest through find) and the
+    census's array search (segment_positions over PoolMap.arrays(), then the end check) give
+    find()'s segment for every address: starts, last bytes, ends, gaps, repeats."""
+    import random
+
+    import torch
+
+    rng = random.Random(3)
+    pools = random_pools(rng)
+    addrs = edge_addresses(pools, rng)
+    expected = [pools.find(a) for a in addrs]
+    fresh = random_pools(random.Random(3))
+    for a in addrs[::3]:  # a third of them remembered already
+        fresh.find(a)
+    assert fresh.find_all(addrs) == expected
+    assert fresh.find_all(addrs) == expected  # now all remembered
+    assert fresh.find_all([]) == []
+    starts, ends, pool_ix, pool_list = pools.arrays()
+    v = torch.tensor(addrs, dtype=torch.int64)
+    seg = segment_positions(torch, starts, v) - 1
+    inside = (seg >= 0) & (v < take(torch, ends, seg.clamp(min=0)))
+    got = [pools.segments[s] if ok else None for s, ok in zip(seg.tolist(), inside.tolist())]
+    assert got == expected and None in expected and any(e is not None for e in expected)
+
+
+def test_segment_block_is_the_segment_as_one_allocated_block_until_a_refresh():
+    pools = pools_of(AT_CAPTURE)
+    seg = pools.find(POOL_SEG + 8)
+    block = pools.segment_block(seg)
+    assert block == Block(start=POOL_SEG, size=2 * MiB, state="active_allocated", pool=GRAPH_POOL, segment=POOL_SEG)
+    assert pools.segment_block(seg) is block  # one per segment, for every graph
+    pools.refresh(AT_CAPTURE)
+    assert pools.segment_block(pools.find(POOL_SEG + 8)) is not block
+    assert pools.segment_block(pools.find(POOL_SEG + 8)) == block
 
 
 def test_plausible_words_keep_only_what_may_be_an_address_and_count_every_word():
@@ -775,6 +847,20 @@ def test_words_handed_to_the_guard_leave_the_census_and_are_counted_held():
     unseen = guard_finding(ptr=LOCAL + 4 * MiB, nbytes=8)
     merged = C.merge_findings([held, unseen], [], [], True, book)
     assert [f.disagreement for f in merged] == ["", "the census found no captured address in this storage"]
+
+
+@pytest.mark.parametrize("n", [0, 7, SERIAL_GATHERS, SERIAL_GATHERS + 1, 3 * SERIAL_GATHERS + 5])
+def test_the_sliced_gather_gives_what_one_index_gives(n):
+    """take gathers in slices small enough for torch to run each on the calling thread;
+    positions is nonzero's answer as a 1-d tensor."""
+    import torch
+
+    gen = torch.Generator().manual_seed(n)
+    source = torch.randint(-(1 << 62), 1 << 62, (97,), generator=gen)
+    index = torch.randint(0, 97, (n,), generator=gen)
+    assert torch.equal(take(torch, source, index), source[index])
+    mask = torch.rand(n, generator=gen) < 0.3
+    assert torch.equal(positions(mask), torch.arange(n)[mask])
 
 
 @pytest.mark.parametrize("n", [0, 7, SERIAL_SEARCHES, SERIAL_SEARCHES + 1, 3 * SERIAL_SEARCHES + 5])

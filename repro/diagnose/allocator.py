@@ -13,6 +13,7 @@ import bisect
 from dataclasses import dataclass
 from enum import StrEnum
 from collections.abc import Callable
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: importing this module needs no torch
@@ -23,6 +24,7 @@ if TYPE_CHECKING:  # annotations only: importing this module needs no torch
 TRACE_ENTRIES = 8192
 DEFAULT_POOL = (0, 0)
 SEEN_LIMIT = 1 << 20  # addresses PoolMap remembers between refreshes
+_UNSEEN = object()  # PoolMap.find_all: an address not remembered yet
 
 
 class BlockState(StrEnum):
@@ -121,6 +123,7 @@ class PoolMap:
         self.events: int | None = None  # allocator_events() as of the last check()
         self.seen: dict[int, Any] = {}  # address -> its segment (or None), until the next refresh
         self._arrays: tuple | None = None  # the segments as tensors (Deferred.add_chunks)
+        self._blocks: dict[int, Block] = {}  # segment start -> the segment as one block (segment_block)
 
     def pool_of(self, addr: int) -> tuple[int, int] | None:
         """The pool of the segment holding addr (DEFAULT_POOL for ordinary memory), or None
@@ -148,6 +151,27 @@ class PoolMap:
             self.seen[addr] = found  # graphs of one engine read the same weights, again and again
         return found
 
+    def find_all(self, addrs: list[int]) -> list[tuple[int, int, tuple[int, int]] | None]:
+        """find() of each address. The remembered ones are looked up in one pass in C (the
+        graphs of an engine read the same addresses again and again: a piecewise engine's
+        graphs hold ~450 such words each, and a Python call per word was most of a small
+        census); the others go through find()."""
+        found = list(map(self.seen.get, addrs, repeat(_UNSEEN)))
+        for i in [i for i, seg in enumerate(found) if seg is _UNSEEN]:
+            found[i] = self.find(addrs[i])
+        return found
+
+    def segment_block(self, seg: tuple[int, int, tuple[int, int]]) -> Block:
+        """A segment of the map as one allocated block (what a census notes of its own pool's
+        segments). Blocks are immutable: one per segment serves every graph until the
+        segments change."""
+        block = self._blocks.get(seg[0])
+        if block is None:
+            block = self._blocks[seg[0]] = Block(
+                start=seg[0], size=seg[1] - seg[0], state=BlockState.ACTIVE_ALLOCATED, pool=seg[2], segment=seg[0]
+            )
+        return block
+
     def check(self) -> None:
         """Before a census: read the segments again if the allocator says they changed. One
         read of the allocator's counters serves both (and sets self.events)."""
@@ -174,6 +198,7 @@ class PoolMap:
         self.starts = [seg[0] for seg in self.segments]
         self.seen = {}
         self._arrays = None
+        self._blocks = {}
         self.refreshes += 1
 
     def arrays(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int]]]:

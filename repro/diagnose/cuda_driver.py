@@ -294,11 +294,17 @@ class ParamLayout(NamedTuple):
     first: int  # offset of the first parameter
     end: int  # end of the last parameter
     slots: Any  # ctypes array type of the kernelParams pointers
+    # offset -> where(offset), filled as asked: the same function's words sit at the same
+    # offsets in every node that launches it, so each name is made once per function.
+    names: dict[int, str]
 
     def where(self, offset: int) -> str:
         """'param 3 +8': the parameter holding the word at offset, and the offset in it."""
-        i = bisect.bisect_right(self.starts, offset) - 1
-        return f"param {i} +{offset - self.starts[i]}"
+        name = self.names.get(offset)
+        if name is None:
+            i = bisect.bisect_right(self.starts, offset) - 1
+            name = self.names[offset] = f"param {i} +{offset - self.starts[i]}"
+        return name
 
 
 def param_layout(pairs: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> ParamLayout:
@@ -312,6 +318,7 @@ def param_layout(pairs: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> 
         first,
         max((off + size for off, size in pairs), default=0),
         ctypes.c_void_p * max(len(pairs), 1),
+        {},
     )
 
 

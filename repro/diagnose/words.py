@@ -136,7 +136,12 @@ class Matcher:
 # 16,384-word slices 0.9 ms), so the census's arrays go through in slices below those sizes,
 # on the calling thread.
 SERIAL_ELEMENTS = 16384
-SERIAL_SEARCHES = 128
+SERIAL_SEARCHES = 192  # below SEARCHSORTED_GRAIN_SIZE (200)
+# Indexing a tensor by positions goes to the thread pool past 3,000 of them
+# (index_parallel_grain_size in ATen/native/cpu/IndexKernelUtils.h): a slice of a full decoder
+# graph holds ~3,800 plausible words, and on a busy 2-core machine each such gather waited
+# ~8 ms for the pool (a census of 1,056 kernels: ~80 ms instead of ~7).
+SERIAL_GATHERS = 2048
 
 
 def segment_positions(torch: Any, starts: Any, v: Any) -> Any:
@@ -149,6 +154,19 @@ def segment_positions(torch: Any, starts: Any, v: Any) -> Any:
             for i in range(0, v.numel(), SERIAL_SEARCHES)
         ]
     )
+
+
+def take(torch: Any, source: Any, index: Any) -> Any:
+    """source[index] (index: int64 positions), in slices."""
+    if index.numel() <= SERIAL_GATHERS:
+        return source[index]
+    return torch.cat([source[index[i : i + SERIAL_GATHERS]] for i in range(0, index.numel(), SERIAL_GATHERS)])
+
+
+def positions(mask: Any) -> Any:
+    """The positions where a 1-d bool tensor is True (nonzero runs on the calling thread below
+    SERIAL_ELEMENTS, where boolean indexing would gather through the thread pool)."""
+    return mask.nonzero().squeeze(1)
 
 
 @dataclass
@@ -173,6 +191,20 @@ class Deferred:
         """One plausible word: counted (own pool, outside the allocator) or kept as pending;
         where_of(offset) -> "param 3 +8" is made only for the words kept."""
         seg = self.pools.find(value)  # the map is current: take_census checked it
+        self.sort_found(census, node, kind, kernel, offset, value, where_of, seg)
+
+    def sort_found(
+        self,
+        census: GraphCensus,
+        node: int,
+        kind: NodeKind,
+        kernel: str,
+        offset: int,
+        value: int,
+        where_of: Any,
+        seg: tuple[int, int, tuple[int, int]] | None,
+    ) -> None:
+        """sort() of a word whose segment was already looked up (seg: PoolMap.find's answer)."""
         if seg is None:
             if self.is_device_address is not None and self.is_device_address(value):
                 census.outside += 1
@@ -180,9 +212,7 @@ class Deferred:
         if self.own_pool is not None and seg[2] == self.own_pool:
             census.own_pool += 1
             if seg[0] not in census.own_segments:
-                block = Block(
-                    start=seg[0], size=seg[1] - seg[0], state=BlockState.ACTIVE_ALLOCATED, pool=seg[2], segment=seg[0]
-                )
+                block = self.pools.segment_block(seg)
                 census.own_segments[seg[0]] = Reference(node, kind, kernel, where_of(offset), offset, value, block)
             return
         census.pending.append(Word(node, kind, kernel, where_of(offset), offset, value, seg[2]))
@@ -201,8 +231,8 @@ class Deferred:
 
         values = torch.frombuffer(bytearray().join(chunks.bufs), dtype=torch.int64)
         if chunks.words <= min(self.small, SERIAL_ELEMENTS):
-            at = ((values >= MIN_ADDR) & (values < MAX_ADDR)).nonzero().squeeze(1)
-            self.sort_each(census, chunks, at.tolist(), values[at].tolist())
+            at = positions((values >= MIN_ADDR) & (values < MAX_ADDR))
+            self.sort_each(census, chunks, at.tolist(), take(torch, values, at).tolist())
             return
         for first in range(0, chunks.words, SERIAL_ELEMENTS):
             self.sort_slice(torch, census, chunks, values[first : first + SERIAL_ELEMENTS], first)
@@ -210,40 +240,40 @@ class Deferred:
     def sort_slice(self, torch: Any, census: GraphCensus, chunks: Chunks, values: Any, first: int) -> None:
         """The array path for the graph's words from index first on (values: at most
         SERIAL_ELEMENTS of them)."""
-        at = ((values >= MIN_ADDR) & (values < MAX_ADDR)).nonzero().squeeze(1)
+        at = positions((values >= MIN_ADDR) & (values < MAX_ADDR))
         if not at.numel():
             return
-        v = values[at]
+        v = take(torch, values, at)
         at = at + first  # positions in the whole graph's words
         starts, ends, pool_ix, pools = self.pools.arrays()
         if starts.numel():
             seg = segment_positions(torch, starts, v) - 1
             seg_c = seg.clamp(min=0)
-            inside = (seg >= 0) & (v < ends[seg_c])
+            inside = (seg >= 0) & (v < take(torch, ends, seg_c))
         else:
             seg_c = torch.zeros_like(v)
             inside = torch.zeros(v.shape, dtype=torch.bool)
         own = torch.zeros_like(inside)
         if self.own_pool is not None and self.own_pool in pools:
-            own = inside & (pool_ix[seg_c] == pools.index(self.own_pool))
+            own = inside & (take(torch, pool_ix, seg_c) == pools.index(self.own_pool))
             census.own_pool += int(own.sum())
             self.note_own_segments(census, chunks, at, v, seg_c, own)
         if self.is_device_address is not None:
-            census.outside += self.count_device_addresses(v[~inside])
-        rest = (inside & ~own).nonzero().squeeze(1)
+            census.outside += self.count_device_addresses(take(torch, v, positions(~inside)))
+        rest = positions(inside & ~own)
         pool_of_seg = self.pools.segments
         pending = census.pending
-        for word, value, s in zip(at[rest].tolist(), v[rest].tolist(), seg_c[rest].tolist()):
+        words, kept, segs = (take(torch, t, rest).tolist() for t in (at, v, seg_c))
+        for word, value, s in zip(words, kept, segs):
             node, kernel, offset, where_of = chunks.locate(word)
             pending.append(Word(node, NodeKind.KERNEL, kernel, where_of(offset), offset, value, pool_of_seg[s][2]))
 
     def sort_each(self, census: GraphCensus, chunks: Chunks, at: list[int], values: list[int]) -> None:
         """sort() each plausible word (at: its index in the graph's words); the common one (own
         pool, in a segment already noted) is counted inline."""
-        find, own_pool, noted, own = self.pools.find, self.own_pool, census.own_segments, 0
+        own_pool, noted, own = self.own_pool, census.own_segments, 0
         is_device = self.is_device_address
-        for i, value in zip(at, values):
-            seg = find(value)
+        for i, value, seg in zip(at, values, self.pools.find_all(values)):
             if seg is None:  # most plausible words: host pointers, stale bytes
                 if is_device is not None and is_device(value):
                     census.outside += 1
@@ -251,7 +281,7 @@ class Deferred:
                 own += 1
             else:
                 node, kernel, offset, where_of = chunks.locate(i)
-                self.sort(census, node, NodeKind.KERNEL, kernel, offset, value, where_of)
+                self.sort_found(census, node, NodeKind.KERNEL, kernel, offset, value, where_of, seg)
         census.own_pool += own
 
     def count_device_addresses(self, values: torch.Tensor) -> int:
@@ -279,24 +309,26 @@ class Deferred:
         the graph lives is a finding)."""
         import torch
 
-        own_at = own.nonzero().squeeze(1)
-        segs, which = torch.unique(seg[own_at], return_inverse=True)
+        own_at = positions(own)
+        segs, which = torch.unique(take(torch, seg, own_at), return_inverse=True)
+        each = segs.tolist()
+        segments, noted = self.pools.segments, census.own_segments
+        if all(segments[s][0] in noted for s in each):
+            return  # past a graph's first slice, the usual case: no first words to find
         # The first own word of each segment: the least position among the words in it.
         first = torch.full(segs.shape, len(own_at), dtype=torch.int64).scatter_reduce_(
             0, which, torch.arange(len(own_at)), reduce="amin"
         )
         # Indexing a tensor from Python costs microseconds: pick the rows with tensors, then read
         # them as lists (a piecewise engine makes thousands of small graphs).
-        rows = own_at[first]
-        for s, word, value in zip(segs.tolist(), at[rows].tolist(), v[rows].tolist()):
-            start, end, pool = self.pools.segments[s]
-            if start in census.own_segments:
+        rows = take(torch, own_at, first)
+        for s, word, value in zip(each, take(torch, at, rows).tolist(), take(torch, v, rows).tolist()):
+            start = segments[s][0]
+            if start in noted:
                 continue
             node, kernel, offset, where_of = chunks.locate(word)
-            block = Block(start=start, size=end - start, state=BlockState.ACTIVE_ALLOCATED, pool=pool, segment=start)
-            census.own_segments[start] = Reference(
-                node, NodeKind.KERNEL, kernel, where_of(offset), offset, value, block
-            )
+            block = self.pools.segment_block(segments[s])
+            noted[start] = Reference(node, NodeKind.KERNEL, kernel, where_of(offset), offset, value, block)
 
 
 def match_pending(
