@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -230,6 +231,21 @@ def watched_states() -> dict | None:
     }
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds each of this process's threads has used so far, by thread id (Linux /proc;
+    empty where it cannot be read): a thread that burns CPU while the step runs shows here."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[tid] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
 def rss_kib() -> int:
     """This process's resident memory now (Linux /proc; 0 where it cannot be read)."""
     try:
@@ -266,10 +282,12 @@ def main(argv=None) -> int:
     bare = getattr(hooked, "__wrapped__", hooked)
     if args.gc_freeze:
         gc.freeze()
-    rss_before, gc_before = rss_kib(), [g["collections"] for g in gc.get_stats()]
+    rss_before, gc_before, cpu_before = rss_kib(), [g["collections"] for g in gc.get_stats()], thread_cpu()
     extra = parts_of_the_hook(bare) if args.decompose else []
     result = measure(torch, step, sizes, args.rounds, hooked, bare, extra)
     collections = [g["collections"] - n for g, n in zip(gc.get_stats(), gc_before)]
+    cpu_after, main_tid = thread_cpu(), str(threading.get_native_id())
+    other_cpu = sum(t - cpu_before.get(tid, 0.0) for tid, t in cpu_after.items() if tid != main_tid)
     replays = 2 * args.rounds * engine.graphs  # per variant: every graph once a synced and once a pipelined pass
     # The host memory the timed rounds added (resident, not peak): watch's records must not grow
     # with replays, only with captures.
@@ -284,6 +302,11 @@ def main(argv=None) -> int:
                 "replays_per_variant": replays,
                 "rss_grown_kib": grown,
                 "watch": watched_states(),
+                "threads": {
+                    "count": len(cpu_after),
+                    "main_cpu_s": round(cpu_after.get(main_tid, 0.0) - cpu_before.get(main_tid, 0.0), 2),
+                    "others_cpu_s": round(other_cpu, 2),
+                },
                 "gc": {"frozen": args.gc_freeze, "collections": collections, "tracked": len(gc.get_objects())},
                 **result,
             }

@@ -29,6 +29,7 @@ from repro.diagnose.cuda_driver import (
 )
 from repro.diagnose.fates import fate_of, traced_fate
 from repro.diagnose.graph_walk import read_graph, read_kernel
+from repro.diagnose.merge import merge_findings
 from repro.diagnose.trace_index import Trace, marker_of, trace_of
 from repro.diagnose.words import (
     MAX_ADDR,
@@ -351,7 +352,7 @@ def census_finding(monkeypatch, book):
 
 def test_merge_joins_guard_and_census_on_the_same_storage(monkeypatch):
     book = book_with("g")
-    merged = C.merge_findings([guard_finding()], census_finding(monkeypatch, book), [], True, book)
+    merged = merge_findings([guard_finding()], census_finding(monkeypatch, book), [], True, book)
     assert len(merged) == 1
     f = merged[0]
     assert (f.mechanism, f.slot, f.disagreement) == ("both", "drafter.<local lm_head_weight>", "")
@@ -360,33 +361,33 @@ def test_merge_joins_guard_and_census_on_the_same_storage(monkeypatch):
 
 def test_merge_shows_a_blind_guard_and_names_storages_the_guard_knows(monkeypatch):
     book = book_with("g")
-    blind = C.merge_findings([], census_finding(monkeypatch, book), [], True, book)
+    blind = merge_findings([], census_finding(monkeypatch, book), [], True, book)
     assert blind[0].mechanism == "census" and "did not see" in blind[0].disagreement
     book = book_with("g")
     slot = GuardSlot("moe.moe_kernel.workspace13", LOCAL, MiB)
-    named = C.merge_findings([], census_finding(monkeypatch, book), [slot], True, book)
+    named = merge_findings([], census_finding(monkeypatch, book), [slot], True, book)
     assert named[0].slot == "moe.moe_kernel.workspace13" and "sees it alive" in named[0].disagreement
     book = book_with("g")
     slot.reported = {"freed"}
-    earlier = C.merge_findings([], census_finding(monkeypatch, book), [slot], True, book)
+    earlier = merge_findings([], census_finding(monkeypatch, book), [slot], True, book)
     assert (earlier[0].mechanism, earlier[0].disagreement) == ("both", "")
     book = book_with("g")
-    off = C.merge_findings([], census_finding(monkeypatch, book), [], False, book)
+    off = merge_findings([], census_finding(monkeypatch, book), [], False, book)
     assert off[0].mechanism == "census" and off[0].disagreement == ""
 
 
 def test_merge_shows_what_the_census_says_of_a_guard_only_finding():
     book = book_with("g")
-    elsewhere = C.merge_findings([guard_finding(ptr=0x7E00_0000_0000)], [], [], True, book)
+    elsewhere = merge_findings([guard_finding(ptr=0x7E00_0000_0000)], [], [], True, book)
     assert elsewhere[0].mechanism == "guard" and "no captured address" in elsewhere[0].disagreement
-    rebound = C.merge_findings([guard_finding(status="rebound")], [], [], True, book)
+    rebound = merge_findings([guard_finding(status="rebound")], [], [], True, book)
     assert "visible only to the guard" in rebound[0].disagreement
-    assert C.merge_findings([guard_finding()], [], [], True, None)[0].disagreement == ""
+    assert merge_findings([guard_finding()], [], [], True, None)[0].disagreement == ""
 
 
 def test_merge_says_changed_bytes_at_a_live_block_are_the_fingerprints_alone():
     book = book_with("g")
-    changed = C.merge_findings([guard_finding(status="contents-changed")], [], [], True, book)
+    changed = merge_findings([guard_finding(status="contents-changed")], [], [], True, book)
     assert changed[0].mechanism == "guard" and "only to the guard's fingerprint" in changed[0].disagreement
 
 
@@ -845,7 +846,7 @@ def test_words_handed_to_the_guard_leave_the_census_and_are_counted_held():
     # disagreement; one the census never saw still says so.
     held = guard_finding(ptr=LOCAL + 64, nbytes=8)
     unseen = guard_finding(ptr=LOCAL + 4 * MiB, nbytes=8)
-    merged = C.merge_findings([held, unseen], [], [], True, book)
+    merged = merge_findings([held, unseen], [], [], True, book)
     assert [f.disagreement for f in merged] == ["", "the census found no captured address in this storage"]
 
 

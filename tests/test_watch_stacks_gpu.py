@@ -28,8 +28,9 @@ SLOT = "<local weight of capture>"
 
 
 def allocating_line() -> int:
+    """The code line marked `# ALLOCATED:` (the docstring names the marker too)."""
     lines = PROGRAM.read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if "# ALLOCATED" in line)
+    return next(i for i, line in enumerate(lines, 1) if "# ALLOCATED:" in line and "torch." in line)
 
 
 def watched(tmp_path, *options: str) -> dict:

@@ -38,9 +38,9 @@ API (all CUDA work is lazy: importing this module needs neither CUDA nor a drive
       segment map they share; ``dead_blocks()`` gives the after-free knob its targets,
       ``check()`` / ``check_graphs()`` check several graphs against one snapshot and one pass
       over its trace (repro/diagnose/trace_index.py: each graph from its own capture on), ``resolve()``
-      matches every pending word now; ``merge_findings()`` joins census and guard findings into
-      one list (mechanism "guard" | "census" | "both"), naming census findings after the guard's
-      storage where the guard knows it and saying where the two disagree.
+      matches every pending word now. repro/diagnose/merge.py joins census and guard findings
+      into one list (mechanism "guard" | "census" | "both"), naming census findings after the
+      guard's storage where the guard knows it and saying where the two disagree.
 
 The census's parts, one job each, all beside this module in repro/diagnose/: cuda_driver (libcuda
 through ctypes), graph_walk (a graph's nodes into words), words (the words sorted against the
@@ -70,7 +70,7 @@ import time
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from repro.outcome import Finding, Mechanism, Status
+from repro.outcome import Finding, Status
 from repro.diagnose.allocator import (
     TRACE_ENTRIES,
     BlockIndex,
@@ -463,71 +463,3 @@ def census_line(graph_counts: list[dict[str, Any]], errors: list[str]) -> str:
     if errors:
         text += f"; not read: {'; '.join(errors)}"
     return text
-
-
-def merge_findings(
-    guard: list[Finding], census: list[Finding], slots: list[Any], guard_on: bool, book: CensusBook | None
-) -> list[Finding]:
-    """One list from both mechanisms; a storage both saw becomes one finding ("both").
-
-    slots: the guard's recorded storages (name, storage_ptr, storage_nbytes, reported), so a
-    census finding in a storage the guard knows carries its readable name. Where one mechanism
-    saw something the other did not, ``disagreement`` says what the other one said.
-    """
-    out, used = [], set()
-    for c in census:
-        start, end = c.census["block_start"], c.census["block_start"] + c.census["block_size"]
-        g = next(
-            (
-                i
-                for i, g in enumerate(guard)
-                if i not in used and g.old_ptr < end and start < g.old_ptr + max(g.nbytes, 1)
-            ),
-            None,
-        )
-        if g is not None:
-            used.add(g)
-            merged = guard[g]
-            merged.mechanism, merged.census = Mechanism.BOTH, c.census
-            out.append(merged)
-            continue
-        if guard_on:
-            slot = next(
-                (s for s in slots if s.storage_ptr < end and start < s.storage_ptr + max(s.storage_nbytes, 1)), None
-            )
-            if slot is None:
-                c.disagreement = "the guard did not see this storage (it never passed the dispatcher)"
-            elif slot.reported:
-                c.slot, c.mechanism = slot.name, Mechanism.BOTH  # the guard said it at an earlier check
-                c.census["guard_reported"] = sorted(slot.reported)
-            else:
-                c.slot = slot.name
-                c.disagreement = f"the guard recorded this storage as {slot.name} and sees it alive"
-        out.append(c)
-    for i, g in enumerate(guard):
-        if i in used:
-            continue
-        if book is not None and book.censuses:
-            refs = book.references_in(g.old_ptr, g.old_ptr + max(g.nbytes, 1))
-            if not refs and book.held_in(g.old_ptr, g.old_ptr + max(g.nbytes, 1)):
-                pass  # the census handed this storage to the guard: one mechanism, no disagreement
-            elif not refs:
-                g.disagreement = "the census found no captured address in this storage"
-            elif g.status == Status.REBOUND:
-                g.disagreement = (
-                    "the census sees the captured block still allocated (a rebinding is visible only to the guard)"
-                )
-            elif g.status == Status.CONTENTS_CHANGED:
-                g.disagreement = (
-                    "the census sees the captured block still allocated (changed bytes at the same "
-                    "address are visible only to the guard's fingerprint)"
-                )
-            else:
-                said = {book.said.get(r.block.start) for _, r in refs} - {None}
-                g.disagreement = (
-                    f"the census reported this block earlier ({', '.join(sorted(said))})"
-                    if said
-                    else "the census sees the captured block still allocated"
-                )
-        out.append(g)
-    return out

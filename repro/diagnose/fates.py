@@ -4,7 +4,7 @@ A block is freed (cached, inactive), released (its segment went back to the driv
 (freed and allocated again: at the same address only the allocator trace shows it). fate_of
 reads the allocator now first, and the trace since the census for reuse; census_fates asks it
 for every block of a census not reported yet. census_finding names kernel, parameter and block;
-census.merge_findings adds the guard's name where it knows one.
+merge.merge_findings adds the guard's name where it knows one.
 """
 
 from __future__ import annotations

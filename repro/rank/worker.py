@@ -123,7 +123,7 @@ class WorkerContext:
         return self.emit_findings(guard_findings, census_findings)
 
     def emit_findings(self, guard_findings: list[Finding], census_findings: list[Finding]) -> list[Finding]:
-        from repro.diagnose.census import merge_findings
+        from repro.diagnose.merge import merge_findings
 
         findings = merge_findings(
             guard_findings,
