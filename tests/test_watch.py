@@ -388,6 +388,16 @@ def test_finding_records_survive_a_hard_crash_plumbing(tmp_path):
     assert len(rep["findings"]) == 1 and rep["processes"][0]["exited"] is False
 
 
+def fake_graph_module() -> types.ModuleType:
+    """tests/watch_programs/fake_graph: the stand-ins (graph classes, a census book)."""
+    sys.path.insert(0, str(PROGRAMS))
+    try:
+        import fake_graph
+    finally:
+        sys.path.remove(str(PROGRAMS))
+    return fake_graph
+
+
 def fake_graph_class():
     """(a fresh subclass of tests/watch_programs/fake_graph.FakeGraph, its capture helper): each
     test patches its own class."""
@@ -932,54 +942,19 @@ def test_stacks_name_where_a_census_slot_was_created_plumbing(tmp_path, monkeypa
     from repro.watch import hooks as watch_hooks
     from repro.watch.hooks import tools as hooks_tools
 
-    class Graph:
-        def __new__(cls, keep_graph=False):
-            return super().__new__(cls)
-
-        def __init__(self, keep_graph=False):
-            self.keep_graph = keep_graph
-
-        def capture_begin(self, *a, **k):
-            pass
-
-        def capture_end(self):
-            pass
-
-        def instantiate(self):
-            pass
-
-        def replay(self):
-            pass
-
-        def reset(self):
-            pass
+    Graph = type("Graph", (fake_graph_module().KeptGraph,), {})
 
     held = {}
 
-    class Book:
+    class Book(fake_graph_module().StandInBook):
         def __init__(self, rank, trace):
+            super().__init__(rank, trace)
             held["trace"] = trace
-            self.censuses = {}
 
         def add(self, graph, label, pool=None, since=None):
             ptr = held["weight"].data_ptr()
             word = types.SimpleNamespace(addr=ptr, describe=lambda: "node 0 kernel k param 1 +0")
             return types.SimpleNamespace(pending=[word], references=[])
-
-        def hand_over(self, census, left):
-            census.pending = left
-
-        def resume_trace(self):
-            pass
-
-        def pause_trace(self):
-            return False
-
-        def check_graphs(self, when, labels):
-            return []
-
-        def census_line(self):
-            return "graph census: stand-in"
 
     from repro.diagnose.census import Tracing
 

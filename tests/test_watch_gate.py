@@ -58,11 +58,18 @@ def watched_engine(tmp_path, graphs: int):
     return watcher, engine, made
 
 
+def settle(*graphs) -> None:
+    """Replays that take each graph through its deep check, then its storages tested once,
+    then settled."""
+    for _ in range(3):
+        for graph in graphs:
+            graph.replay()
+
+
 def test_settled_graphs_replay_without_a_per_graph_lookup_and_a_new_one_keeps_its_deep_check_plumbing(tmp_path):
     watcher, engine, (a, b, c) = watched_engine(tmp_path, 3)
     gate = watcher.graphs.gate
-    for _ in range(3):  # the deep check, the storages tested once, then settled
-        a.replay(), b.replay()
+    settle(a, b)
     assert watcher.log.counters.checks_deep == 2
     assert gate.at == watcher.tools.drops.n and id(a) not in gate.held and id(b) not in gate.held
     assert id(c) in gate.held  # captured, never replayed: an engine replays few of its sizes
@@ -81,8 +88,7 @@ def test_a_dead_storage_is_reported_at_its_graphs_next_replay_after_the_gate_reo
 
     watcher, engine, (a, b) = watched_engine(tmp_path, 2)
     gate = watcher.graphs.gate
-    for _ in range(3):
-        a.replay(), b.replay()
+    settle(a, b)
     engine.cache_1 = torch.zeros(4, 4)  # rebinding frees what b captured
     assert watcher.tools.drops.n == 1 and gate.at != watcher.tools.drops.n  # the gate is stale
     CountingDict.gets = 0
@@ -96,17 +102,15 @@ def test_a_dead_storage_is_reported_at_its_graphs_next_replay_after_the_gate_reo
     b.replay()
     assert watcher.log.counters.findings == 1
     records = [json.loads(line) for line in Path(watcher.log.recorder.path).read_text().splitlines()]
-    assert [r["finding"]["slot"] for r in records if r["kind"] == "finding"] == [
-        "engine.cache_1"
-    ]  # a local of the capturing function
+    slots = [r["finding"]["slot"] for r in records if r["kind"] == "finding"]
+    assert slots == ["engine.cache_1"]  # a local of the capturing function
     watcher.log.recorder.close()
 
 
 def test_a_reset_holds_every_other_graph_for_its_deep_check_plumbing(tmp_path):
     watcher, engine, (a, b) = watched_engine(tmp_path, 2)
     gate = watcher.graphs.gate
-    for _ in range(3):
-        a.replay(), b.replay()
+    settle(a, b)
     assert not {id(a), id(b)} & gate.held
     b.reset()
     assert {id(a), id(b)} <= gate.held
@@ -120,8 +124,7 @@ def test_with_every_graph_settled_the_wrappers_stand_aside_until_a_death_or_a_ca
 
     watcher, engine, (a, b) = watched_engine(tmp_path, 2)
     gate = watcher.graphs.gate
-    for _ in range(3):
-        a.replay(), b.replay()
+    settle(a, b)
     assert gate.mode == Mode.ASIDE  # nothing held, nothing died: replays test one flag
     entered = []
     real = watcher.checks.before_replay
@@ -144,8 +147,7 @@ def test_with_every_graph_settled_the_wrappers_stand_aside_until_a_death_or_a_ca
 def test_a_capture_arms_the_wrappers_and_the_new_graph_gets_its_deep_check_plumbing(tmp_path):
     watcher, engine, (a,) = watched_engine(tmp_path, 1)
     gate = watcher.graphs.gate
-    for _ in range(3):
-        a.replay()
+    settle(a)
     assert gate.mode == Mode.ASIDE
     new = type(a)()
     new.capture_begin()
@@ -154,7 +156,6 @@ def test_a_capture_arms_the_wrappers_and_the_new_graph_gets_its_deep_check_plumb
     assert gate.mode == Mode.HELD and id(new) in gate.held
     new.replay()
     assert watcher.log.counters.checks_deep == 2
-    for _ in range(2):
-        new.replay(), a.replay()
+    settle(new)
     assert gate.mode == Mode.ASIDE
     watcher.log.recorder.close()

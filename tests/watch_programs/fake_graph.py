@@ -20,6 +20,46 @@ class FakeGraph:
         pass
 
 
+class KeptGraph(FakeGraph):
+    """torch.cuda.CUDAGraph's shape where the census runs: CUDAGraph(keep_graph=...) (through
+    __new__ and __init__, as pybind's constructor takes it) and instantiate()."""
+
+    def __new__(cls, keep_graph=False):
+        return super().__new__(cls)
+
+    def __init__(self, keep_graph=False):
+        self.keep_graph = keep_graph
+
+    def instantiate(self):
+        pass
+
+
+class StandInBook:
+    """A census book that reads nothing (the real one needs a GPU): subclasses say what add()
+    finds in a graph (words with addr and describe())."""
+
+    def __init__(self, rank, trace):
+        self.censuses = {}
+
+    def hand_over(self, census, left):
+        census.pending = left
+
+    def resume_trace(self):
+        pass
+
+    def pause_trace(self):
+        return False
+
+    def check(self, when, graph):
+        return []
+
+    def check_graphs(self, when, labels):
+        return []
+
+    def census_line(self):
+        return "graph census: stand-in"
+
+
 class capture:
     """torch.cuda.graph's shape: capture_begin on enter, capture_end on exit."""
 

@@ -21,38 +21,15 @@ gc.disable()  # before anything of the hooks is imported
 
 from repro.watch import hooks as watch_hooks  # noqa: E402  (imports no torch, nothing of the guard yet)
 from repro.watch.hooks import tools as hooks_tools  # noqa: E402
+from fake_graph import KeptGraph, StandInBook  # noqa: E402  (beside this file)
 
 
-class Graph:
+class Graph(KeptGraph):
     """torch.cuda.CUDAGraph's shape, as far as the hooks use it."""
 
-    def __new__(cls, keep_graph=False):
-        return super().__new__(cls)
 
-    def __init__(self, keep_graph=False):
-        self.keep_graph = keep_graph
-
-    def capture_begin(self, *args, **kwargs):
-        pass
-
-    def capture_end(self):
-        pass
-
-    def instantiate(self):
-        pass
-
-    def replay(self):
-        pass
-
-    def reset(self):
-        pass
-
-
-class Book:
+class Book(StandInBook):
     """A census that reads nothing (the real one needs a GPU)."""
-
-    def __init__(self, rank, trace):
-        pass
 
     def add(self, graph, label, pool=None, since=None):
         # The kernel's two words, into the capturing function's locals: the guard makes their
@@ -62,21 +39,6 @@ class Book:
             for i, name in enumerate(("dst", "src"))
         ]
         return types.SimpleNamespace(pending=words, references=[])
-
-    def hand_over(self, census, left):
-        census.pending = left
-
-    def resume_trace(self):
-        pass
-
-    def pause_trace(self):
-        return False
-
-    def check(self, when, graph):
-        return []
-
-    def census_line(self):
-        return "graph census: stand-in"
 
 
 def stand_in_census():
