@@ -4,8 +4,9 @@
                  capture touches (repro.diagnose.guard's dispatch-mode recording)
   capture_end    take the graph census, and make the guard's slots from what it read (the
                  storages owners and the capturing frames' locals hold); or stop recording
-  replay         liveness check before every replay; deep check (+ census check) at the first
-                 replay after a capture and after any graph's reset
+  replay         deep check (+ census check) at the first replay after a capture and after any
+                 graph's reset; then nothing until a captured storage dies (graphs.Gate), and
+                 the liveness check of the graph's storages at its next replay once one did
   reset          marks every other graph for a deep check
 
 The wrappers replace the methods on the class in place, so ``torch.cuda.graph(...)`` and every
