@@ -38,8 +38,8 @@ API (all CUDA work is lazy: importing this module needs neither CUDA nor a drive
       segment map they share; ``dead_blocks()`` gives the after-free knob its targets,
       ``check()`` / ``check_graphs()`` check several graphs against one snapshot and one pass
       over its trace (repro/diagnose/trace_index.py: each graph from its own capture on), ``resolve()``
-      matches every pending word now. repro/diagnose/merge.py joins census and guard findings
-      into one list (mechanism "guard" | "census" | "both"), naming census findings after the
+      matches every pending word now. ``merge_findings()`` (repro/diagnose/merge.py) joins census
+      and guard findings into one list (mechanism "guard" | "census" | "both"), naming census findings after the
       guard's storage where the guard knows it and saying where the two disagree.
 
 The census's parts, one job each, all beside this module in repro/diagnose/: cuda_driver (libcuda
@@ -84,6 +84,7 @@ from repro.diagnose.captured import GraphCensus, Reference
 from repro.diagnose.cuda_driver import DriverError, load_driver
 from repro.diagnose.fates import Fate, census_fates, census_finding
 from repro.diagnose.graph_walk import read_graph
+from repro.diagnose.merge import merge_findings  # noqa: F401  (part of the census's API: the watch hooks call it through it)
 from repro.diagnose.trace_index import Trace, clock_marker, entries_at_points, entries_over_blocks, marker_of, trace_of
 from repro.diagnose.words import Deferred, Matcher, first_touches, match_pending
 

@@ -65,9 +65,7 @@ class Checks(Part):
             due, census.due = [label for label in census.due if label in live], []
             census_findings = census.book.check_graphs(when, due)
             self.adopt_late(due)
-            from repro.diagnose.merge import merge_findings  # torch-free; loaded with the census
-
-            findings = merge_findings(findings, census_findings, guard.slots, True, census.book)
+            findings = census.module.merge_findings(findings, census_findings, guard.slots, True, census.book)
             self.pause_trace()
         return findings
 

@@ -41,7 +41,7 @@ def plumbing_files() -> list[str]:
 
 class Census:
     """The graph census in this process, behind its small API (census_supported, CensusBook,
-    clock_marker). Whether it is supported here is asked once, at first use."""
+    clock_marker, merge_findings). Whether it is supported here is asked once, at first use."""
 
     def __init__(self):
         self.module: ModuleType | None = None  # repro.diagnose.census, once asked and found supported here
