@@ -149,7 +149,7 @@ def median(rows: list[dict], key: str) -> float | None:
 
 def summarize(shape: str, plain: list[dict], watched: list[dict]) -> dict:
     row = {"shape": shape, "graphs": plain[0].get("graphs"), "runs": len(plain)}
-    for key in ("capture_s", "first_round_s", "step_us", "maxrss_kb"):
+    for key in ("capture_s", "first_round_s", "step_us", "host_us", "maxrss_kb"):
         p, w = median(plain, key), median(watched, key)
         row[key] = {"plain": p, "watch": w, "ratio": (w / p) if p and w else None}
     row["findings"] = [w.get("findings") for w in watched]
@@ -163,10 +163,17 @@ def summarize(shape: str, plain: list[dict], watched: list[dict]) -> dict:
     return row
 
 
+def host_part(h: dict | None) -> str:
+    """ "; host P / W": the step's host part plain / watched, where the program reported it."""
+    if not h or h.get("plain") is None or h.get("watch") is None:
+        return ""
+    return f"; host {h['plain']:.0f} / {h['watch']:.0f}"
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| shape | graphs | capture plain / watch (x) | first round plain / watch (x) | "
-        "step plain / watch us (x) | findings | watch host KiB/graph |",
+        "step plain / watch us (x; its host part) | findings | watch host KiB/graph |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -174,7 +181,7 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['shape']} | {r['graphs']} | {c['plain']:.2f} / {c['watch']:.2f} s ({c['ratio']:.2f}x) | "
             f"{f['plain']:.2f} / {f['watch']:.2f} s ({f['ratio']:.2f}x) | "
-            f"{s['plain']:.0f} / {s['watch']:.0f} ({s['ratio']:.3f}x) | {r['findings']} | "
+            f"{s['plain']:.0f} / {s['watch']:.0f} ({s['ratio']:.3f}x{host_part(r.get('host_us'))}) | {r['findings']} | "
             f"{r.get('watch_kib_per_graph', float('nan')):.1f} |"
         )
     steps = [r for r in rows if r.get("step_in_process")]

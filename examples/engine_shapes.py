@@ -247,27 +247,35 @@ class Engine:
 
 
 def decode(torch, args, step_fn, sizes, reference) -> dict:
-    """`steps` rounds over every size; timings, and the worst |graph - eager| (compared on the
+    """`steps` rounds over every size; timings (the synced step, and its host part: whether a
+    slower step is the host's or the GPU's), and the worst |graph - eager| (compared on the
     first round, after the timed rounds so comparing costs no replay time)."""
     first = time.perf_counter()
     for b in sizes:
         step_fn(b)
     torch.cuda.synchronize()
     first_round = time.perf_counter() - first
-    per_step = []
+    per_step, per_host = [], []
     for _ in range(args.steps):
         for b in sizes:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             step_fn(b)
+            t1 = time.perf_counter()  # the host's own part: until the step returned
             torch.cuda.synchronize()
             per_step.append(time.perf_counter() - t0)
+            per_host.append(t1 - t0)
     worst = 0.0
     for b in sizes:
         got = step_fn(b).float()
         want = reference(b).float()
         worst = max(worst, (got - want).abs().max().item())
-    return {"first_round_s": first_round, "step_us": 1e6 * statistics.median(per_step), "max_abs_err": worst}
+    return {
+        "first_round_s": first_round,
+        "step_us": 1e6 * statistics.median(per_step),
+        "host_us": 1e6 * statistics.median(per_host),
+        "max_abs_err": worst,
+    }
 
 
 def run_full(torch, args, engine) -> dict:

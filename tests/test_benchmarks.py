@@ -157,7 +157,11 @@ def test_engine_capture_table_shows_the_in_process_step_with_its_host_part_and_m
             "plain_aa": {**step, "rss_grown_kib": 4},
         },
     }
-    lines = module.table([row]).splitlines()
+    lines = module.table([row, {**row, "host_us": {"plain": 90.0, "watch": 99.0, "ratio": 1.1}}]).splitlines()
+    assert lines[2].startswith(
+        "| piecewise | 66 | 1.00 / 1.20 s (1.20x) | 1.00 / 1.20 s (1.20x) | 100 / 101 (1.010x) |"
+    )
+    assert "100 / 101 (1.010x; host 90 / 99) |" in lines[3]  # whether a slower step is the host's
     assert lines[-1] == (
         "| piecewise | 101 / 100 (1.0100x) | 12.0 / 10.0 (1.200x) | 90 / 90 (1.0000x) | "
         "synced 1.0100x, pipelined 1.0000x | 8 / 4 over 1320 replays |"
