@@ -1,11 +1,12 @@
 """Checking at replay: is what a graph captured still there?
 
 Every replay of a settled graph is let through by the replay wrapper itself (patch.py, the
-Gate in graphs.py); the others come here. A graph's first replay after its capture, or after any graph's reset (a
-reset frees that graph's pool, which another graph may read: vllm-omni #6457), takes the deep
-check (rebinding, and the census check of every graph due); any other, the liveness check (one
-C call per captured storage, none while no captured storage died). torch's own
-check_input_liveness error, where the program turned it on, is recorded as a finding.
+Gate in graphs.py); the others come here. A graph's first replay after its capture, or after
+any graph's reset (a reset frees that graph's pool, which another graph may read: vllm-omni
+#6457), takes the deep check (rebinding, and the census check of every graph due); any other,
+the liveness check (one C call per captured storage, none while no captured storage died).
+torch's own check_input_liveness error, where the program turned it on, is recorded as a
+finding.
 """
 
 from __future__ import annotations
