@@ -152,6 +152,15 @@ def summarize(shape: str, plain: list[dict], watched: list[dict]) -> dict:
     for key in ("capture_s", "first_round_s", "step_us", "host_us", "maxrss_kb"):
         p, w = median(plain, key), median(watched, key)
         row[key] = {"plain": p, "watch": w, "ratio": (w / p) if p and w else None}
+    # The host of one machine runs the same capture at two speeds, from process to process and
+    # within one (docs/PERFORMANCE.md, ninth series: plain captures 3.8-5.5 s): beside the ratio
+    # of medians, each alternated pair's ratio and the ratio of the fastest of each side.
+    pairs = [
+        w["capture_s"] / p["capture_s"] for p, w in zip(plain, watched) if p.get("capture_s") and w.get("capture_s")
+    ]
+    row["capture_pair_ratios"] = [round(x, 3) for x in pairs]
+    fastest = [min(r["capture_s"] for r in rows if r.get("capture_s")) for rows in (plain, watched)]
+    row["capture_min_ratio"] = round(fastest[1] / fastest[0], 3) if all(fastest) else None
     row["findings"] = [w.get("findings") for w in watched]
     row["top_names"] = watched[-1].get("top_names")
     row["max_abs_err"] = {"plain": median(plain, "max_abs_err"), "watch": median(watched, "max_abs_err")}
@@ -178,8 +187,10 @@ def table(rows: list[dict]) -> str:
     ]
     for r in rows:
         c, f, s = r["capture_s"], r["first_round_s"], r["step_us"]
+        pairs = r.get("capture_pair_ratios") or []
+        spread = f"; pairs {min(pairs):.2f}-{max(pairs):.2f}x, fastest {r['capture_min_ratio']:.2f}x" if pairs else ""
         lines.append(
-            f"| {r['shape']} | {r['graphs']} | {c['plain']:.2f} / {c['watch']:.2f} s ({c['ratio']:.2f}x) | "
+            f"| {r['shape']} | {r['graphs']} | {c['plain']:.2f} / {c['watch']:.2f} s ({c['ratio']:.2f}x{spread}) | "
             f"{f['plain']:.2f} / {f['watch']:.2f} s ({f['ratio']:.2f}x) | "
             f"{s['plain']:.0f} / {s['watch']:.0f} ({s['ratio']:.3f}x{host_part(r.get('host_us'))}) | {r['findings']} | "
             f"{r.get('watch_kib_per_graph', float('nan')):.1f} |"

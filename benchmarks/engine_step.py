@@ -1,7 +1,7 @@
 """What `repro watch`'s per-replay hook costs an engine's decode step, measured inside one process.
 
     PYTHONPATH=. python3 benchmarks/engine_step.py full|piecewise [--sizes 67] [--layers 32]
-        [--hidden 1024] [--rounds 20]
+        [--hidden 1024] [--rounds 20] [--decompose] [--imitate trace,keep] [--undo-rounds N]
     repro watch -- python3 benchmarks/engine_step.py piecewise ...
 
 Builds examples/engine_shapes.py's engine, captures its graphs (under watch when started so),
@@ -14,7 +14,11 @@ one H200, between fresh processes of the same program) does not enter the ratio.
 the synchronized step with and without the hook (each size's median over rounds, averaged over
 sizes), their ratio; the host's part of that step (until step() returns: what the hook adds
 directly); and pipelined rounds (one synchronize per round: the host's work hidden behind the
-GPU's where it can be). GPU only.
+GPU's where it can be). Also: the capture's seconds and the first round's; each thread's CPU
+and the container's CPU throttling over the rounds; --imitate puts one piece of what watch
+leaves in a process (its allocator trace, kept cudaGraph_t objects) into a plain one, and
+--undo-rounds times the bare step again with the allocator trace stopped: whether either slows
+a process by itself (docs/PERFORMANCE.md, ninth series). GPU only.
 """
 
 from __future__ import annotations
@@ -51,6 +55,20 @@ def parse(argv):
     p.add_argument("--rounds", type=int, default=20, help="rounds per variant")
     p.add_argument("--decompose", action="store_true", help="also time each piece of the hook's path alone")
     p.add_argument(
+        "--imitate",
+        default="",
+        help="comma-separated, in a plain process: what watch leaves in a process, alone. trace: the "
+        "allocator's alloc/free trace on from before the capture, as the census starts it; keep: "
+        "every graph keeps its cudaGraph_t past capture_end (instantiated there, as watch does)",
+    )
+    p.add_argument(
+        "--undo-rounds",
+        type=int,
+        default=0,
+        help="after the timed rounds, time the bare step this many rounds as the process is, then "
+        "again with the allocator trace stopped: whether the trace is what slows the process",
+    )
+    p.add_argument(
         "--gc-freeze",
         action="store_true",
         help="gc.freeze() before the timed rounds: whether the cyclic GC's passes over what the "
@@ -77,6 +95,73 @@ def pipelined_pass(torch, step, sizes) -> float:
         step(b)
     torch.cuda.synchronize()
     return time.perf_counter() - t0
+
+
+IMITATIONS = ("trace", "keep")
+
+
+def imitate(torch, what: list[str]) -> None:
+    """Put into this plain process, before its capture, the named pieces of what watch leaves
+    in a watched one (--imitate)."""
+    unknown = [w for w in what if w not in IMITATIONS]
+    if unknown:
+        raise SystemExit(f"--imitate {','.join(unknown)}: not one of {', '.join(IMITATIONS)}")
+    if "trace" in what:
+        from repro.diagnose.allocator import start_trace
+
+        start_trace()
+    if "keep" in what:
+        graph_class = torch.cuda.CUDAGraph
+        init, end = graph_class.__init__, graph_class.capture_end
+
+        def keeping_init(graph, *args, **kwargs):
+            kwargs.pop("keep_graph", None)
+            init(graph, True, *args[1:], **kwargs)
+
+        def instantiating_end(graph):
+            end(graph)
+            graph.instantiate()
+
+        graph_class.__init__ = keeping_init
+        graph_class.capture_end = instantiating_end
+
+
+def bare_rounds(torch, step, sizes, rounds: int) -> float:
+    """Microseconds of the synchronized step with whatever replay the class has now (each size's
+    median over rounds, averaged over sizes)."""
+    got = [[timed_step(torch, step, b)[0] for b in sizes] for _ in range(rounds)]
+    return round(per_size_mean(got), 2)
+
+
+def undo_phases(torch, step, sizes, rounds: int, bare) -> dict:
+    """The bare step as the process is, then with the allocator trace stopped (it stays
+    stopped: run this last)."""
+    graph_class = torch.cuda.CUDAGraph
+    hooked, graph_class.replay = graph_class.replay, bare
+    try:
+        as_is = bare_rounds(torch, step, sizes, rounds)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        trace_off = bare_rounds(torch, step, sizes, rounds)
+    finally:
+        graph_class.replay = hooked
+    return {"rounds": rounds, "as_is_us": as_is, "trace_off_us": trace_off}
+
+
+def cgroup_cpu() -> dict:
+    """The container's CPU limit and throttling so far (cgroup v2; empty where unreadable)."""
+    out = {}
+    for name in ("cpu.max", "cpu.stat"):
+        try:
+            with open(f"/sys/fs/cgroup/{name}") as f:
+                text = f.read()
+        except OSError:
+            continue
+        if name == "cpu.max":
+            out["max"] = text.strip()
+        else:
+            stat = dict(line.split() for line in text.splitlines() if len(line.split()) == 2)
+            out |= {k: int(stat[k]) for k in ("nr_throttled", "throttled_usec", "usage_usec") if k in stat}
+    return out
 
 
 def per_size_mean(rounds: list[list[float]]) -> float:
@@ -265,23 +350,31 @@ def main(argv=None) -> int:
     shapes = load_shapes()
     torch.manual_seed(0)
     torch.set_grad_enabled(False)
+    imitated = [w for w in args.imitate.split(",") if w]
+    torch.zeros(1, device="cuda")  # CUDA's initialisation, before any imitation
+    imitate(torch, imitated)
     model = shapes.build_model(torch, args.layers, args.hidden, args.context)
     kv = shapes.KVCache(torch, args.layers, args.context, args.hidden)
     engine = shapes.Engine(torch, args, model, kv)
     sizes = shapes.vllm_sizes(args.sizes)
+    t0 = time.perf_counter()
     if args.shape == "full":
         engine.capture_full(sizes)
         step = engine.replay_full
     else:
         engine.capture_pieces(sizes)
         step = engine.replay_pieces
+    torch.cuda.synchronize()
+    capture_s = time.perf_counter() - t0
     for b in sizes:  # first replays: where watch's deep checks run
         step(b)
     torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0 - capture_s
     hooked = torch.cuda.CUDAGraph.replay
     bare = getattr(hooked, "__wrapped__", hooked)
     if args.gc_freeze:
         gc.freeze()
+    cgroup_before = cgroup_cpu()
     rss_before, gc_before, cpu_before = rss_kib(), [g["collections"] for g in gc.get_stats()], thread_cpu()
     extra = parts_of_the_hook(bare) if args.decompose else []
     result = measure(torch, step, sizes, args.rounds, hooked, bare, extra)
@@ -292,18 +385,30 @@ def main(argv=None) -> int:
     # The host memory the timed rounds added (resident, not peak): watch's records must not grow
     # with replays, only with captures.
     grown = rss_kib() - rss_before
+    cgroup_after = cgroup_cpu()
+    throttled = {k: v - cgroup_before[k] for k, v in cgroup_after.items() if k != "max" and k in cgroup_before}
+    states = watched_states()  # before the undo phases stop the trace
+    undo = undo_phases(torch, step, sizes, args.undo_rounds, bare) if args.undo_rounds else None
     print(
         json.dumps(
             {
                 "shape": args.shape,
                 "graphs": engine.graphs,
                 "hook": bare is not hooked,
+                "imitated": imitated,
+                "capture_s": round(capture_s, 3),
+                "first_round_s": round(first_s, 3),
                 "rounds": args.rounds,
                 "replays_per_variant": replays,
                 "rss_grown_kib": grown,
-                "watch": watched_states(),
+                "watch": states,
+                "undo": undo,
+                "kernel": os.uname().release,
+                "cgroup": {"max": cgroup_after.get("max"), **throttled},
                 "threads": {
                     "count": len(cpu_after),
+                    "python": sorted(t.name for t in threading.enumerate()),
+                    "torch_intra_op": torch.get_num_threads(),
                     "main_cpu_s": round(cpu_after.get(main_tid, 0.0) - cpu_before.get(main_tid, 0.0), 2),
                     "others_cpu_s": round(other_cpu, 2),
                 },

@@ -168,6 +168,22 @@ def test_engine_capture_table_shows_the_in_process_step_with_its_host_part_and_m
     )
 
 
+def test_engine_capture_summary_keeps_each_pairs_ratio_and_the_fastest_of_each_side(benchmarks_on_path):
+    """The host runs one capture at two speeds from process to process: the summary keeps each
+    alternated pair's ratio and the ratio of each side's fastest, and the table shows them."""
+    spec = importlib.util.spec_from_file_location("benchmark_engine_capture", BENCHMARKS / "engine_capture.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    plain = [{"graphs": 67, "capture_s": s} for s in (4.0, 6.0, 4.2)]
+    watched = [{"capture_s": s, "findings": 0} for s in (6.0, 6.6, 9.0)]
+    row = module.summarize("full", plain, watched)
+    assert row["capture_s"] == {"plain": 4.2, "watch": 6.6, "ratio": pytest.approx(6.6 / 4.2)}
+    assert row["capture_pair_ratios"] == [1.5, 1.1, round(9.0 / 4.2, 3)]
+    assert row["capture_min_ratio"] == 1.5
+    line = module.table([{**row, "first_round_s": row["capture_s"], "step_us": row["capture_s"]}]).splitlines()[2]
+    assert "4.20 / 6.60 s (1.57x; pairs 1.10-2.14x, fastest 1.50x)" in line
+
+
 def test_allocator_costs_says_on_the_cpu_that_its_stack_part_needs_a_gpu(benchmarks_on_path, capsys):
     """The --stacks cost (allocations with and without their stacks) is measured on a GPU only:
     here the script says so in one line and exits 3."""
