@@ -1,0 +1,81 @@
+"""The owners walk's naming at capture begin (repro/watch/hooks/owners.py): the per-type memo
+gives the same names as asking each value, and is not used where isinstance is not decided by
+the type alone."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from repro.watch.hooks.owners import _NO_MEMO, Kind, by_type_alone, owner_name
+
+
+class Cache:
+    def __init__(self):
+        self.k = torch.zeros(2)
+
+
+class Empty:
+    def __init__(self):
+        self.n = 3
+
+
+class Slotted:
+    __slots__ = ("x",)
+
+
+def locals_of_a_capture() -> list[tuple[str, object]]:
+    layer = torch.nn.Linear(2, 2)
+    return [
+        ("x", torch.zeros(2)),
+        ("w", torch.nn.Parameter(torch.zeros(2))),
+        ("layer", layer),
+        ("self", layer),
+        ("cache", Cache()),
+        ("other", Empty()),
+        ("self", Cache()),
+        ("slots", Slotted()),
+        ("n", 3),
+        ("names", ["a"]),
+        ("__builtins__", {}),
+        ("torch", torch),
+        ("fn", len),
+    ]
+
+
+def test_the_memo_names_as_asking_each_value_does():
+    kinds: dict = {}
+    for _ in range(2):  # the second pass answers from the memo
+        for var, value in locals_of_a_capture():
+            assert owner_name(var, value, torch, kinds) == owner_name(var, value, torch), var
+    assert kinds[torch.Tensor] is Kind.SKIP and kinds[torch.nn.Linear] is Kind.MODULE
+    assert kinds[Cache] is Kind.OBJECT and kinds[Slotted] is Kind.SKIP
+    names = [owner_name(var, value, torch, kinds) for var, value in locals_of_a_capture()]
+    assert names == [None, None, "layer", "Linear", "cache", None, "Cache", None, None, None, None, None, None]
+
+
+def test_a_plain_object_is_asked_again_each_time():
+    """The memo keeps a type's kind, never an object's answer: the same type with and without
+    tensors is named accordingly."""
+    kinds: dict = {}
+    holder = Empty()
+    assert owner_name("holder", holder, torch, kinds) is None
+    holder.t = torch.ones(1)
+    assert owner_name("holder", holder, torch, kinds) == "holder"
+
+
+def test_no_memo_where_a_metaclass_decides_isinstance():
+    class Meta(type):
+        def __instancecheck__(cls, obj):
+            return getattr(obj, "looks_like_a_tensor", False)
+
+    class FakeTensor(metaclass=Meta):
+        pass
+
+    fake = types.SimpleNamespace(Tensor=FakeTensor, nn=types.SimpleNamespace(Module=torch.nn.Module))
+    assert by_type_alone(torch)
+    assert not by_type_alone(fake)
+    memo = _NO_MEMO
+    memo[int] = Kind.OBJECT
+    assert memo.get(int) is None  # remembers nothing
