@@ -707,24 +707,6 @@ def test_chunks_keep_words_aligned_to_the_parameter_buffer_and_locate_them():
     ]
 
 
-def test_locate_sorted_answers_as_locate_does_word_by_word():
-    """One walk over the chunks for ascending words: chunks of one word and of many, words
-    skipping whole chunks, the first and the last word."""
-    import random
-
-    rng = random.Random(3)
-    chunks = Chunks()
-    for node in range(40):
-        n = rng.choice([1, 1, 2, 5, 30])
-        chunks.add(node, f"k{node}", bytes(8 * n), 8 * rng.randrange(4), str)
-    for _ in range(20):
-        words = sorted(rng.sample(range(chunks.words), rng.randrange(1, chunks.words)))
-        assert list(chunks.locate_sorted(words)) == [chunks.locate(w) for w in words]
-    every = list(range(chunks.words))
-    assert list(chunks.locate_sorted(every)) == [chunks.locate(w) for w in every]
-    assert list(chunks.locate_sorted([])) == []
-
-
 @pytest.mark.parametrize(
     "small,serial,gathers",
     [

@@ -12,7 +12,6 @@ first alloc or free touching each word since the census (first_touches, over tra
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -82,19 +81,6 @@ class Chunks:
         c = bisect.bisect_right(self.starts, word) - 1
         node, kernel, at, where_of = self.meta[c]
         return node, kernel, at + WORD * (word - self.starts[c]), where_of
-
-    def locate_sorted(self, words: list[int]) -> Iterator[tuple[int, str, int, Any]]:
-        """locate() of each word, for words in ascending order: one walk over the chunks (a full
-        decoder graph keeps ~1,000 words, and a search per word was a third of its sort)."""
-        starts, meta = self.starts, self.meta
-        c, ends = -1, len(starts)
-        nxt = 0  # index of the first word of chunk c + 1
-        for word in words:
-            if word >= nxt:
-                c = bisect.bisect_right(starts, word, c + 1) - 1
-                nxt = starts[c + 1] if c + 1 < ends else self.words
-            node, kernel, at, where_of = meta[c]
-            yield node, kernel, at + WORD * (word - starts[c]), where_of
 
 
 @dataclass
@@ -278,9 +264,9 @@ class Deferred:
         pool_of_seg = self.pools.segments
         pending = census.pending
         words, kept, segs = (take(torch, t, rest).tolist() for t in (at, v, seg_c))
-        kind = NodeKind.KERNEL
-        for (node, kernel, offset, where_of), value, s in zip(chunks.locate_sorted(words), kept, segs):
-            pending.append(Word(node, kind, kernel, where_of(offset), offset, value, pool_of_seg[s][2]))
+        for word, value, s in zip(words, kept, segs):
+            node, kernel, offset, where_of = chunks.locate(word)
+            pending.append(Word(node, NodeKind.KERNEL, kernel, where_of(offset), offset, value, pool_of_seg[s][2]))
 
     def sort_each(self, census: GraphCensus, chunks: Chunks, at: list[int], values: list[int]) -> None:
         """sort() each plausible word (at: its index in the graph's words); the common one (own
