@@ -8,7 +8,7 @@ import types
 
 import torch
 
-from repro.watch.hooks.owners import _NO_MEMO, Kind, by_type_alone, owner_name
+from repro.watch.hooks.owners import _MAX_KINDS, _NO_MEMO, Kind, by_type_alone, owner_name
 
 
 class Cache:
@@ -79,3 +79,15 @@ def test_no_memo_where_a_metaclass_decides_isinstance():
     memo = _NO_MEMO
     memo[int] = Kind.OBJECT
     assert memo.get(int) is None  # remembers nothing
+
+
+def test_the_memo_stops_growing_at_its_bound():
+    """A program that makes classes as it goes: the memo keeps at most _MAX_KINDS types and
+    still names every local by asking it."""
+    kinds: dict = {}
+    made = [type(f"Made{i}", (), {}) for i in range(_MAX_KINDS + 5)]
+    for cls in made:
+        obj = cls()
+        obj.t = torch.zeros(1)
+        assert owner_name("obj", obj, torch, kinds) == "obj"
+    assert len(kinds) == _MAX_KINDS

@@ -17,6 +17,9 @@ if TYPE_CHECKING:  # annotations only: nothing here imports torch until the prog
 
 _OWNER_FRAMES = 8  # user frames above a capture searched for owners
 _MAX_OWNERS = 32  # owners watched per capture
+# Types the kinds memo keeps (it holds the type objects, never an instance): a program that
+# makes classes as it goes must not grow it without end.
+_MAX_KINDS = 4096
 
 
 class Kind(Enum):
@@ -120,7 +123,9 @@ def owner_name(var: str, value: Any, torch, kinds: dict[type, Kind] = _NO_MEMO) 
         return None
     kind = kinds.get(type(value))
     if kind is None:
-        kind = kinds[type(value)] = kind_of(value, torch)
+        kind = kind_of(value, torch)
+        if len(kinds) < _MAX_KINDS:
+            kinds[type(value)] = kind
     if kind is Kind.SKIP:
         return None
     if kind is Kind.MODULE:
