@@ -96,6 +96,7 @@ def watch_records(run_dir: Path) -> dict:
         "findings": findings,
         "top_names": top,
         "hooks": exits[0].get("seconds") if exits else None,
+        "census_reads": exits[0].get("census_reads") if exits else None,
         "counters": exits[0].get("counters") if exits else None,
     }
 
@@ -165,6 +166,7 @@ def summarize(shape: str, plain: list[dict], watched: list[dict]) -> dict:
     row["top_names"] = watched[-1].get("top_names")
     row["max_abs_err"] = {"plain": median(plain, "max_abs_err"), "watch": median(watched, "max_abs_err")}
     row["hooks"] = watched[-1].get("hooks")
+    row["census_reads"] = watched[-1].get("census_reads")
     graphs = row["graphs"] or 1
     rss = row["maxrss_kb"]
     if rss["plain"] and rss["watch"]:

@@ -61,6 +61,15 @@ class Census:
                 pass
         return self.state
 
+    def reads(self) -> dict[str, int] | None:
+        """For the exit record: how often the census read the allocator's segments (its pool
+        map, again whenever they changed) and took a whole snapshot (at its checks); None
+        where it did not run."""
+        try:
+            return {"segment_maps": self.book.pools.refreshes, "snapshots": self.book.snapshots}
+        except AttributeError:  # no book (it never ran), or one that keeps no such counts
+            return None
+
 
 class Tools:
     """The guard and the census, each made once, at first use."""

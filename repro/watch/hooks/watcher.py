@@ -148,6 +148,7 @@ class Watcher:
                 "kind": "exit",
                 "counters": vars(self.log.counters),
                 "census": census,
+                "census_reads": self.tools.census.reads(),
                 "pool_managed": guard.pool_managed() if guard is not None else 0,
                 "cross_pool": self.captures.cross_pool,
                 "rank": self.log.rank,

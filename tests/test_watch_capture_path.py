@@ -1,6 +1,6 @@
-"""The owners walk's naming at capture begin (repro/watch/hooks/owners.py): the per-type memo
-gives the same names as asking each value, and is not used where isinstance is not decided by
-the type alone."""
+"""What the watch hooks do at each capture, kept cheap for engines that capture thousands of
+graphs: the owners walk's per-type memo names as asking each value does (and is not used where
+isinstance is not decided by the type alone); the exit record counts the census's reads."""
 
 from __future__ import annotations
 
@@ -91,3 +91,17 @@ def test_the_memo_stops_growing_at_its_bound():
         obj.t = torch.zeros(1)
         assert owner_name("obj", obj, torch, kinds) == "obj"
     assert len(kinds) == _MAX_KINDS
+
+
+def test_the_exit_records_census_reads_where_the_census_ran():
+    """The exit record says how often the census read the segment map and took a snapshot
+    (what a piecewise engine's capture cost rests on); None where no census ran or the book
+    keeps no such counts, never an error at exit."""
+    from repro.watch.hooks.tools import Census
+
+    census = Census()
+    assert census.reads() is None
+    census.book = types.SimpleNamespace(pools=types.SimpleNamespace(refreshes=12), snapshots=3)
+    assert census.reads() == {"segment_maps": 12, "snapshots": 3}
+    census.book = object()
+    assert census.reads() is None
