@@ -201,18 +201,19 @@ def table(rows: list[dict]) -> str:
     if steps:
         lines += [
             "",
-            "| shape | step in one process: with / without the replay hook, synced us (x) | "
-            "host part of that step us (x) | pipelined us (x) | same process without watch, A/A (x) | "
-            "resident memory grown over the rounds, watch / plain KiB |",
-            "|---|---|---|---|---|---|",
+            "| shape | step in one process: the class's replay under watch / torch's own, synced us (x) | "
+            "host part of that step us (x) | pipelined us (x) | watch's wrapper itself, synced (x) | "
+            "same process without watch, A/A (x) | resident memory grown over the rounds, watch / plain KiB |",
+            "|---|---|---|---|---|---|---|",
         ]
     for r in steps:
         w, aa = r["step_in_process"]["watch"], r["step_in_process"]["plain_aa"]
         s, h, q = w["step_us"], w.get("host_us"), w["pipelined_us"]
         host = f"{h['hooked']:.1f} / {h['bare']:.1f} ({h['ratio']:.3f}x)" if h else "-"
+        wrapper = f"{s['wrapper_ratio']:.4f}x" if "wrapper_ratio" in s else "-"
         lines.append(
-            f"| {r['shape']} | {s['hooked']:.0f} / {s['bare']:.0f} ({s['ratio']:.4f}x) | {host} | "
-            f"{q['hooked']:.0f} / {q['bare']:.0f} ({q['ratio']:.4f}x) | "
+            f"| {r['shape']} ({w.get('class_replay', '?')}) | {s['hooked']:.0f} / {s['bare']:.0f} ({s['ratio']:.4f}x) | "
+            f"{host} | {q['hooked']:.0f} / {q['bare']:.0f} ({q['ratio']:.4f}x) | {wrapper} | "
             f"synced {aa['step_us']['ratio']:.4f}x, pipelined {aa['pipelined_us']['ratio']:.4f}x | "
             f"{w.get('rss_grown_kib', '-')} / {aa.get('rss_grown_kib', '-')} over "
             f"{w.get('replays_per_variant', '?')} replays |"

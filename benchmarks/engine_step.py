@@ -6,11 +6,15 @@
 
 Builds examples/engine_shapes.py's engine, captures its graphs (under watch when started so),
 then times decode rounds (every size once, synchronized around each step, as engine_shapes
-times them), each step back to back with three replay functions: `torch.cuda.CUDAGraph.replay`
-as the process has it (under watch: the hook's wrapper), the function it wraps (`__wrapped__`;
-in a plain process there is none, so both are the same function: an A/A run that shows the
-noise floor), and a Python wrapper that only calls it (what any Python layer costs here). Same graphs, same memory, same process: the spread between processes (+-15% on
-one H200, between fresh processes of the same program) does not enter the ratio. One JSON line:
+times them), each step back to back with these replay functions: `torch.cuda.CUDAGraph.replay`
+as the process has it after the first round (`hooked`: under watch, with every graph settled,
+the wrappers stand aside and this is torch's own; `watch.class_replay` says which), torch's own
+(`bare`; in a plain process both are the same function: an A/A run that shows the noise
+floor), a Python wrapper that only calls it (`thin`: what any Python layer costs here) and,
+under watch, watch's replay wrapper itself (`wrapper`: what a replay costs while some graph
+is held, or through a bound replay saved while the wrapper was on the class). Same graphs, same
+memory, same process: the spread between processes (+-15% on one H200, between fresh
+processes of the same program) does not enter the ratio. One JSON line:
 the synchronized step with and without the hook (each size's median over rounds, averaged over
 sizes), their ratio; the host's part of that step (until step() returns: what the hook adds
 directly); and pipelined rounds (one synchronize per round: the host's work hidden behind the
@@ -214,14 +218,15 @@ def measure(torch, step, sizes, rounds: int, hooked, bare, extra=()) -> dict:
         summarize = statistics.median if key == "pipelined_us" else per_size_mean
         us = {v: summarize(got[v][key]) for v in names}
         out[key] = {v: round(t, 2) for v, t in us.items()} | {"ratio": round(us["hooked"] / us["bare"], 4)}
+        if "wrapper" in us:
+            out[key]["wrapper_ratio"] = round(us["wrapper"] / us["bare"], 4)
     return out
 
 
 def parts_of_the_hook(bare) -> list:
     """Under watch, replay functions that each add one piece of the hook's steady-state path
     to a bare call (which piece costs what in this step); none in a plain process."""
-    watcher = sys.modules.get("repro.watch.hooks.watcher")
-    active = watcher.active() if watcher is not None else None
+    active = active_watcher()
     if active is None:
         return []
     gate, drops, counters = active.graphs.gate, active.tools.drops, active.log.counters
@@ -286,8 +291,7 @@ def watched_states() -> dict | None:
     """Under watch: whether the replay wrapper's gate is open and how many graphs it holds for
     the checks, how many graphs are settled and why the others are not; None in a plain
     process."""
-    watcher = sys.modules.get("repro.watch.hooks.watcher")
-    active = watcher.active() if watcher is not None else None
+    active = active_watcher()
     if active is None:
         return None
     drops = active.tools.drops.n
@@ -306,6 +310,7 @@ def watched_states() -> dict | None:
         counts[why] = counts.get(why, 0) + 1
     gate, book = active.graphs.gate, active.tools.census.book
     return {
+        "wrapper_mode": wrapper_mode(),
         "trace_paused": None if book is None else book.paused,
         "drops": drops,
         "gate_open": gate.at == drops,
@@ -314,6 +319,37 @@ def watched_states() -> dict | None:
         "states": counts,
         "counters": dict(vars(active.log.counters)),
     }
+
+
+def active_watcher():
+    watcher = sys.modules.get("repro.watch.hooks.watcher")
+    return watcher.active() if watcher is not None else None
+
+
+def replay_wrapper(torch):
+    """Under watch, its replay wrapper of torch.cuda.CUDAGraph (on the class or standing aside);
+    None in a plain process."""
+    active = active_watcher()
+    return None if active is None else active.replay_wrappers.get(torch.cuda.CUDAGraph)
+
+
+def hook_counts() -> dict | None:
+    active = active_watcher()
+    if active is None:
+        return None
+    return {"replays_counted": active.log.counters.replays, "stood_aside": active.graphs.gate.asides}
+
+
+def wrapper_mode() -> int | None:
+    """The Mode the replay wrapper keeps in its own closure (what it tests at each replay; the
+    gate's `mode` is what it was last told), or None where it keeps none."""
+    import torch
+
+    hook = replay_wrapper(torch)
+    names = getattr(getattr(hook, "__code__", None), "co_freevars", ())
+    if "mode" not in names or hook.__closure__ is None:
+        return None
+    return hook.__closure__[names.index("mode")].cell_contents
 
 
 def thread_cpu() -> dict[str, float]:
@@ -370,14 +406,18 @@ def main(argv=None) -> int:
         step(b)
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t0 - capture_s
-    hooked = torch.cuda.CUDAGraph.replay
-    bare = getattr(hooked, "__wrapped__", hooked)
+    wrapper = replay_wrapper(torch)  # watch's, on the class or standing aside; None: plain
+    hooked = torch.cuda.CUDAGraph.replay  # as the process has it now
+    bare = getattr(wrapper, "__wrapped__", hooked)
     if args.gc_freeze:
         gc.freeze()
     cgroup_before = cgroup_cpu()
     rss_before, gc_before, cpu_before = rss_kib(), [g["collections"] for g in gc.get_stats()], thread_cpu()
-    extra = parts_of_the_hook(bare) if args.decompose else []
+    extra = [("wrapper", wrapper)] if wrapper is not None else []
+    extra += parts_of_the_hook(bare) if args.decompose else []
+    seen_before = hook_counts()
     result = measure(torch, step, sizes, args.rounds, hooked, bare, extra)
+    seen = {k: v - seen_before[k] for k, v in hook_counts().items()} if seen_before else None
     collections = [g["collections"] - n for g, n in zip(gc.get_stats(), gc_before)]
     cpu_after, main_tid = thread_cpu(), str(threading.get_native_id())
     other_cpu = sum(t - cpu_before.get(tid, 0.0) for tid, t in cpu_after.items() if tid != main_tid)
@@ -394,7 +434,11 @@ def main(argv=None) -> int:
             {
                 "shape": args.shape,
                 "graphs": engine.graphs,
-                "hook": bare is not hooked,
+                "hook": wrapper is not None,
+                "class_replay": "torch's own" if hooked is bare else "watch's wrapper",
+                # under watch: replays the wrapper counted and times it stood aside, over the
+                # timed rounds (the `wrapper` variant's replays among them)
+                "hooks_over_rounds": seen,
                 "imitated": imitated,
                 "capture_s": round(capture_s, 3),
                 "first_round_s": round(first_s, 3),

@@ -198,11 +198,13 @@ def part_storages() -> dict:
 
 
 def part_wrapper(chain: int = WRAPPER_CHAIN, rounds: int = 15, calls: int = 20000) -> dict:
-    """What the hooked `replay` adds per call on settled graphs (checked, nothing died): a chain
-    of `chain` graphs (one piecewise decode step's replays) replayed in turn, rounds alternating
-    the hooked replay and the function it wraps; medians of rounds, ns per call. On CPU the
-    graph does nothing, so this is the wrapper alone; on GPU it adds to a real replay's host
-    time (synchronized once per round: the host's own cost)."""
+    """What watch's replay wrapper adds per call on settled graphs (checked, nothing died): a
+    chain of `chain` graphs (one piecewise decode step's replays) replayed in turn, rounds
+    alternating the wrapper and the function it wraps; medians of rounds, ns per call. With
+    every graph settled the wrappers stand aside (the class's replay is torch's own again:
+    `class_replay`), so this is what a replay costs through a bound wrapper saved before, or
+    while some other graph is held. On CPU the graph does nothing, so this is the wrapper
+    alone; on GPU it adds to a real replay's host time (synchronized once per round)."""
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -212,8 +214,9 @@ def part_wrapper(chain: int = WRAPPER_CHAIN, rounds: int = 15, calls: int = 2000
         graphs = [captured(graph_cls, [bufs[i]], bufs[i + 1]) for i in range(chain)]
         for g in graphs:
             g.replay()  # settles each graph
-        hooked = graph_cls.replay
+        hooked = watcher.replay_wrappers[graph_cls]
         variants = {"hooked": hooked, "bare": hooked.__wrapped__}
+        class_replay = "torch's own" if graph_cls.replay is hooked.__wrapped__ else "watch's wrapper"
         per_call = {name: [] for name in variants}
         laps = max(1, calls // chain)
         for r in range(rounds):
@@ -237,6 +240,7 @@ def part_wrapper(chain: int = WRAPPER_CHAIN, rounds: int = 15, calls: int = 2000
         "rounds": rounds,
         "calls_per_round": laps * chain,
         "settled_graphs": settled,
+        "class_replay": class_replay,
         "ns_per_replay": med,
         "added_ns": med["hooked"] - med["bare"],
     }

@@ -125,6 +125,7 @@ def test_watch_overhead_wrapper_part_times_settled_graphs_on_the_cpu(benchmarks_
     spec.loader.exec_module(module)
     doc = module.part_wrapper(chain=5, rounds=2, calls=50)
     assert doc["device"] == "cpu" and doc["settled_graphs"] == 5 and doc["calls_per_round"] == 50
+    assert doc["class_replay"] == "torch's own"  # every graph settled: the wrappers stand aside
     assert set(doc["ns_per_replay"]) == {"hooked", "bare"} and all(v > 0 for v in doc["ns_per_replay"].values())
 
 
@@ -150,6 +151,8 @@ def test_engine_capture_table_shows_the_in_process_step_with_its_host_part_and_m
         "step_in_process": {
             "watch": {
                 **step,
+                "step_us": {**step["step_us"], "wrapper_ratio": 1.02},
+                "class_replay": "torch's own",
                 "host_us": {"hooked": 12.0, "bare": 10.0, "ratio": 1.2},
                 "rss_grown_kib": 8,
                 "replays_per_variant": 1320,
@@ -163,7 +166,7 @@ def test_engine_capture_table_shows_the_in_process_step_with_its_host_part_and_m
     )
     assert "100 / 101 (1.010x; host 90 / 99) |" in lines[3]  # whether a slower step is the host's
     assert lines[-1] == (
-        "| piecewise | 101 / 100 (1.0100x) | 12.0 / 10.0 (1.200x) | 90 / 90 (1.0000x) | "
+        "| piecewise (torch's own) | 101 / 100 (1.0100x) | 12.0 / 10.0 (1.200x) | 90 / 90 (1.0000x) | 1.0200x | "
         "synced 1.0100x, pipelined 1.0000x | 8 / 4 over 1320 replays |"
     )
 

@@ -130,7 +130,10 @@ def test_finding_exits_1_json_names_the_tensor_plumbing(tmp_path):
     assert f["finding"]["freed_at"].startswith("stale_local.py:")
     assert f["finding"]["when"].startswith("first replay after capture")
     (p,) = rep["processes"]
-    assert p["pid"] == f["pid"] and p["findings"] == 1 and p["replays"] == 3 and p["graphs"] == 1
+    assert p["pid"] == f["pid"] and p["findings"] == 1 and p["graphs"] == 1
+    # Three replays: the first reports, the second tests the graph's live storages and settles
+    # it, the third is torch's own (the wrappers stand aside): the count says "at least".
+    assert p["replays"] == 2 and p["replays_all_counted"] is False
     assert p["census"].startswith("unavailable: CUDA is not available")  # never claimed on CPU
     records = (tmp_path / "run").glob("*.jsonl")
     assert sum(1 for line in next(records).read_text().splitlines() if '"finding"' in line) == 1

@@ -123,24 +123,28 @@ def test_with_every_graph_settled_the_wrappers_stand_aside_until_a_death_or_a_ca
     import torch
 
     watcher, engine, (a, b) = watched_engine(tmp_path, 2)
-    gate = watcher.graphs.gate
+    gate, graph_class = watcher.graphs.gate, type(a)
+    hook = graph_class.replay
     settle(a, b)
-    assert gate.mode == Mode.ASIDE  # nothing held, nothing died: replays test one flag
+    assert gate.mode == Mode.ASIDE and gate.asides == 1  # nothing held, nothing died
+    # Standing aside, the class's replay is torch's own: nothing of ours runs at a replay.
+    assert graph_class.replay is hook.__wrapped__
     entered = []
     real = watcher.checks.before_replay
     watcher.checks.before_replay = lambda g: entered.append(g) or real(g)
-    CountingDict.gets = 0
-    saved = b.replay  # a bound replay taken while standing aside is the same wrapper
+    counted, CountingDict.gets = watcher.log.counters.replays, 0
+    saved = b.replay  # saved while standing aside: torch's bound replay (unwatched, documented)
     for _ in range(5):
         a.replay(), saved()
-    assert CountingDict.gets == 0 and entered == [] and watcher.log.counters.replays == 16
-    engine.cache_1 = torch.zeros(4, 4)  # frees what b captured: armed at once, by the drop
-    assert gate.mode == Mode.STALE
-    saved()
+    assert CountingDict.gets == 0 and entered == [] and watcher.log.counters.replays == counted
+    assert saved.__func__ is hook.__wrapped__
+    engine.cache_1 = torch.zeros(4, 4)  # frees what b captured: the wrapper is back at once, by the drop
+    assert gate.mode == Mode.STALE and graph_class.replay is hook
+    b.replay()
     assert entered == [b] and watcher.log.counters.findings == 1
     for _ in range(4):
         a.replay()  # the gate reopens; b stays held (its storage is dead)
-    assert gate.mode == Mode.HELD and id(b) in gate.held
+    assert gate.mode == Mode.HELD and id(b) in gate.held and graph_class.replay is hook
     watcher.log.recorder.close()
 
 
@@ -157,5 +161,5 @@ def test_a_capture_arms_the_wrappers_and_the_new_graph_gets_its_deep_check_plumb
     new.replay()
     assert watcher.log.counters.checks_deep == 2
     settle(new)
-    assert gate.mode == Mode.ASIDE
+    assert gate.mode == Mode.ASIDE and gate.asides == 2
     watcher.log.recorder.close()

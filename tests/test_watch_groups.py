@@ -30,11 +30,18 @@ def finding(slot, graph, status="freed", freed_at="decoder.py:88 in capture (rea
     )
 
 
-def write_process(run_dir, pid, findings, argv=("python", "engine.py"), pool_managed=0):
+def write_process(run_dir, pid, findings, argv=("python", "engine.py"), pool_managed=0, stood_aside=0):
     lines = [{"kind": "process", "pid": pid, "host": "h", "argv": list(argv), "started": pid}]
     lines += [{"kind": "finding", "mechanism": "guard", "rank": 0, "finding": to_jsonable(f)} for f in findings]
     lines.append(
-        {"kind": "exit", "counters": {"replays": 10}, "census": "active", "pool_managed": pool_managed, "cross_pool": 0}
+        {
+            "kind": "exit",
+            "counters": {"replays": 10},
+            "census": "active",
+            "pool_managed": pool_managed,
+            "cross_pool": 0,
+            "stood_aside": stood_aside,
+        }
     )
     (run_dir / f"h-{pid}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
 
@@ -286,3 +293,16 @@ def test_watch_page_shows_each_problem_once_with_its_facts(tmp_path):
     assert '<th>found</th><td class=""><span class="mono">2046 times in 2046 graphs of 2 processes' in page
     assert page.index("<h2>Findings") < page.index("<h2>Processes watched")
     assert page.count('<tr class="row-bad">') == 2
+
+
+def test_replays_read_at_least_the_count_where_the_wrappers_stood_aside(tmp_path):
+    """Standing aside, torch's own replay runs and nothing counts it: the report must not print
+    the count as the number of replays."""
+    write_process(tmp_path, 21, [], argv=("python", "all_counted.py"))
+    write_process(tmp_path, 22, [], argv=("python", "stood_aside.py"), stood_aside=3)
+    rep = R.load_report([tmp_path])
+    by_pid = {p.pid: p for p in rep.processes}
+    assert by_pid[21].replays_all_counted and not by_pid[22].replays_all_counted
+    rows = {line.split()[-1]: line for line in rendered(rep, width=160).splitlines() if ".py" in line}
+    assert " 10 " in rows["all_counted.py"] and "≥ 10" not in rows["all_counted.py"]
+    assert "≥ 10" in rows["stood_aside.py"]

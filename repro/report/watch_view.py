@@ -31,6 +31,14 @@ def short_argv(argv: list[str], width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def replays_text(p: WatchedProcess) -> str:
+    """The replays the hooks counted; "≥ n" where they stood aside a while (every graph
+    settled: torch's own replay ran, uncounted)."""
+    if p.replays is None:
+        return "?"
+    return str(p.replays) if p.replays_all_counted else f"≥ {p.replays}"
+
+
 def graphs_text(p: WatchedProcess) -> str:
     return str(p.graphs) + (f" ({p.managed_graphs} managed)" if p.managed_graphs else "")
 
@@ -41,7 +49,7 @@ PROCESS_COLUMNS: tuple[Column, ...] = (
     Column("rank", "rank", lambda p: Cell("" if p.rank is None else str(p.rank)), numeric=True),
     Column("torch", "torch", lambda p: Cell("hooked" if p.torch_hooked else "not imported")),
     Column("graphs", "graphs", lambda p: Cell(graphs_text(p)), numeric=True),
-    Column("replays", "replays", lambda p: Cell("?" if p.replays is None else str(p.replays)), numeric=True),
+    Column("replays", "replays", lambda p: Cell(replays_text(p)), numeric=True),
     Column("findings", "findings", lambda p: Cell(str(p.findings)), numeric=True),
     Column("exited", "exited", lambda p: Cell("yes" if p.exited else "no")),
     Column("command", "command", lambda p: Cell(short_argv(p.argv)), wrap=True),

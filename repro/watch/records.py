@@ -39,6 +39,7 @@ class WatchedProcess:
     graphs: int = 0  # captures seen (managed ones included)
     managed_graphs: int = 0  # captured by torch.compile's cudagraph trees: not checked
     replays: int | None = None  # from the exit record; None when the process left none
+    replays_all_counted: bool = True  # False: the wrappers stood aside a while (replays >= the count)
     findings: int = 0
     exited: bool = False  # False: killed, crashed hard, or still running
     forked: bool = False
@@ -134,6 +135,7 @@ def apply_record(proc: WatchedProcess, r: dict[str, Any]) -> None:
     elif kind == "exit":
         proc.exited = True
         proc.replays = r.get("counters", {}).get("replays", 0)
+        proc.replays_all_counted = not r.get("stood_aside")
         proc.pool_managed = r.get("pool_managed", 0)
         proc.cross_pool = r.get("cross_pool", 0)
         proc.census = r.get("census", proc.census)

@@ -65,12 +65,14 @@ class Gate:
     stale and every replay takes the per-graph test (fast_at) until Checks.reopen has tested the
     settled graphs' storages once and moved `at` on.
 
-    The wrappers learn the Mode through their setters (`armers`) whenever it changes: at a
+    The wrappers learn the Mode through their setters (`armers`) whenever it changes (and,
+    standing aside, take themselves off the class: patch.py): at a
     death (the drop count's listener, inside the deallocation, so the next replay of the graph
     that lost the storage is checked), a capture, a hold, a settle, a reopen. On a host-bound
     piecewise step (33 replays between eager ops, the wrapper's code and data cold each time)
-    the per-graph lookup cost ~2.2-2.6 us a replay, the gate's full test ~1.1-1.4 us, standing
-    aside ~0.2 us (docs/PERFORMANCE.md).
+    the per-graph lookup cost ~2.2-2.6 us a replay, the gate's full test ~1.1-1.4 us, a wrapper
+    that only calls torch's replay 0-1.3 us: standing aside, none is on the path
+    (docs/PERFORMANCE.md).
     """
 
     drops: DropCount
@@ -79,6 +81,7 @@ class Gate:
     stale_replays: int = 0  # replays that took the per-graph path since `at` went stale
     mode: Mode = Mode.STALE
     armers: list[Callable[[int], None]] = field(default_factory=list)  # each wrapper's mode setter
+    asides: int = 0  # times the wrappers stood aside (replays meanwhile are torch's, uncounted)
 
     def hold(self, key: int) -> None:
         self.held.add(key)
@@ -93,6 +96,7 @@ class Gate:
         mode = Mode.STALE if self.at != self.drops.n else Mode.HELD if self.held else Mode.ASIDE
         if mode != self.mode:
             self.mode = mode
+            self.asides += mode == Mode.ASIDE
             for set_mode in self.armers:
                 set_mode(int(mode))
 

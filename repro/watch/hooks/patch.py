@@ -6,7 +6,11 @@
                  storages owners and the capturing frames' locals hold); or stop recording
   replay         deep check (+ census check) at the first replay after a capture and after any
                  graph's reset; then nothing until a captured storage dies (graphs.Gate), and
-                 the liveness check of the graph's storages at its next replay once one did
+                 the liveness check of the graph's storages at its next replay once one did.
+                 While every graph is settled and nothing died since, the class's replay is
+                 torch's own again (the wrappers stand aside): a bound `graph.replay` the program
+                 saved in that time replays unwatched, and those replays are not counted (the
+                 exit record says how often the wrappers stood aside)
   reset          marks every other graph for a deep check
 
 The wrappers replace the methods on the class in place, so ``torch.cuda.graph(...)`` and every
@@ -19,7 +23,10 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from repro.watch.hooks.graphs import Mode
 
 if TYPE_CHECKING:
     from repro.watch.hooks.capture import Captures
@@ -28,8 +35,9 @@ if TYPE_CHECKING:
 HOOKED = ("capture_begin", "capture_end", "replay", "reset")
 
 
-def patch_graph_class(cls: type, captures: Captures, checks: Checks) -> None:
-    """Wrap capture_begin / capture_end / replay / reset of ``cls`` in place."""
+def patch_graph_class(cls: type, captures: Captures, checks: Checks) -> Callable:
+    """Wrap capture_begin / capture_end / replay / reset of ``cls`` in place; returns the replay
+    wrapper (off the class while the wrappers stand aside)."""
     originals = {name: getattr(cls, name) for name in HOOKED}
 
     @functools.wraps(originals["capture_begin"])
@@ -59,12 +67,6 @@ def patch_graph_class(cls: type, captures: Captures, checks: Checks) -> None:
     if takes_only_self(original_replay):
         mode = int(gate.mode)
 
-        def set_mode(now: int) -> None:
-            nonlocal mode
-            mode = now
-
-        gate.armers.append(set_mode)
-
         @functools.wraps(original_replay)
         def replay(graph):
             if not mode:
@@ -84,6 +86,19 @@ def patch_graph_class(cls: type, captures: Captures, checks: Checks) -> None:
             except RuntimeError as e:
                 checks.on_replay_error(graph, e)
                 raise
+
+        def set_mode(now: int) -> None:
+            """Standing aside, the class's replay is torch's own: nothing of ours is on the
+            replay path (any Python layer there, even one that only calls torch's replay, cost
+            a host-bound piecewise step 0.5-2% on an H200 host: docs/PERFORMANCE.md). Any other
+            mode puts the wrapper back before the next replay: a death tells the gate inside
+            the deallocation. A bound `graph.replay` the program saves while the wrappers stand
+            aside is torch's and stays unwatched (module docstring)."""
+            nonlocal mode
+            mode = now
+            setattr(cls, "replay", original_replay if now == Mode.ASIDE else replay)
+
+        gate.armers.append(set_mode)
     else:
 
         @functools.wraps(original_replay)
@@ -104,10 +119,11 @@ def patch_graph_class(cls: type, captures: Captures, checks: Checks) -> None:
     for name, wrapper in (
         ("capture_begin", capture_begin),
         ("capture_end", capture_end),
-        ("replay", replay),
+        ("replay", original_replay if gate.mode == Mode.ASIDE else replay),
         ("reset", reset),
     ):
         setattr(cls, name, wrapper)
+    return replay
 
 
 def patch_keep_graph(cls: type, captures: Captures) -> None:

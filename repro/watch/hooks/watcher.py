@@ -15,6 +15,7 @@ import atexit
 import os
 import sys
 import time
+from collections.abc import Callable
 
 from repro.watch.hooks.capture import Captures
 from repro.watch.hooks.checks import Checks
@@ -62,6 +63,7 @@ class Watcher:
         self.captures = Captures(settings, self.log, self.graphs, self.tools)
         self.checks = Checks(settings, self.log, self.graphs, self.tools)
         self.patched: list[type] = []
+        self.replay_wrappers: dict[type, Callable] = {}  # class -> its replay wrapper (on or off it)
         self._hook = ImportHook(self.on_graphs_module)
         self._t0 = time.perf_counter()
 
@@ -132,7 +134,7 @@ class Watcher:
         """Wrap capture_begin / capture_end / replay / reset (and __init__) of ``cls`` in place."""
         if cls in self.patched:
             return
-        patch_graph_class(cls, self.captures, self.checks)
+        self.replay_wrappers[cls] = patch_graph_class(cls, self.captures, self.checks)
         self.patched.append(cls)
         patch_keep_graph(cls, self.captures)
 
@@ -147,6 +149,8 @@ class Watcher:
             {
                 "kind": "exit",
                 "counters": vars(self.log.counters),
+                # while the wrappers stood aside, replays were torch's own and went uncounted
+                "stood_aside": self.graphs.gate.asides,
                 "census": census,
                 "census_reads": self.tools.census.reads(),
                 "pool_managed": guard.pool_managed() if guard is not None else 0,
