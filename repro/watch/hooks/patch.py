@@ -89,8 +89,8 @@ def patch_graph_class(cls: type, captures: Captures, checks: Checks) -> Callable
 
         def set_mode(now: int) -> None:
             """Standing aside, the class's replay is torch's own: nothing of ours is on the
-            replay path (any Python layer there, even one that only calls torch's replay, cost
-            a host-bound piecewise step 0.5-2% on an H200 host: docs/PERFORMANCE.md). Any other
+            replay path (any Python layer there cost a host-bound piecewise step up to 2.5% on
+            an H200 host, by where its code fell more than by what it did: docs/PERFORMANCE.md). Any other
             mode puts the wrapper back before the next replay: a death tells the gate inside
             the deallocation. A bound `graph.replay` the program saves while the wrappers stand
             aside is torch's and stays unwatched (module docstring)."""
