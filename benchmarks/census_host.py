@@ -39,6 +39,7 @@ from repro.diagnose.words import Deferred  # noqa: E402
 MiB = 1 << 20
 POOL = (1, 7)  # the shared graph pool every graph captures into
 BASE = 0x7F00_0000_0000
+HOST = 0x5600_0000_0000  # a host heap's addresses: plausible words outside every segment
 T0, TRACE_SPAN = 5000, TRACE_ENTRIES - 1  # trace stamps (us); the ring is not full: nothing lost
 
 
@@ -104,6 +105,9 @@ def build_graphs(args, segs: list[dict], rng: random.Random):
                 value = (
                     rng.choice(pooled)["address"] + 4096
                     if r < 0.2
+                    # a host pointer (outside the allocator: asked of the driver per page)
+                    else HOST + 8 * rng.randrange(1 << 24)
+                    if r < 0.2 + args.host_words
                     # stale struct bytes
                     else rng.randrange(1, 4096)
                     if r < 0.6
@@ -145,7 +149,7 @@ def read_all(driver, pools: PoolMap, n_graphs: int) -> list[GraphCensus]:
     out = []
     for g in range(n_graphs):
         census = GraphCensus(label=f"g{g}", pool=POOL)
-        read_graph(driver, census, Deferred(pools, POOL, None), g)
+        read_graph(driver, census, Deferred(pools, POOL, driver.is_device_address), g)
         census.marker = {"time_us": T0 + g * (TRACE_SPAN // (2 * n_graphs))}  # captures inside the trace
         out.append(census)
     return out
@@ -172,6 +176,12 @@ def main(argv=None) -> int:
     p.add_argument("--graphs", type=int, default=67)
     p.add_argument("--nodes", type=int, default=1056, help="kernel nodes per graph")
     p.add_argument("--trace", type=int, default=TRACE_SPAN)
+    p.add_argument(
+        "--host-words",
+        type=float,
+        default=0.0,
+        help="share of each struct's words that are host pointers (a real piece: ~0.2, some 300 words; 0 as before)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     rng = random.Random(0)

@@ -942,34 +942,3 @@ def test_allocation_stacks_give_the_frames_of_the_live_block_holding_an_address(
     assert stacks.frames_at(SEG + 4 * MiB) == [] and stacks.frames_at(SEG - 1) == []
     assert stacks.frames_at(SEG + 6 * MiB) == []
     assert reads == [1]  # one read of the segments, at the first question
-
-
-def test_a_small_graphs_outside_words_are_asked_per_page_as_the_array_path_asks_them():
-    """count_listed_device_addresses (a small graph's words, as a list) against the tensor path:
-    the driver is asked once per 2 MiB page, with that page's lowest word, and the counts agree."""
-    import random
-
-    import torch
-
-    rng = random.Random(11)
-    pages = [rng.randrange(MIN_ADDR >> 21, MAX_ADDR >> 21) for _ in range(12)]
-    values = [(rng.choice(pages) << 21) + 8 * rng.randrange(1 << 18) for _ in range(400)]
-    device_pages = set(pages[::3])
-    answers = {}
-    for path in ("list", "tensor"):
-        asked = []
-
-        def is_device_address(v, asked=asked):
-            asked.append(v)
-            return v >> 21 in device_pages
-
-        d = Deferred(pools_of(AT_CAPTURE), GRAPH_POOL, is_device_address=is_device_address)
-        if path == "list":
-            n = d.count_listed_device_addresses(list(values))
-        else:
-            n = d.count_device_addresses(torch.tensor(values, dtype=torch.int64))
-        answers[path] = (n, sorted(asked))
-    expected = sum(v >> 21 in device_pages for v in values)
-    lowest = sorted(min(v for v in values if v >> 21 == p) for p in {v >> 21 for v in values})
-    assert answers["list"] == answers["tensor"] == (expected, lowest) and 0 < expected < len(values)
-    assert Deferred(pools_of(AT_CAPTURE), GRAPH_POOL, is_device_address=None).count_listed_device_addresses([]) == 0
