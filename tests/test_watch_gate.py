@@ -74,6 +74,8 @@ def test_settled_graphs_replay_without_a_per_graph_lookup_and_a_new_one_keeps_it
     assert gate.at == watcher.tools.drops.n and id(a) not in gate.held and id(b) not in gate.held
     assert id(c) in gate.held  # captured, never replayed: an engine replays few of its sizes
     assert gate.mode == Mode.HELD  # only held graphs are checked
+    # c still waits for its first-replay check: the wrapper stays on the class
+    assert type(a).replay is watcher.replay_wrappers[type(a)]
     CountingDict.gets = 0
     for _ in range(10):
         a.replay(), b.replay()
