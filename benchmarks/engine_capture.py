@@ -4,6 +4,9 @@ in one run, plain vs watched, on one GPU.
     PYTHONPATH=. python3 benchmarks/engine_capture.py [--cases full,piecewise] [--sizes 67]
         [--layers 32] [--hidden 1024] [--repeats 3] [--step-rounds 20] [--out DIR] [--profile]
 
+--repeats 0 measures the step inside one process alone (no capture pairs). The table and the
+JSON are written after each pair and each step measure, so a time limit loses only what it cut.
+
 Each case runs examples/engine_shapes.py SHAPE (67 batch sizes, 32 layers, hidden 1024, one
 shared pool: 67 full graphs, or 67 x 33 = 2,211 piecewise graphs) in fresh processes,
 alternating plain and `repro watch` runs. From the program's own JSON line: capture seconds
@@ -160,7 +163,7 @@ def summarize(shape: str, plain: list[dict], watched: list[dict]) -> dict:
         w["capture_s"] / p["capture_s"] for p, w in zip(plain, watched) if p.get("capture_s") and w.get("capture_s")
     ]
     row["capture_pair_ratios"] = [round(x, 3) for x in pairs]
-    fastest = [min(r["capture_s"] for r in rows if r.get("capture_s")) for rows in (plain, watched)]
+    fastest = [min((r["capture_s"] for r in rows if r.get("capture_s")), default=None) for rows in (plain, watched)]
     row["capture_min_ratio"] = round(fastest[1] / fastest[0], 3) if all(fastest) else None
     row["findings"] = [w.get("findings") for w in watched]
     row["top_names"] = watched[-1].get("top_names")
@@ -181,6 +184,14 @@ def host_part(h: dict | None) -> str:
     return f"; host {h['plain']:.0f} / {h['watch']:.0f}"
 
 
+def side_by_side(m: dict, fmt: str, unit: str, digits: int, more: str = "") -> str:
+    """ "P / W unit (R x more)" of a summarized measure; "-" where a side did not report it
+    (a process that died, a program that does not measure it)."""
+    if m.get("plain") is None or m.get("watch") is None:
+        return "-"
+    return f"{m['plain']:{fmt}} / {m['watch']:{fmt}}{unit} ({m['ratio']:.{digits}f}x{more})"
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| shape | graphs | capture plain / watch (x) | first round plain / watch (x) | "
@@ -188,13 +199,15 @@ def table(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if "capture_s" not in r:  # --repeats 0: the step in one process alone
+            continue
         c, f, s = r["capture_s"], r["first_round_s"], r["step_us"]
         pairs = r.get("capture_pair_ratios") or []
         spread = f"; pairs {min(pairs):.2f}-{max(pairs):.2f}x, fastest {r['capture_min_ratio']:.2f}x" if pairs else ""
         lines.append(
-            f"| {r['shape']} | {r['graphs']} | {c['plain']:.2f} / {c['watch']:.2f} s ({c['ratio']:.2f}x{spread}) | "
-            f"{f['plain']:.2f} / {f['watch']:.2f} s ({f['ratio']:.2f}x) | "
-            f"{s['plain']:.0f} / {s['watch']:.0f} ({s['ratio']:.3f}x{host_part(r.get('host_us'))}) | {r['findings']} | "
+            f"| {r['shape']} | {r['graphs']} | {side_by_side(c, '.2f', ' s', 2, spread)} | "
+            f"{side_by_side(f, '.2f', ' s', 2)} | "
+            f"{side_by_side(s, '.0f', '', 3, host_part(r.get('host_us')))} | {r['findings']} | "
             f"{r.get('watch_kib_per_graph', float('nan')):.1f} |"
         )
     steps = [r for r in rows if r.get("step_in_process")]
@@ -221,6 +234,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def save(out: Path, args, rows: list[dict], raw: dict) -> None:
+    """The table and the JSON as they stand (the JSON also on stdout)."""
+    (out / "table.md").write_text(table(rows) + "\n")
+    emit({"config": vars(args), "rows": rows, "raw": raw}, str(out / "engine_capture.json"))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default="full,piecewise")
@@ -242,6 +261,8 @@ def main(argv=None) -> int:
     rows, raw = [], {}
     for shape in args.cases.split(","):
         plain, watched = [], []
+        raw[shape] = {"plain": plain, "watch": watched}
+        rows.append({"shape": shape})
         for i in range(args.repeats):  # interleaved: drift hits both alike
             plain.append(run_once(args, shape, False, out, str(i)))
             watched.append(run_once(args, shape, True, out, str(i)))
@@ -249,18 +270,16 @@ def main(argv=None) -> int:
                 f"{shape} {i}: plain {plain[-1].get('capture_s')} s, "
                 f"watch {watched[-1].get('capture_s')} s, findings {watched[-1].get('findings')}\n"
             )
-        raw[shape] = {"plain": plain, "watch": watched}
-        rows.append(summarize(shape, plain, watched))
+            rows[-1] = summarize(shape, plain, watched)
+            save(out, args, rows, raw)  # after each pair: a time limit loses only the pair it cut
         if args.step_rounds:
             rows[-1]["step_in_process"] = {
                 "watch": step_once(args, shape, True, out),
                 "plain_aa": step_once(args, shape, False, out),
             }
+            save(out, args, rows, raw)
         if args.profile and (not args.profile_cases or shape in args.profile_cases.split(",")):
             (out / f"profile-{shape}.txt").write_text(profile_once(args, shape, out))
-    doc = {"config": vars(args), "rows": rows, "raw": raw}
-    (out / "table.md").write_text(table(rows) + "\n")
-    emit(doc, str(out / "engine_capture.json"))
     sys.stderr.write(table(rows) + "\n")
     return 0
 

@@ -2,6 +2,7 @@
 a renamed or moved harness name breaks it here, not on the next GPU session."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -185,6 +186,37 @@ def test_engine_capture_summary_keeps_each_pairs_ratio_and_the_fastest_of_each_s
     assert row["capture_min_ratio"] == 1.5
     line = module.table([{**row, "first_round_s": row["capture_s"], "step_us": row["capture_s"]}]).splitlines()[2]
     assert "4.20 / 6.60 s (1.57x; pairs 1.10-2.14x, fastest 1.50x)" in line
+
+
+def test_engine_capture_writes_each_part_as_it_ends(benchmarks_on_path, tmp_path, monkeypatch):
+    """A time limit that ends the run during the in-process step keeps the capture pairs already
+    measured on disk, and a step-only row (--repeats 0) renders without a capture line."""
+    spec = importlib.util.spec_from_file_location("benchmark_engine_capture", BENCHMARKS / "engine_capture.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    runs = iter([2.0, 3.0, 2.2, 3.1])
+    monkeypatch.setattr(
+        module,
+        "run_once",
+        lambda args, shape, watched, out, tag: {"graphs": 67, "capture_s": next(runs), "findings": 0},
+    )
+
+    def cut(*_):
+        raise TimeoutError("the session's limit")
+
+    monkeypatch.setattr(module, "step_once", cut)
+    with pytest.raises(TimeoutError):
+        module.main(["--cases", "full", "--repeats", "2", "--step-rounds", "3", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "engine_capture.json").read_text())
+    assert doc["rows"][0]["capture_pair_ratios"] == [1.5, round(3.1 / 2.2, 3)]
+    assert "2.10 / 3.05 s" in (tmp_path / "table.md").read_text()
+
+    step = {
+        "step_us": {"hooked": 101.0, "bare": 100.0, "ratio": 1.01},
+        "pipelined_us": {"hooked": 9.0, "bare": 9.0, "ratio": 1.0},
+    }
+    lines = module.table([{"shape": "full", "step_in_process": {"watch": step, "plain_aa": step}}]).splitlines()
+    assert len(lines) == 6 and lines[-1].startswith("| full (?) | 101 / 100 (1.0100x) |")
 
 
 def test_allocator_costs_says_on_the_cpu_that_its_stack_part_needs_a_gpu(benchmarks_on_path, capsys):
