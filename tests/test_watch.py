@@ -632,7 +632,7 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
 
         def add(self, graph, label, pool=None, since=None):
             calls.append(("add", label, graph.instantiated, since))
-            self.censuses[label] = types.SimpleNamespace(pending=[], references=[])
+            self.censuses[label] = types.SimpleNamespace(pending=[], references=[], seconds=0.002, sort_seconds=0.0005)
             return self.censuses[label]
 
         def check_graphs(self, when, labels):
@@ -697,6 +697,10 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
     assert watcher.tools.guard.slots == [] and watcher.tools.guard.index_builds == 0
     assert [c for c in calls if c[0] == "hand_over"] == [("hand_over", 0, 0)] * 2
     assert watcher.log.counters.internal_errors == 0
+    # The census's own split of its time: each census's read and sort, and the naming after it.
+    seconds = watcher.log.seconds
+    assert seconds.census_read == pytest.approx(2 * 0.0015) and seconds.census_sort == pytest.approx(2 * 0.0005)
+    assert 0 < seconds.census_names <= seconds.census
     for _ in range(3):
         a.replay()
     checks = [c for c in calls if c[0] == "check"]
@@ -957,7 +961,7 @@ def test_stacks_name_where_a_census_slot_was_created_plumbing(tmp_path, monkeypa
         def add(self, graph, label, pool=None, since=None):
             ptr = held["weight"].data_ptr()
             word = types.SimpleNamespace(addr=ptr, describe=lambda: "node 0 kernel k param 1 +0")
-            return types.SimpleNamespace(pending=[word], references=[])
+            return types.SimpleNamespace(pending=[word], references=[], seconds=0.0, sort_seconds=0.0)
 
     from repro.diagnose.census import Tracing
 

@@ -101,7 +101,7 @@ def test_the_exit_records_census_reads_where_the_census_ran():
 
     census = Census()
     assert census.reads() is None
-    census.book = types.SimpleNamespace(pools=types.SimpleNamespace(refreshes=12), snapshots=3)
-    assert census.reads() == {"segment_maps": 12, "snapshots": 3}
+    census.book = types.SimpleNamespace(pools=types.SimpleNamespace(refreshes=12, seconds=0.0123456789), snapshots=3)
+    assert census.reads() == {"segment_maps": 12, "segment_seconds": 0.012346, "snapshots": 3}
     census.book = object()
     assert census.reads() is None

@@ -10,6 +10,7 @@ importing this module needs no torch.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 from enum import StrEnum
 from collections.abc import Callable
@@ -120,6 +121,7 @@ class PoolMap:
         self.segments: list[tuple[int, int, tuple[int, int]]] = []  # (start, end, pool)
         self.signature: tuple | None = None
         self.refreshes = 0
+        self.seconds = 0.0  # spent in check(): the counters read, and the segments when read again
         self.events: int | None = None  # allocator_events() as of the last check()
         self.seen: dict[int, Any] = {}  # address -> its segment (or None), until the next refresh
         self._arrays: tuple | None = None  # the segments as tensors (Deferred.add_chunks)
@@ -175,9 +177,11 @@ class PoolMap:
     def check(self) -> None:
         """Before a census: read the segments again if the allocator says they changed. One
         read of the allocator's counters serves both (and sets self.events)."""
+        t0 = time.perf_counter()
         signature, self.events = allocator_counters(self.device)
         if self.signature is None or signature is None or signature != self.signature:
             self.refresh(signature=signature)
+        self.seconds += time.perf_counter() - t0
 
     def stale(self) -> bool:
         return segment_signature(self.device) != self.signature

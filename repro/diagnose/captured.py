@@ -79,6 +79,7 @@ class GraphCensus:
     reported: dict[int, Status] = field(default_factory=dict)  # block start -> status said
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    sort_seconds: float = 0.0  # of seconds: sorting the words read (the rest: reading the nodes)
     # Words into memory of the default or another pool, not yet matched to allocator blocks:
     # matched at the first check, against the allocator then and its trace since the census
     # (no snapshot per capture: an engine captures thousands of graphs).

@@ -10,6 +10,8 @@ words.Matcher or words.Deferred. A node that cannot be read is listed in the cen
 
 from __future__ import annotations
 
+import time
+
 from repro.diagnose.captured import GraphCensus, short_name
 from repro.diagnose.cuda_driver import (
     CU_MEMORYTYPE_DEVICE,
@@ -136,4 +138,6 @@ def read_graph(
         except DriverError as e:
             census.unreadable.append(f"node {index}: {e}")
     if top:
+        t0 = time.perf_counter()
         match.add_chunks(census, chunks)
+        census.sort_seconds += time.perf_counter() - t0

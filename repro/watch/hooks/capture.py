@@ -110,13 +110,17 @@ class Captures(Part):
             if state.kept is not None and not state.managed and book is not None:
                 state.census = book.add(graph, state.label, state.pool, since=state.since)  # None: unreadable (noted)
                 if state.census is not None:
+                    census = state.census
+                    self.log.seconds.census_read += census.seconds - census.sort_seconds
+                    self.log.seconds.census_sort += census.sort_seconds
                     self.tools.census.due.append(state.label)
                     if state.since is not None:
-                        census = state.census
+                        t2 = time.perf_counter()
                         words = [*census.pending, *census.references]
                         sites = self.tools.allocation_sites()
                         left = self.tools.guard.adopt(state.label, words, frame, sites)
                         book.hand_over(census, left)
+                        self.log.seconds.census_names += time.perf_counter() - t2
         except Exception as e:
             self.log.internal("census at capture end", e)
         t1 = time.perf_counter()

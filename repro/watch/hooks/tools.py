@@ -61,12 +61,17 @@ class Census:
                 pass
         return self.state
 
-    def reads(self) -> dict[str, int] | None:
+    def reads(self) -> dict[str, float] | None:
         """For the exit record: how often the census read the allocator's segments (its pool
-        map, again whenever they changed) and took a whole snapshot (at its checks); None
-        where it did not run."""
+        map, again whenever they changed), the seconds those checks took, and how often it took
+        a whole snapshot (at its checks); None where it did not run."""
         try:
-            return {"segment_maps": self.book.pools.refreshes, "snapshots": self.book.snapshots}
+            pools = self.book.pools
+            return {
+                "segment_maps": pools.refreshes,
+                "segment_seconds": round(pools.seconds, 6),
+                "snapshots": self.book.snapshots,
+            }
         except AttributeError:  # no book (it never ran), or one that keeps no such counts
             return None
 
