@@ -58,9 +58,6 @@ class Word(NamedTuple):
     def describe(self) -> str:
         return describe_site(self.node, self.kind, self.kernel, self.where)
 
-    def word(self) -> Word:
-        return self
-
 
 @dataclass
 class GraphCensus:
@@ -86,7 +83,7 @@ class GraphCensus:
     # Words into memory of the default or another pool, not yet matched to allocator blocks:
     # matched at the first check, against the allocator then and its trace since the census
     # (no snapshot per capture: an engine captures thousands of graphs).
-    pending: list[Any] = field(default_factory=list)  # Word, or words.PendingWord (the same fields)
+    pending: list[Word] = field(default_factory=list)
     # Segments of the own pool the graph reads (start -> its first word there): while the graph
     # lives its pool keeps them; one returned to the driver is a finding.
     own_segments: dict[int, Reference] = field(default_factory=dict)

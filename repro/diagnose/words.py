@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from itertools import repeat
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from repro.diagnose.allocator import DEFAULT_POOL, Block, BlockIndex, BlockState, PoolMap
 from repro.diagnose.captured import GraphCensus, Reference, Word
@@ -71,10 +70,6 @@ class Chunks:
         self.words += n
         return n
 
-    def sites(self) -> Sites:
-        """Where each word sits, without the bytes (what pending words keep of the graph)."""
-        return Sites(self.starts, self.meta)
-
     def each(self) -> Any:
         """(node, kernel, where_of, [(offset, value)] of its plausible words) per chunk."""
         for buf, (node, kernel, at, where_of) in zip(self.bufs, self.meta):
@@ -83,68 +78,9 @@ class Chunks:
 
     def locate(self, word: int) -> tuple[int, str, int, Any]:
         """(node, kernel, offset, where_of) of the word at this index of the whole."""
-        return locate(self.starts, self.meta, word)
-
-
-def locate(starts: list[int], meta: list[tuple[int, str, int, Any]], word: int) -> tuple[int, str, int, Any]:
-    c = bisect.bisect_right(starts, word) - 1
-    node, kernel, at, where_of = meta[c]
-    return node, kernel, at + WORD * (word - starts[c]), where_of
-
-
-class Sites(NamedTuple):
-    """Chunks' index of where each word sits (node, kernel, offset), without its bytes."""
-
-    starts: list[int]
-    meta: list[tuple[int, str, int, Any]]
-
-
-class PendingWord:
-    """A pending kernel word (captured.Word's fields) whose site is looked up when first asked.
-
-    A full decoder graph keeps ~1,000 such words (every weight it reads), and the guard takes
-    nearly all of them at once by address alone (CaptureGuard.adopt: the storage's slot already
-    names it), so most are never asked where they sit: finding that for each when sorting was
-    a third of a large graph's sorting time."""
-
-    __slots__ = ("addr", "pool", "_sites", "_index", "_site")
-    kind = NodeKind.KERNEL
-
-    def __init__(self, sites: Sites, index: int, addr: int, pool: tuple[int, int]):
-        self.addr, self.pool, self._sites, self._index, self._site = addr, pool, sites, index, None
-
-    def site(self) -> tuple[int, str, str, int]:
-        """(node, kernel, where, offset), found once."""
-        if self._site is None:
-            node, kernel, offset, where_of = locate(self._sites.starts, self._sites.meta, self._index)
-            self._site, self._sites = (node, kernel, where_of(offset), offset), None
-        return self._site
-
-    @property
-    def node(self) -> int:
-        return self.site()[0]
-
-    @property
-    def kernel(self) -> str:
-        return self.site()[1]
-
-    @property
-    def where(self) -> str:
-        return self.site()[2]
-
-    @property
-    def offset(self) -> int:
-        return self.site()[3]
-
-    def word(self) -> Word:
-        node, kernel, where, offset = self.site()
-        return Word(node, self.kind, kernel, where, offset, self.addr, self.pool)
-
-    def describe(self) -> str:
-        return self.word().describe()
-
-    def __repr__(self) -> str:
-        return f"PendingWord({self.addr:#x}, pool {self.pool})"
+        c = bisect.bisect_right(self.starts, word) - 1
+        node, kernel, at, where_of = self.meta[c]
+        return node, kernel, at + WORD * (word - self.starts[c]), where_of
 
 
 @dataclass
@@ -326,9 +262,11 @@ class Deferred:
             census.outside += self.count_device_addresses(take(torch, v, positions(~inside)))
         rest = positions(inside & ~own)
         pool_of_seg = self.pools.segments
-        sites = chunks.sites()
+        pending = census.pending
         words, kept, segs = (take(torch, t, rest).tolist() for t in (at, v, seg_c))
-        census.pending += map(PendingWord, repeat(sites), words, kept, [pool_of_seg[s][2] for s in segs])
+        for word, value, s in zip(words, kept, segs):
+            node, kernel, offset, where_of = chunks.locate(word)
+            pending.append(Word(node, NodeKind.KERNEL, kernel, where_of(offset), offset, value, pool_of_seg[s][2]))
 
     def sort_each(self, census: GraphCensus, chunks: Chunks, at: list[int], values: list[int]) -> None:
         """sort() each plausible word (at: its index in the graph's words); the common one (own
