@@ -38,7 +38,7 @@ class Book(StandInBook):
             types.SimpleNamespace(addr=refs[name]().data_ptr(), describe=lambda: f"node 0 kernel add param {i} +0")
             for i, name in enumerate(("dst", "src"))
         ]
-        return types.SimpleNamespace(pending=words, references=[])
+        return types.SimpleNamespace(pending=words, references=[], seconds=0.0, sort_seconds=0.0)
 
 
 def stand_in_census():
