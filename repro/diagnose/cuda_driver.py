@@ -171,7 +171,7 @@ class Driver:
         self.call("cuGraphGetNodes", self.lib.cuGraphGetNodes, ctypes.c_void_p(graph), None, ctypes.byref(count))
         arr = (ctypes.c_void_p * max(count.value, 1))()
         self.call("cuGraphGetNodes", self.lib.cuGraphGetNodes, ctypes.c_void_p(graph), arr, ctypes.byref(count))
-        return [arr[i] for i in range(count.value)]
+        return arr[: count.value]  # a list of ints, sliced in C
 
     def node_type(self, node: int) -> NodeKind | str:
         """The node's NodeKind; "type N" for a type this module does not know."""
