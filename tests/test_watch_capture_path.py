@@ -95,13 +95,24 @@ def test_the_memo_stops_growing_at_its_bound():
 
 def test_the_exit_records_census_reads_where_the_census_ran():
     """The exit record says how often the census read the segment map and took a snapshot
-    (what a piecewise engine's capture cost rests on); None where no census ran or the book
+    (what a piecewise engine's capture cost rests on), and how many words its graphs hold (what
+    a full graph's census cost grows with); None where no census ran or the book
     keeps no such counts, never an error at exit."""
     from repro.watch.hooks.tools import Census
 
     census = Census()
     assert census.reads() is None
-    census.book = types.SimpleNamespace(pools=types.SimpleNamespace(refreshes=12, seconds=0.0123456789), snapshots=3)
-    assert census.reads() == {"segment_maps": 12, "segment_seconds": 0.012346, "snapshots": 3}
+    census.book = types.SimpleNamespace(
+        pools=types.SimpleNamespace(refreshes=12, seconds=0.0123456789),
+        snapshots=3,
+        censuses={"a": types.SimpleNamespace(words=70_000), "b": types.SimpleNamespace(words=1_500)},
+    )
+    assert census.reads() == {
+        "segment_maps": 12,
+        "segment_seconds": 0.012346,
+        "snapshots": 3,
+        "graphs": 2,
+        "words": 71_500,
+    }
     census.book = object()
     assert census.reads() is None

@@ -63,14 +63,17 @@ class Census:
 
     def reads(self) -> dict[str, float] | None:
         """For the exit record: how often the census read the allocator's segments (its pool
-        map, again whenever they changed), the seconds those checks took, and how often it took
-        a whole snapshot (at its checks); None where it did not run."""
+        map, again whenever they changed), the seconds those checks took, how often it took a
+        whole snapshot (at its checks), and the parameter words of the graphs it holds (what
+        its read and sort scale with); None where it did not run."""
         try:
-            pools = self.book.pools
+            pools, censuses = self.book.pools, list(self.book.censuses.values())
             return {
                 "segment_maps": pools.refreshes,
                 "segment_seconds": round(pools.seconds, 6),
                 "snapshots": self.book.snapshots,
+                "graphs": len(censuses),
+                "words": sum(c.words for c in censuses),
             }
         except AttributeError:  # no book (it never ran), or one that keeps no such counts
             return None
