@@ -19,6 +19,7 @@ from repro.diagnose.cuda_driver import (
     CU_LAUNCH_PARAM_BUFFER_POINTER,
     CU_LAUNCH_PARAM_BUFFER_SIZE,
     CU_LAUNCH_PARAM_END,
+    Driver,
     DriverError,
     KernelNodeParams,
     Memcpy3D,
@@ -942,3 +943,25 @@ def test_allocation_stacks_give_the_frames_of_the_live_block_holding_an_address(
     assert stacks.frames_at(SEG + 4 * MiB) == [] and stacks.frames_at(SEG - 1) == []
     assert stacks.frames_at(SEG + 6 * MiB) == []
     assert reads == [1]  # one read of the segments, at the first question
+
+
+def test_driver_lists_a_graphs_nodes_as_the_driver_fills_them():
+    """Driver.nodes asks cuGraphGetNodes for the count, then for the handles, and returns them as
+    plain ints (a null handle as None, as ctypes reads one); a stand-in libcuda entry point."""
+    import types
+
+    handles = [0x7F00_0000_1000, 0x7F00_0000_2000, 0, 0x7F00_0000_3000]
+    asked = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t))
+    def get_nodes(graph, out, count):
+        asked.append((graph, bool(out)))
+        if out:
+            for i, h in enumerate(handles[: count[0]]):
+                out[i] = h
+        count[0] = len(handles)
+        return 0
+
+    driver = Driver(types.SimpleNamespace(cuGraphGetNodes=get_nodes))
+    assert driver.nodes(0xABC) == [0x7F00_0000_1000, 0x7F00_0000_2000, None, 0x7F00_0000_3000]
+    assert asked == [(0xABC, False), (0xABC, True)]
