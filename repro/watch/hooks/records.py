@@ -83,7 +83,7 @@ class HookSeconds:
     capture_begin: float = 0.0  # naming owners, starting the recording
     capture_end: float = 0.0  # stopping the recording, records
     census: float = 0.0  # reading the graph and matching its words
-    census_read: float = 0.0  # of census: reading the graph's nodes (the driver, its parameter bytes)
+    census_read: float = 0.0  # of census: reading the graph's nodes (driver, parameter bytes, segment map)
     census_sort: float = 0.0  # of census: sorting those words by pool
     census_names: float = 0.0  # of census: naming the captured storages (the guard's adoption)
     checks: float = 0.0  # deep checks and liveness checks that found something dead
