@@ -630,10 +630,14 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
             calls.append(("book", trace))
             self.censuses = {}
 
-        def add(self, graph, label, pool=None, since=None):
+        def add(self, graph, label, pool=None, since=None, after_read=None):
             calls.append(("add", label, graph.instantiated, since))
-            self.censuses[label] = types.SimpleNamespace(pending=[], references=[], seconds=0.002, sort_seconds=0.0005)
-            return self.censuses[label]
+            census = types.SimpleNamespace(pending=[], references=[], seconds=0.002, sort_seconds=0.0005, words=64)
+            if after_read is not None:  # only for a graph the watch instantiates (a)
+                after_read(census)  # a small graph: instantiated inline, after the census
+            calls.append(("read", label, graph.instantiated))
+            self.censuses[label] = census
+            return census
 
         def check_graphs(self, when, labels):
             calls.append(("check", tuple(labels), when))
@@ -694,6 +698,7 @@ def test_census_runs_at_capture_end_and_deep_checks_only_plumbing(tmp_path, monk
         ("add", label_a, 0, {"time_us": 0}),
         ("add", label_b, 0, {"time_us": 1}),
     ]
+    assert [c for c in calls if c[0] == "read"] == [("read", label_a, 0), ("read", label_b, 0)]
     assert watcher.tools.guard.slots == [] and watcher.tools.guard.index_builds == 0
     assert [c for c in calls if c[0] == "hand_over"] == [("hand_over", 0, 0)] * 2
     assert watcher.log.counters.internal_errors == 0
@@ -958,7 +963,7 @@ def test_stacks_name_where_a_census_slot_was_created_plumbing(tmp_path, monkeypa
             super().__init__(rank, trace)
             held["trace"] = trace
 
-        def add(self, graph, label, pool=None, since=None):
+        def add(self, graph, label, pool=None, since=None, after_read=None):
             ptr = held["weight"].data_ptr()
             word = types.SimpleNamespace(addr=ptr, describe=lambda: "node 0 kernel k param 1 +0")
             return types.SimpleNamespace(pending=[word], references=[], seconds=0.0, sort_seconds=0.0)

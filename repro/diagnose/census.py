@@ -68,6 +68,7 @@ from __future__ import annotations
 import collections
 import time
 from enum import StrEnum
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from repro.outcome import Finding, Status
@@ -83,10 +84,10 @@ from repro.diagnose.allocator import (
 from repro.diagnose.captured import GraphCensus, Reference
 from repro.diagnose.cuda_driver import DriverError, load_driver
 from repro.diagnose.fates import Fate, census_fates, census_finding
-from repro.diagnose.graph_walk import read_graph
+from repro.diagnose.graph_walk import read_graph, sort_words
 from repro.diagnose.merge import merge_findings  # noqa: F401  (part of the census's API: the watch hooks call it through it)
 from repro.diagnose.trace_index import Trace, clock_marker, entries_at_points, entries_over_blocks, marker_of, trace_of
-from repro.diagnose.words import Deferred, Matcher, first_touches, match_pending
+from repro.diagnose.words import Chunks, Deferred, Matcher, first_touches, match_pending
 
 if TYPE_CHECKING:  # annotations only: CUDA work is lazy, importing this module needs no torch
     import torch
@@ -132,6 +133,7 @@ def take_census(
     traced: bool = True,
     pools: PoolMap | None = None,
     since: dict[str, Any] | None = None,
+    after_read: Callable[[GraphCensus], Any] | None = None,
 ) -> GraphCensus:
     """Census of a graph captured with CUDAGraph(keep_graph=True); see the module docstring.
 
@@ -147,6 +149,9 @@ def take_census(
     nothing recording at the dispatcher, only the trace can tell).
     Raises DriverError when the graph cannot be read at all (then nothing can be said about it);
     single nodes that cannot be read are listed in ``unreadable``.
+    after_read(census): called once every node is read, before the words are sorted (host
+    work on bytes already read): from there on the census no longer touches the graph, so
+    what else needs it (its instantiation) may go on meanwhile.
     """
     start = time.perf_counter()
     driver = load_driver()
@@ -166,7 +171,11 @@ def take_census(
         pools.check()
         match = Deferred(pools, own, driver.is_device_address)
         marker = since or clock_marker()
-    read_graph(driver, census, match, raw)
+    chunks = Chunks()
+    read_graph(driver, census, match, raw, chunks=chunks)
+    if after_read is not None:
+        after_read(census)
+    sort_words(census, match, chunks)
     if traced:
         census.marker = marker
     else:
@@ -240,11 +249,14 @@ class CensusBook:
         label: str,
         pool: tuple[int, int] | None = None,
         since: dict[str, Any] | None = None,
+        after_read: Callable[[GraphCensus], Any] | None = None,
     ) -> GraphCensus | None:
         """Census right after capture; a graph that cannot be read is noted, not raised.
-        since: clock_marker() at the capture's start (see take_census)."""
+        since, after_read: see take_census."""
         try:
-            census = take_census(graph, label, pool, traced=self.traced, pools=self.pools, since=since)
+            census = take_census(
+                graph, label, pool, traced=self.traced, pools=self.pools, since=since, after_read=after_read
+            )
         except DriverError as e:
             self.errors.append(f"graph '{label}': {e}")
             return None

@@ -31,7 +31,7 @@ class Graph(KeptGraph):
 class Book(StandInBook):
     """A census that reads nothing (the real one needs a GPU)."""
 
-    def add(self, graph, label, pool=None, since=None):
+    def add(self, graph, label, pool=None, since=None, after_read=None):
         # The kernel's two words, into the capturing function's locals: the guard makes their
         # slots from them (adopt), and that must not keep the local alive either.
         words = [

@@ -16,6 +16,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from repro.watch.hooks.graphs import GraphState
+from repro.watch.hooks.instantiate import Instantiation
 from repro.watch.hooks.owners import Owners
 from repro.watch.hooks.part import Part
 from repro.watch.settings import Record, WatchSettings
@@ -105,10 +106,18 @@ class Captures(Part):
         state.captured = True
         state.pool = graph_pool(graph) or state.pool
         book = self.tools.census.book
+        # Ours to instantiate (keep_graph forced): on a thread while the census sorts what it read.
+        instantiation = Instantiation(graph) if state.kept else None
         t0 = time.perf_counter()
         try:
             if state.kept is not None and not state.managed and book is not None:
-                state.census = book.add(graph, state.label, state.pool, since=state.since)  # None: unreadable (noted)
+                state.census = book.add(  # None: unreadable (noted)
+                    graph,
+                    state.label,
+                    state.pool,
+                    since=state.since,
+                    after_read=instantiation.start if instantiation is not None else None,
+                )
                 if state.census is not None:
                     census = state.census
                     self.log.seconds.census_read += census.seconds - census.sort_seconds
@@ -126,8 +135,8 @@ class Captures(Part):
         t1 = time.perf_counter()
         self.log.seconds.census += t1 - t0
         self.assign_pools(state, checked=state.census is not None)
-        if state.kept:
-            graph.instantiate()  # where torch instantiates a graph without keep_graph
+        if instantiation is not None:
+            instantiation.finish()  # where torch instantiates a graph without keep_graph
         try:
             rank = self.log.current_rank()
             self.log.write(
