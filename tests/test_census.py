@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import types
 
 import pytest
 
@@ -965,3 +966,25 @@ def test_driver_lists_a_graphs_nodes_as_the_driver_fills_them():
     driver = Driver(types.SimpleNamespace(cuGraphGetNodes=get_nodes))
     assert driver.nodes(0xABC) == [0x7F00_0000_1000, 0x7F00_0000_2000, None, 0x7F00_0000_3000]
     assert asked == [(0xABC, False), (0xABC, True)]
+
+
+def test_is_device_address_asks_the_driver_once_per_2mib_page_and_times_it():
+    """Words outside the allocator are counted as device addresses by asking the driver, once
+    per 2 MiB page (a graph holds thousands of int pairs that look like addresses): the exit
+    record reports how many pages were asked about and the seconds it took."""
+    from repro.diagnose.cuda_driver import CU_MEMORYTYPE_DEVICE, CUDA_ERROR_INVALID_VALUE, CUDA_SUCCESS, Driver
+
+    asked = []
+
+    def get_attribute(mem, attribute, value):
+        asked.append(value.value)
+        mem._obj.value = CU_MEMORYTYPE_DEVICE
+        return CUDA_SUCCESS if value.value >> 21 == 0x7F00_0000_0000 >> 21 else CUDA_ERROR_INVALID_VALUE
+
+    lib = types.SimpleNamespace(cuPointerGetAttribute=get_attribute)
+    driver = Driver(lib)
+    page = 0x7F00_0000_0000
+    assert driver.is_device_address(page + 8) and driver.is_device_address(page + (1 << 21) - 8)
+    assert not driver.is_device_address(0x5600_0000_0000) and not driver.is_device_address(0x5600_0000_0040)
+    assert asked == [page + 8, 0x5600_0000_0000]  # one query per page, its answer cached
+    assert len(driver.address_cache) == 2 and driver.address_seconds > 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import functools
+import time
 from enum import StrEnum
 from typing import Any, NamedTuple
 
@@ -128,7 +129,8 @@ class Driver:
         self.kernel_param_info = self.optional("cuKernelGetParamInfo")
         self.func_name = self.optional("cuFuncGetName")
         self.kernel_name = self.optional("cuKernelGetName")
-        self.address_cache: dict[int, bool] = {}
+        self.address_cache: dict[int, bool] = {}  # 2 MiB page -> a device address: one query each
+        self.address_seconds = 0.0  # spent in those queries (the exit record's census_reads)
         self.function_cache: dict[int, tuple[str, Any]] = {}
         # One parameter struct for every node (kernel_node fills it; its caller reads it before
         # the next call): a struct and a byref per node cost ~1 us of the ~10 us a node took.
@@ -245,6 +247,7 @@ class Driver:
         page = value >> 21
         known = self.address_cache.get(page)
         if known is None:
+            t0 = time.perf_counter()
             mem = ctypes.c_uint(0)
             ok = (
                 self.lib.cuPointerGetAttribute(
@@ -253,6 +256,7 @@ class Driver:
                 == CUDA_SUCCESS
             )
             known = self.address_cache[page] = ok and mem.value in (CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_UNIFIED)
+            self.address_seconds += time.perf_counter() - t0
         return known
 
 

@@ -64,11 +64,13 @@ class Census:
     def reads(self) -> dict[str, float] | None:
         """For the exit record: how often the census read the allocator's segments (its pool
         map, again whenever they changed), the seconds those checks took, how often it took a
-        whole snapshot (at its checks), and the parameter words of the graphs it holds (what
-        its read and sort scale with); None where it did not run."""
+        whole snapshot (at its checks), the parameter words of the graphs it holds (what its
+        read and sort scale with), and how many 2 MiB pages of words outside the allocator it
+        asked the driver about (one query each: Driver.is_device_address) in how many seconds;
+        None where it did not run."""
         try:
             pools, censuses = self.book.pools, list(self.book.censuses.values())
-            return {
+            reads = {
                 "segment_maps": pools.refreshes,
                 "segment_seconds": round(pools.seconds, 6),
                 "snapshots": self.book.snapshots,
@@ -77,6 +79,13 @@ class Census:
             }
         except AttributeError:  # no book (it never ran), or one that keeps no such counts
             return None
+        try:
+            driver = self.module.load_driver()
+            reads["address_pages"] = len(driver.address_cache)
+            reads["address_seconds"] = round(driver.address_seconds, 6)
+        except Exception:  # a stand-in census, or no driver: the counts above stand alone
+            pass
+        return reads
 
 
 class Tools:
