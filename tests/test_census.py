@@ -36,6 +36,7 @@ from repro.diagnose.trace_index import Trace, marker_of, trace_of
 from repro.diagnose.words import (
     MAX_ADDR,
     MIN_ADDR,
+    ask_outside,
     SERIAL_ELEMENTS,
     SERIAL_GATHERS,
     SERIAL_SEARCHES,
@@ -758,6 +759,23 @@ def test_deferred_sorts_a_graphs_words_at_once_as_one_by_one(small, serial, gath
     }
     assert many.own_segments == one.own_segments and list(many.own_segments) == list(one.own_segments)
     assert many.own_segments
+    # Asked later (a CensusBook's way): the outside words wait in unasked, then two censuses are
+    # counted at once, one query per page, to what asking at once gave.
+    asked = []
+
+    def is_device_address(v):
+        asked.append(v)
+        return v >> 21 == outside >> 21
+
+    later = [GraphCensus(label=f"g{i}", pool=GRAPH_POOL) for i in range(2)]
+    d_later = dataclasses.replace(d, is_device_address=is_device_address, ask_later=True)
+    for census in later:
+        d_later.add_chunks(census, chunks)
+    assert [c.outside for c in later] == [0, 0] and all(c.unasked for c in later) and asked == []
+    ask_outside(later, is_device_address)
+    assert [c.outside for c in later] == [one.outside] * 2 and [c.unasked for c in later] == [[], []]
+    assert len(asked) == len({v >> 21 for v in asked})  # each page asked once, both graphs together
+    assert [c.pending for c in later] == [one.pending] * 2 and later[0].own_pool == one.own_pool
 
 
 def test_param_layout_names_the_parameter_of_an_offset():

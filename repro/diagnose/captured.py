@@ -91,6 +91,10 @@ class GraphCensus:
     # Addresses of words the guard took (CaptureGuard.adopt): inside storages it names and holds
     # a weak reference to, so their lifetime is checked through it, not through the trace.
     held: list[int] = field(default_factory=list)
+    # Words outside every allocator segment not yet asked of the driver (int64 tensors): a
+    # CensusBook asks for all its graphs at once, at its next match or count (words.ask_outside),
+    # and adds those it knows as device addresses to outside.
+    unasked: list[Any] = field(default_factory=list)
     _grouped: tuple[int, dict[int, list[Reference]]] | None = field(default=None, repr=False, compare=False)
 
     def blocks(self) -> list[Block]:

@@ -87,7 +87,7 @@ from repro.diagnose.fates import Fate, census_fates, census_finding
 from repro.diagnose.graph_walk import read_graph, sort_words
 from repro.diagnose.merge import merge_findings  # noqa: F401  (part of the census's API: the watch hooks call it through it)
 from repro.diagnose.trace_index import Trace, clock_marker, entries_at_points, entries_over_blocks, marker_of, trace_of
-from repro.diagnose.words import Chunks, Deferred, Matcher, first_touches, match_pending
+from repro.diagnose.words import Chunks, Deferred, Matcher, ask_outside, first_touches, match_pending
 
 if TYPE_CHECKING:  # annotations only: CUDA work is lazy, importing this module needs no torch
     import torch
@@ -134,6 +134,7 @@ def take_census(
     pools: PoolMap | None = None,
     since: dict[str, Any] | None = None,
     after_read: Callable[[GraphCensus], Any] | None = None,
+    ask_later: bool = False,
 ) -> GraphCensus:
     """Census of a graph captured with CUDAGraph(keep_graph=True); see the module docstring.
 
@@ -152,6 +153,8 @@ def take_census(
     after_read(census): called once every node is read, before the words are sorted (host
     work on bytes already read): from there on the census no longer touches the graph, so
     what else needs it (its instantiation) may go on meanwhile.
+    ask_later: words outside the allocator are kept in census.unasked, for the driver to be
+    asked about many graphs at once (CensusBook does at its next match or count), not now.
     """
     start = time.perf_counter()
     driver = load_driver()
@@ -169,7 +172,7 @@ def take_census(
     else:
         pools = pools or PoolMap()
         pools.check()
-        match = Deferred(pools, own, driver.is_device_address)
+        match = Deferred(pools, own, driver.is_device_address, ask_later=ask_later)
         marker = since or clock_marker()
     chunks = Chunks()
     read_graph(driver, census, match, raw, chunks=chunks)
@@ -255,7 +258,14 @@ class CensusBook:
         since, after_read: see take_census."""
         try:
             census = take_census(
-                graph, label, pool, traced=self.traced, pools=self.pools, since=since, after_read=after_read
+                graph,
+                label,
+                pool,
+                traced=self.traced,
+                pools=self.pools,
+                since=since,
+                after_read=after_read,
+                ask_later=True,
             )
         except DriverError as e:
             self.errors.append(f"graph '{label}': {e}")
@@ -293,10 +303,18 @@ class CensusBook:
     def resolve(self) -> None:
         """Match every pending word now, against one snapshot (then each census's references
         are complete; a check does this itself)."""
+        self.count_outside(list(self.censuses.values()))
         waiting = [c for c in self.censuses.values() if c.pending]
         if waiting:
             snapshot, device = self.snapshot()
             self.match(waiting, snapshot, device)
+
+    def count_outside(self, censuses: list[GraphCensus]) -> None:
+        """The words outside the allocator these censuses set aside (unasked), asked of the
+        driver for all of them at once: once per 2 MiB page not asked before."""
+        waiting = [c for c in censuses if c.unasked]
+        if waiting:
+            ask_outside(waiting, load_driver().is_device_address)
 
     def pause_trace(self) -> bool:
         """Stop the allocator trace while no census waits on it (watch, between capture phases):
@@ -331,7 +349,9 @@ class CensusBook:
         trace: Trace | None = None,
     ) -> None:
         """Match the pending words of the chosen censuses against one snapshot, in one pass
-        over its trace for all of them (each from its own capture on)."""
+        over its trace for all of them (each from its own capture on); their words outside
+        the allocator are counted meanwhile."""
+        self.count_outside(chosen)
         waiting = [c for c in chosen if c.pending]
         if not waiting:
             return
@@ -350,6 +370,7 @@ class CensusBook:
 
     def graph_counts(self) -> list[dict[str, Any]]:
         """Each graph's counts (GraphCensus.counts), for the trial record."""
+        self.count_outside(list(self.censuses.values()))
         return [c.counts() for c in self.censuses.values()]
 
     def census_line(self) -> str:

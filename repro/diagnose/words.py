@@ -178,6 +178,11 @@ class Deferred:
     own_pool: tuple[int, int] | None
     is_device_address: Any = None  # callable(int) -> bool, or None: count nothing outside
     small: int = SMALL_GRAPH_WORDS  # graphs of up to this many words: sorted word by word
+    # Words outside the allocator set aside in census.unasked, to be asked of the driver later
+    # for many graphs at once (ask_outside), not per graph here: counting them per graph was a
+    # fifth of the sort (CPU bench, a fifth of struct words host pointers), and they are a
+    # statistic of the records, not a finding.
+    ask_later: bool = False
 
     def add(
         self, census: GraphCensus, node: int, kind: NodeKind, kernel: str, where: str, offset: int, value: int
@@ -259,7 +264,7 @@ class Deferred:
             census.own_pool += int(own.sum())
             self.note_own_segments(census, chunks, at, v, seg_c, own)
         if self.is_device_address is not None:
-            census.outside += self.count_device_addresses(take(torch, v, positions(~inside)))
+            self.count_outside(census, take(torch, v, positions(~inside)))
         rest = positions(inside & ~own)
         pool_of_seg = self.pools.segments
         pending = census.pending
@@ -280,7 +285,7 @@ class Deferred:
 
             outside = [value for value, seg in zip(values, segs) if seg is None]
             if outside:
-                census.outside += self.count_device_addresses(torch.tensor(outside, dtype=torch.int64))
+                self.count_outside(census, torch.tensor(outside, dtype=torch.int64))
         for i, value, seg in zip(at, values, segs):
             if seg is None:
                 continue
@@ -291,17 +296,15 @@ class Deferred:
                 self.sort_found(census, node, NodeKind.KERNEL, kernel, offset, value, where_of, seg)
         census.own_pool += own
 
-    def count_device_addresses(self, values: torch.Tensor) -> int:
-        """How many of these words the driver knows as device addresses: asked once per 2 MiB
-        page (as is_device_address caches), with the page's lowest word, not once per word (a
-        decoder graph holds thousands of int pairs that look like addresses)."""
+    def count_outside(self, census: GraphCensus, values: torch.Tensor) -> None:
+        """Words outside every allocator segment (values, int64): counted into census.outside
+        where the driver knows them as device addresses, now or (ask_later) by ask_outside."""
         if not values.numel():
-            return 0
-        import torch
-
-        pages, which, counts = torch.unique(values >> 21, return_inverse=True, return_counts=True)
-        lowest = torch.full(pages.shape, MAX_ADDR, dtype=torch.int64).scatter_reduce_(0, which, values, reduce="amin")
-        return sum(n for value, n in zip(lowest.tolist(), counts.tolist()) if self.is_device_address(value))
+            return
+        if self.ask_later:
+            census.unasked.append(values)
+        else:
+            census.outside += device_address_counts([[values]], self.is_device_address)[0]
 
     def note_own_segments(
         self,
@@ -336,6 +339,33 @@ class Deferred:
             node, kernel, offset, where_of = chunks.locate(word)
             block = self.pools.segment_block(segments[s])
             noted[start] = Reference(node, NodeKind.KERNEL, kernel, where_of(offset), offset, value, block)
+
+
+def device_address_counts(groups: list[list[torch.Tensor]], is_device_address: Any) -> list[int]:
+    """How many words of each group (int64 tensors) the driver knows as device addresses:
+    asked once per 2 MiB page of all the groups together (as is_device_address caches), with
+    the page's lowest word, not once per word (a decoder graph holds thousands of int pairs
+    that look like addresses)."""
+    import torch
+
+    sizes = [sum(t.numel() for t in group) for group in groups]
+    if not sum(sizes):
+        return [0] * len(groups)
+    values = torch.cat([t for group in groups for t in group])
+    pages, which = torch.unique(values >> 21, return_inverse=True)
+    lowest = torch.full(pages.shape, MAX_ADDR, dtype=torch.int64).scatter_reduce_(0, which, values, reduce="amin")
+    device = torch.tensor([bool(is_device_address(v)) for v in lowest.tolist()], dtype=torch.bool)
+    group = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor(sizes))
+    return torch.bincount(group[device[which]], minlength=len(groups)).tolist()
+
+
+def ask_outside(censuses: list[GraphCensus], is_device_address: Any) -> None:
+    """Count the words these censuses set aside outside the allocator (census.unasked: Deferred
+    with ask_later) into their outside, asking the driver once per page for all of them."""
+    waiting = [c for c in censuses if c.unasked]
+    for census, n in zip(waiting, device_address_counts([c.unasked for c in waiting], is_device_address)):
+        census.outside += n
+        census.unasked = []
 
 
 def match_pending(
