@@ -299,3 +299,46 @@ def test_an_interrupt_while_a_trial_waits_for_memory_leaves_it_not_run(tmp_path,
     )
     assert len(spans) == 1 and len(result.report.trials) == 1 and result.report.not_run == 1
     assert result.interrupted and result.report.interrupted_by == "SIGINT"
+
+
+def test_an_out_of_memory_crash_says_first_when_the_scenario_outgrows_the_gpu(monkeypatch):
+    """workspace-grow fixed at turboquant-decode's dims is expected to keep ~112 GiB in its
+    shared pool: on an 80 GB card (79.2 GiB) torch's allocator raises. The trial stays CRASH
+    (it did crash), and its detail names the estimate and the GPU first; on a GPU the estimate
+    fits, or for an error that is not out-of-memory, the detail is the error alone."""
+    from repro.outcome import Outcome
+    from repro.run import footprint, isolate
+    from repro.run.protocol import RankRecords
+
+    cfg = load_preset("turboquant-decode")
+    cfg.run.mode = "fixed"
+    message = (
+        "CUDA out of memory. Tried to allocate 928.00 MiB. GPU 0 has a total capacity of 79.18 GiB "
+        "of which 830.19 MiB is free."
+    )
+    recs = [
+        RankRecords(
+            [{"event": "begin", "step": 0}, {"event": "error", "type": "OutOfMemoryError", "message": message}]
+        )
+    ]
+    exits = [RankExit(0, 123, 1, None, False, "", error=f"OutOfMemoryError: {message}")]
+    waited = isolate.Waited(spawned_at=0.0, ended_at=1.0, first_death=0)
+    peak = expected_peak_bytes(cfg)
+
+    def classify_on(total: int):
+        monkeypatch.setattr(footprint.gpus, "visible_memory", lambda *a, **k: [total])
+        return isolate.classify(cfg, recs, exits, waited)
+
+    outcome, first = classify_on(int(79.18 * GIB))
+    assert outcome == Outcome.CRASH and first.step == 0
+    assert first.detail.startswith(
+        f"out of GPU memory: workspace-grow at these model sizes is expected to reach about {peak / GIB:,.1f} GiB"
+    )
+    assert "the GPU it ran on has 79.2 GiB" in first.detail and "OutOfMemoryError: CUDA out of memory" in first.detail
+    outcome, first = classify_on(peak + GIB)  # it was expected to fit: the error alone
+    assert outcome == Outcome.CRASH and first.detail.startswith("OutOfMemoryError: CUDA out of memory")
+    other = [RankExit(0, 123, 1, None, False, "", error="RuntimeError: cuBLAS handle")]
+    other_recs = [RankRecords([{"event": "error", "type": "RuntimeError", "message": "cuBLAS handle"}])]
+    monkeypatch.setattr(footprint.gpus, "visible_memory", lambda *a, **k: [int(79.18 * GIB)])
+    _, first = isolate.classify(cfg, other_recs, other, waited)
+    assert first.detail == "RuntimeError: cuBLAS handle"

@@ -47,6 +47,15 @@ def gib(n: float) -> str:
     return f"{n / 2**30:,.1f} GiB"
 
 
+def gpu_need(cfg: TrialConfig, per_rank: int) -> tuple[list[int], int]:
+    """(total bytes of each GPU the trial's ranks use, what each of them must hold): the first
+    tp visible GPUs, or only the first with every rank on it (--share-gpu)."""
+    totals = gpus.visible_memory()[: cfg.run.tp]
+    if cfg.run.share_gpu:
+        return totals[:1], per_rank * cfg.run.tp
+    return totals, per_rank
+
+
 def fit_reason(cfg: TrialConfig, device: str) -> str:
     """'' when the trial may fit; else why not, with the numbers (the trial is UNSUPPORTED here)."""
     per_rank = needed_bytes(cfg)
@@ -54,13 +63,11 @@ def fit_reason(cfg: TrialConfig, device: str) -> str:
         return ""
     tp = cfg.run.tp
     if device == Device.CUDA:
-        totals = gpus.visible_memory()[:tp]
-        if cfg.run.share_gpu:  # every rank on the first GPU
-            totals, per_rank = totals[:1], per_rank * tp
-        if not totals or min(totals) >= per_rank:
+        totals, per_gpu = gpu_need(cfg, per_rank)
+        if not totals or min(totals) >= per_gpu:
             return ""
         return (
-            f"{cfg.scenario} at these model sizes needs at least {gib(per_rank)} of GPU memory per rank "
+            f"{cfg.scenario} at these model sizes needs at least {gib(per_gpu)} of GPU memory per rank "
             f"(lower bound), the smallest of the {tp} GPU(s) it would use has {gib(min(totals))}; "
             "use smaller [model] sizes"
         )
@@ -72,4 +79,20 @@ def fit_reason(cfg: TrialConfig, device: str) -> str:
     return (
         f"{cfg.scenario} at these model sizes needs at least {gib(need)} of host memory{ranks} "
         f"(lower bound), this host has {gib(available)} available; use smaller [model] sizes"
+    )
+
+
+def out_of_memory_note(cfg: TrialConfig) -> str:
+    """For a CUDA trial whose rank ran out of GPU memory: '' when its scenario's expected peak
+    fits the GPUs it used, else that it could not have run there as configured, with the
+    numbers. The footprint (a lower bound) admitted it; the peak is an estimate above it, so it
+    explains an out-of-memory error but does not refuse a trial beforehand: some trials reach
+    their verdict before their peak (workspace-grow unfixed faults at its first replay)."""
+    totals, per_gpu = gpu_need(cfg, expected_peak_bytes(cfg))
+    if not totals or min(totals) >= per_gpu:
+        return ""
+    return (
+        f"out of GPU memory: {cfg.scenario} at these model sizes is expected to reach about {gib(per_gpu)} "
+        f"a GPU (an estimate), the GPU it ran on has {gib(min(totals))}; run it on a larger GPU or with "
+        "smaller [model] sizes"
     )

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from repro.run import stacks
+from repro.run.footprint import out_of_memory_note
 from repro.config import TrialConfig, default_expectation
 from repro.run.interrupts import checkpoint
 from repro.run.launch import RankServer, ServerUnavailable, StartCancelled, child_env
@@ -60,6 +61,10 @@ STACKS_WAIT_S = 1.0
 # longest pause so far) counts as progressing: DEADLINE, not HANG.
 PROGRESS_PAUSE_S = 1.0
 TAIL_CHARS = 3000
+
+# torch's allocator error (torch.OutOfMemoryError: "CUDA out of memory. Tried to allocate ..."):
+# still a CRASH, but where the scenario is expected to outgrow the GPU the detail says so first.
+OUT_OF_MEMORY = re.compile(r"CUDA out of memory|OutOfMemoryError")
 
 # Specific phrases only: PyTorch's illegal-address message itself ends with "Compile with
 # TORCH_USE_CUDA_DSA to enable device-side assertions", so "device-side assert" alone is not
@@ -461,7 +466,11 @@ def classify(
         first = next((d for d in died if d[0].rank == waited.first_death), died[0])
         outcome = worst([o for _, o in died])
         ex = first[0]
-        return outcome, FirstFailure(outcome, ex.rank, current_step(recs[ex.rank]), crash_detail(ex))
+        detail = crash_detail(ex)
+        if outcome == Outcome.CRASH and OUT_OF_MEMORY.search(error_text(ex, recs[ex.rank])):
+            note = out_of_memory_note(cfg)  # '' where the scenario was expected to fit
+            detail = clip(f"{note}; {detail}") if note else detail
+        return outcome, FirstFailure(outcome, ex.rank, current_step(recs[ex.rank]), detail)
     if waited.deadline:
         return Outcome.DEADLINE, deadline_failure(cfg, recs, waited)
     if waited.hung:
