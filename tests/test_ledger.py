@@ -317,9 +317,7 @@ def test_an_out_of_memory_crash_says_first_when_the_scenario_outgrows_the_gpu(mo
         "of which 830.19 MiB is free."
     )
     recs = [
-        RankRecords(
-            [{"event": "begin", "step": 0}, {"event": "error", "type": "OutOfMemoryError", "message": message}]
-        )
+        RankRecords([{"event": "begin", "step": 0}, {"event": "error", "type": "OutOfMemoryError", "message": message}])
     ]
     exits = [RankExit(0, 123, 1, None, False, "", error=f"OutOfMemoryError: {message}")]
     waited = isolate.Waited(spawned_at=0.0, ended_at=1.0, first_death=0)
