@@ -107,24 +107,11 @@ def test_the_exit_records_census_reads_where_the_census_ran():
         snapshots=3,
         censuses={"a": types.SimpleNamespace(words=70_000), "b": types.SimpleNamespace(words=1_500)},
     )
-    assert census.reads() == {
-        "segment_maps": 12,
-        "segment_seconds": 0.012346,
-        "snapshots": 3,
-        "graphs": 2,
-        "words": 71_500,
-    }
+    book_reads = {"segment_maps": 12, "segment_seconds": 0.012346, "snapshots": 3, "graphs": 2, "words": 71_500}
+    assert census.reads() == book_reads
     # Where the census's driver answers: how many pages it asked about, in how long.
     driver = types.SimpleNamespace(address_cache={1: True, 2: False, 9: False}, address_seconds=0.0000125)
     census.module = types.SimpleNamespace(load_driver=lambda: driver)
-    assert census.reads() == {
-        "segment_maps": 12,
-        "segment_seconds": 0.012346,
-        "snapshots": 3,
-        "graphs": 2,
-        "words": 71_500,
-        "address_pages": 3,
-        "address_seconds": 0.000013,
-    }
+    assert census.reads() == {**book_reads, "address_pages": 3, "address_seconds": 0.000013}
     census.book = object()
     assert census.reads() is None
