@@ -332,7 +332,7 @@ def test_an_out_of_memory_crash_says_first_when_the_scenario_outgrows_the_gpu(mo
     assert first.detail.startswith(
         f"out of GPU memory: workspace-grow at these model sizes is expected to reach about {peak / GIB:,.1f} GiB"
     )
-    assert "the GPU it ran on has 79.2 GiB" in first.detail and "OutOfMemoryError: CUDA out of memory" in first.detail
+    assert "the GPU it runs on has 79.2 GiB" in first.detail and "OutOfMemoryError: CUDA out of memory" in first.detail
     outcome, first = classify_on(peak + GIB)  # it was expected to fit: the error alone
     assert outcome == Outcome.CRASH and first.detail.startswith("OutOfMemoryError: CUDA out of memory")
     other = [RankExit(0, 123, 1, None, False, "", error="RuntimeError: cuBLAS handle")]

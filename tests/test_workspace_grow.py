@@ -360,6 +360,7 @@ GPU_OUTCOMES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode, resize, after_free", list(GPU_OUTCOMES))
 def test_each_mode_on_cuda(tmp_path, mode, resize, after_free):
+    from repro.run.footprint import peak_shortfall
     from repro.run.runner import plan, run_planned
 
     if gpus.gpu_count() < 1:
@@ -372,6 +373,11 @@ def test_each_mode_on_cuda(tmp_path, mode, resize, after_free):
         gpus.gpu_count(),
     )
     assert p.device == "cuda"
+    # The fixed mode keeps every graph's workspace reserved: ~112 GiB at these dims, more than an
+    # 80 GB card holds (measured on an H100: CUDA out of memory, docs/RESULTS.md, twelfth series).
+    # The unfixed modes fault at their first replay, long before that peak.
+    if mode == "fixed" and (shortfall := peak_shortfall(p.cfg)):
+        pytest.skip(f"would run out of GPU memory here: {shortfall}")
     t = run_planned([p], tmp_path).report.trials[0]
     assert t.outcome in GPU_OUTCOMES[(mode, resize, after_free)], (t.outcome, t.first_failure)
     assert t.graph_replayed

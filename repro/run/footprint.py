@@ -82,17 +82,24 @@ def fit_reason(cfg: TrialConfig, device: str) -> str:
     )
 
 
+def peak_shortfall(cfg: TrialConfig) -> str:
+    """'' when the scenario's expected peak (an estimate above the footprint) fits the GPUs the
+    trial would use, else the numbers: '{scenario} at these model sizes is expected to reach
+    about X a GPU (an estimate), the GPU it runs on has Y'."""
+    totals, per_gpu = gpu_need(cfg, expected_peak_bytes(cfg))
+    if not totals or min(totals) >= per_gpu:
+        return ""
+    return (
+        f"{cfg.scenario} at these model sizes is expected to reach about {gib(per_gpu)} a GPU (an estimate), "
+        f"the GPU it runs on has {gib(min(totals))}"
+    )
+
+
 def out_of_memory_note(cfg: TrialConfig) -> str:
     """For a CUDA trial whose rank ran out of GPU memory: '' when its scenario's expected peak
     fits the GPUs it used, else that it could not have run there as configured, with the
     numbers. The footprint (a lower bound) admitted it; the peak is an estimate above it, so it
     explains an out-of-memory error but does not refuse a trial beforehand: some trials reach
     their verdict before their peak (workspace-grow unfixed faults at its first replay)."""
-    totals, per_gpu = gpu_need(cfg, expected_peak_bytes(cfg))
-    if not totals or min(totals) >= per_gpu:
-        return ""
-    return (
-        f"out of GPU memory: {cfg.scenario} at these model sizes is expected to reach about {gib(per_gpu)} "
-        f"a GPU (an estimate), the GPU it ran on has {gib(min(totals))}; run it on a larger GPU or with "
-        "smaller [model] sizes"
-    )
+    shortfall = peak_shortfall(cfg)
+    return f"out of GPU memory: {shortfall}; run it on a larger GPU or with smaller [model] sizes" if shortfall else ""
