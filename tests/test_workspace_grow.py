@@ -373,7 +373,7 @@ def test_each_mode_on_cuda(tmp_path, mode, resize, after_free):
         gpus.gpu_count(),
     )
     assert p.device == "cuda"
-    # The fixed mode keeps every graph's workspace reserved: ~112 GiB at these dims, more than an
+    # The fixed mode's shared pool keeps every capture's temporaries: ~112 GiB at these dims, more than an
     # 80 GB card holds (measured on an H100: CUDA out of memory, docs/RESULTS.md, twelfth series).
     # The unfixed modes fault at their first replay, long before that peak.
     if mode == "fixed" and (shortfall := peak_shortfall(p.cfg)):
